@@ -1,0 +1,36 @@
+# Two targets for newcomers: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU build of torch; without a pin pip takes a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: venv demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q -e '.[test,metrics,dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(VENV)/bin/p2pkv-node demo
+
+test: venv
+	$(PY) -m pytest -q
+	$(VENV)/bin/ruff check p2pkv tests examples
+	$(VENV)/bin/mypy
+
+lint: venv
+	$(VENV)/bin/ruff check p2pkv tests examples
+	$(VENV)/bin/mypy
+
+bench: venv
+	$(VENV)/bin/p2pkv-node bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,271 @@
+"""``p2pkv-node demo``: three processes on 127.0.0.1 show what p2pkv does.
+
+* a **producer** (V2 per-layer layout, seed geometry) stores synthetic KV blocks;
+* a **compatible consumer** (same identity) fetches them all, verifies every byte and
+  reports blocks, bytes and GB/s;
+* an **incompatible consumer** (V1 cross-layer layout: the same 589,824 bytes per block,
+  another byte order) is refused at the handshake and shows the field-level diff.
+
+Each role runs as ``python -m p2pkv.demo ROLE ...`` and speaks JSON lines on stdout;
+the parent relays progress. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import IO, Any
+
+import numpy as np
+
+MODEL = "p2pkv/demo-seed"
+_DEADLINE_S = 60.0
+
+
+def demo_keys(count: int, *, seed: int = 0) -> list[bytes]:
+    """Block keys of one synthetic prompt of ``count`` full blocks."""
+    from p2pkv.keys import block_keys
+
+    rng = np.random.default_rng(1234)
+    tokens = rng.integers(0, 32000, size=count * 16).tolist()
+    return block_keys(tokens, tokens_per_block=16, seed=seed)
+
+
+def block_bytes(key: bytes, size: int) -> bytes:
+    """Deterministic synthetic block content derived from its key."""
+    rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
+    return rng.bytes(size)
+
+
+def _node(layout_name: str, pool_blocks: int) -> Any:
+    from p2pkv.identity import RunConfig
+    from p2pkv.layout import SEED_GEOMETRY, make_layout
+    from p2pkv.node import Node, NodeConfig
+
+    layout = make_layout(layout_name, SEED_GEOMETRY)
+    groups = [{"tokens_per_block": 16,
+               "layer_names": [f"model.layers.{i}.self_attn.attn" for i in range(12)]}]
+    rc = RunConfig.resolve(MODEL, parallel_agnostic=True, kv_cache_groups=groups,
+                           **layout.identity_flags())
+    return Node(rc, layout, pool_blocks=pool_blocks, config=NodeConfig())
+
+
+def _say(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj, sort_keys=True, default=str), flush=True)
+
+
+def role_producer(blocks: int) -> int:
+    node = _node("v2", blocks + 8)
+    try:
+        size = node.layout.bytes_per_block
+        for key in demo_keys(blocks):
+            node.put(key, block_bytes(key, size))
+        _say({"event": "ready", "address": node.address, "fingerprint": node.fingerprint,
+              "blocks": blocks})
+        # Serve until the parent closes our stdin (or the deadline passes).
+        done = threading.Event()
+
+        def wait_for_eof() -> None:
+            sys.stdin.read()
+            done.set()
+
+        threading.Thread(target=wait_for_eof, daemon=True).start()
+        done.wait(_DEADLINE_S)
+        stats = node.stats()
+        _say({"event": "served", "blocks_sent": stats.blocks_sent,
+              "bytes_sent": stats.bytes_sent, "refused": stats.handshakes_refused})
+    finally:
+        node.close()
+    return 0
+
+
+def role_consumer(address: str, blocks: int, layout_name: str) -> int:
+    from p2pkv.errors import PeerIncompatible
+
+    node = _node(layout_name, blocks + 8)
+    try:
+        try:
+            peer = node.connect(address)
+        except PeerIncompatible as exc:
+            _say({"event": "refused", "fingerprint": node.fingerprint,
+                  "reasons": [{"field": r.field, "local": _plain(r.ours),
+                               "remote": _plain(r.theirs), "meaning": r.meaning}
+                              for r in exc.reasons]})
+            return 0
+        keys = demo_keys(blocks)
+        hits = peer.lookup(keys)
+        _say({"event": "lookup", "hits": sum(hits), "keys": len(keys)})
+        size = node.layout.bytes_per_block
+        chunk = 16
+        moved = 0
+        t0 = time.perf_counter()
+        for start in range(0, len(keys), chunk):
+            result = peer.fetch(keys[start:start + chunk])
+            if result.failed or result.missing:
+                _say({"event": "error", "failed": len(result.failed),
+                      "missing": len(result.missing), "errors": result.errors})
+                return 1
+            moved += result.blocks
+            _say({"event": "progress", "blocks": moved, "total": len(keys)})
+        seconds = time.perf_counter() - t0
+        bad = sum(1 for k in keys if node.get(k) != block_bytes(k, size))
+        _say({"event": "fetched", "blocks": moved, "bytes": moved * size, "seconds": seconds,
+              "gbps": moved * size / seconds / 1e9 if seconds else 0.0, "corrupt": bad})
+        peer.close()
+        return 0 if bad == 0 else 1
+    finally:
+        node.close()
+
+
+def _plain(value: Any) -> Any:
+    from p2pkv.identity import ABSENT
+
+    return "(absent)" if value is ABSENT else value
+
+
+class _Child:
+    """A role process whose stdout JSON lines are read by a thread into a queue."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "p2pkv.demo", *args], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def events(self, deadline: float) -> Iterator[dict[str, Any]]:
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError("demo process did not answer in time") from None
+            if line is None:
+                return
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def _bar(done: int, total: int, out: IO[str]) -> None:
+    width = 30
+    filled = width * done // max(1, total)
+    text = f"  fetching [{'#' * filled}{'.' * (width - filled)}] {done}/{total} blocks"
+    if out.isatty():
+        out.write("\r" + text)
+        if done >= total:
+            out.write("\n")
+    elif done >= total or done % 64 == 0:
+        out.write(text + "\n")
+    out.flush()
+
+
+def run_demo(*, blocks: int = 256, as_json: bool = False) -> int:
+    if blocks < 1 or blocks > 4096:
+        print("p2pkv-node: error: --blocks: must be in [1, 4096]", file=sys.stderr)
+        return 2
+    out = sys.stdout
+    deadline = time.monotonic() + _DEADLINE_S
+    procs: list[subprocess.Popen[str]] = []
+    summary: dict[str, Any] = {}
+    try:
+        producer = _Child("producer", "--blocks", str(blocks))
+        procs.append(producer.proc)
+        ready = next(producer.events(deadline))
+        address = ready["address"]
+        if not as_json:
+            print(f"producer  V2 per-layer, seed geometry, {blocks} blocks on {address}")
+            print(f"          fingerprint {ready['fingerprint']}")
+        good = _Child("consumer", address, "--blocks", str(blocks), "--layout", "v2")
+        bad = _Child("consumer", address, "--blocks", str(blocks), "--layout", "v1")
+        procs += [good.proc, bad.proc]
+        for event in good.events(deadline):
+            if event["event"] == "progress" and not as_json:
+                _bar(event["blocks"], event["total"], out)
+            elif event["event"] in ("fetched", "error"):
+                summary["compatible"] = event
+        for event in bad.events(deadline):
+            if event["event"] in ("refused", "lookup", "fetched"):
+                summary["incompatible"] = event
+        assert producer.proc.stdin is not None
+        producer.proc.stdin.close()
+        for event in producer.events(deadline):
+            if event["event"] == "served":
+                summary["producer"] = event
+        codes = [p.wait(max(0.1, deadline - time.monotonic())) for p in procs]
+    except (TimeoutError, StopIteration, KeyError, subprocess.TimeoutExpired) as exc:
+        for p in procs:
+            p.kill()
+        print(f"p2pkv-node demo: failed: {exc!r}", file=sys.stderr)
+        for p in procs:
+            p.wait(5)
+            err = p.stderr.read() if p.stderr else ""
+            if err:
+                print(err[-2000:], file=sys.stderr)
+        return 1
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    ok = (codes == [0, 0, 0]
+          and summary.get("compatible", {}).get("event") == "fetched"
+          and summary["compatible"].get("corrupt") == 0
+          and summary.get("incompatible", {}).get("event") == "refused")
+    if as_json:
+        print(json.dumps({"ok": ok, **summary}, sort_keys=True, default=str))
+        return 0 if ok else 1
+    comp = summary.get("compatible", {})
+    if comp.get("event") == "fetched":
+        print(f"consumer  V2 per-layer: fetched {comp['blocks']} blocks, "
+              f"{comp['bytes'] / 1e6:.1f} MB in {comp['seconds']:.2f} s "
+              f"({comp['gbps']:.2f} GB/s), {comp['corrupt']} corrupt (every byte verified)")
+    else:
+        print(f"consumer  V2 per-layer: FAILED {comp}")
+    inc = summary.get("incompatible", {})
+    if inc.get("event") == "refused":
+        print("consumer  V1 cross-layer: REFUSED at handshake (no block byte exchanged):")
+        for r in inc["reasons"]:
+            print(f"  - {r['field']}: local {json.dumps(r['local'])} vs remote "
+                  f"{json.dumps(r['remote'])}\n      {r['meaning']}")
+    else:
+        print(f"consumer  V1 cross-layer: NOT refused: {inc}")
+    prod = summary.get("producer", {})
+    if prod:
+        print(f"producer  sent {prod['blocks_sent']} blocks; refusals by reason: "
+              f"{prod['refused']}")
+    print("demo OK" if ok else "demo FAILED")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m p2pkv.demo")
+    sub = parser.add_subparsers(dest="role", required=True)
+    p = sub.add_parser("producer")
+    p.add_argument("--blocks", type=int, required=True)
+    p = sub.add_parser("consumer")
+    p.add_argument("address")
+    p.add_argument("--blocks", type=int, required=True)
+    p.add_argument("--layout", choices=("v1", "v2"), required=True)
+    args = parser.parse_args(argv)
+    if args.role == "producer":
+        return role_producer(args.blocks)
+    return role_consumer(args.address, args.blocks, args.layout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

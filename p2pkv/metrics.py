@@ -1,0 +1,96 @@
+"""Prometheus metrics for a node (optional extra: ``pip install 'p2pkv[metrics]'``).
+
+Metrics are read from :meth:`p2pkv.node.Node.stats` at scrape time by a custom collector,
+so the data path pays nothing for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from p2pkv.errors import ConfigError
+
+__all__ = ["MetricsServer", "NodeCollector", "serve_metrics"]
+
+
+class NodeCollector:
+    """A ``prometheus_client`` collector over one node's stats snapshot."""
+
+    def __init__(self, node: Any) -> None:
+        self._node = node
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        s = self._node.stats()
+        hs = CounterMetricFamily("p2pkv_handshakes", "Handshakes served, by result and reason",
+                                 labels=["result", "reason"])
+        hs.add_metric(["accepted", ""], s.handshakes_accepted)
+        for reason, n in sorted(s.handshakes_refused.items()):
+            hs.add_metric(["refused", reason], n)
+        yield hs
+        for name, value, doc in (
+            ("p2pkv_lookups", s.lookups_served, "Lookup requests served"),
+            ("p2pkv_lookup_keys", s.lookup_keys_served, "Keys asked in served lookups"),
+            ("p2pkv_lookup_hits", s.lookup_hits_served, "Keys found in served lookups"),
+            ("p2pkv_blocks_sent", s.blocks_sent, "Blocks sent to peers"),
+            ("p2pkv_bytes_sent", s.bytes_sent, "Block bytes sent to peers"),
+            ("p2pkv_blocks_received", s.blocks_received, "Blocks received from peers"),
+            ("p2pkv_bytes_received", s.bytes_received, "Block bytes received from peers"),
+            ("p2pkv_checksum_failures", s.checksum_failures, "Blocks dropped on bad checksum"),
+            ("p2pkv_protocol_violations", s.protocol_violations, "Peers dropped for violations"),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        st = s.store
+        yield GaugeMetricFamily("p2pkv_pool_capacity_blocks", "Blocks the pool holds",
+                                value=st.capacity)
+        yield GaugeMetricFamily("p2pkv_pool_used_blocks", "Blocks in use", value=st.used)
+        yield GaugeMetricFamily("p2pkv_pool_pinned_blocks", "Blocks pinned by transfers",
+                                value=st.pinned)
+        yield CounterMetricFamily("p2pkv_pool_evictions", "Blocks evicted (LRU)",
+                                  value=st.evictions)
+        peers = GaugeMetricFamily("p2pkv_peers_connected", "Connected peers", labels=["direction"])
+        peers.add_metric(["outbound"], s.peers_out)
+        peers.add_metric(["inbound"], s.peers_in)
+        yield peers
+        buckets = [(f"{le:g}" if le != float("inf") else "+Inf", n)
+                   for le, n in s.fetch_latency_buckets]
+        yield HistogramMetricFamily("p2pkv_fetch_seconds", "Fetch latency (issued by this node)",
+                                    buckets=buckets, sum_value=s.fetch_latency_sum)
+
+
+@dataclass
+class MetricsServer:
+    port: int
+    _server: Any
+    _thread: Any
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+
+def serve_metrics(node: Any, port: int, host: str = "127.0.0.1") -> MetricsServer:
+    """Serve ``/metrics`` for ``node`` on ``host:port`` (0 = ephemeral) in a thread."""
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError as exc:  # pragma: no cover - depends on the extra
+        raise ConfigError("--metrics-port needs prometheus-client: "
+                          "pip install 'p2pkv[metrics]'") from exc
+    registry = CollectorRegistry()
+    registry.register(NodeCollector(node))
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise ConfigError(f"--metrics-port: cannot listen on {host}:{port}: {exc}") from exc
+    return MetricsServer(server.server_port, server, thread)

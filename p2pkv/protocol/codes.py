@@ -1,0 +1,180 @@
+"""Wire codes and every protocol bound, in one place (``protocol/SPEC.md``, "Codes", "Limits").
+
+Codes are grouped by hundreds so a reader of a log line can tell the family at a glance:
+
+* ``1xx`` refusal reasons: why a handshake was refused (``refuse`` messages, ``Reason.code``);
+* ``2xx`` protocol errors: malformed or unexpected input, per-request errors (``error``) and
+  the reason of a violation ``bye``;
+* ``3xx`` close reasons carried by ``bye``.
+
+A receiver must accept codes it does not know (a newer peer may add some) and treat them
+by family.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Final
+
+__all__ = [
+    "CAP_CHECKSUM_XXH3_64",
+    "MAX_BLOCKS_PER_MESSAGE",
+    "MAX_BLOCK_BYTES",
+    "MAX_CAPS",
+    "MAX_CAP_LEN",
+    "MAX_CODE",
+    "MAX_HEAD_BYTES",
+    "MAX_IN_FLIGHT",
+    "MAX_KEYS",
+    "MAX_KEY_HASH_ALGO_LEN",
+    "MAX_KEY_LEN",
+    "MAX_MAP_LEN",
+    "MAX_NODE_ID_LEN",
+    "MAX_PAYLOAD_FRAMES",
+    "MAX_REASONS",
+    "MAX_RUN_CONFIG_DEPTH",
+    "MAX_RUN_CONFIG_ITEMS",
+    "MAX_SEGMENTS",
+    "MAX_STR_LEN",
+    "MAX_WINDOW",
+    "OUTCOME_FAILED",
+    "OUTCOME_MISSING",
+    "OUTCOME_SENT",
+    "PROTOCOL_MAJOR",
+    "PROTOCOL_MINOR",
+    "U32_MAX",
+    "U64_MAX",
+    "Code",
+    "code_name",
+]
+
+PROTOCOL_MAJOR: Final = 1
+"""Carried as ``"v"`` in every frame 0; a different major is refused."""
+PROTOCOL_MINOR: Final = 0
+"""Carried as ``"minor"`` in ``hello``/``welcome``; informational."""
+
+U32_MAX: Final = 2**32 - 1
+U64_MAX: Final = 2**64 - 1
+
+MAX_HEAD_BYTES: Final = 2 * 1024 * 1024
+"""Largest frame 0. Fits a lookup of MAX_KEYS keys of MAX_KEY_LEN bytes with room to spare."""
+MAX_KEYS: Final = 16384
+"""Most keys in one ``lookup``/``fetch`` (and entries in ``hits``/``done``)."""
+MAX_KEY_LEN: Final = 64
+"""Longest block key in bytes (a key is at least 1 byte)."""
+MAX_STR_LEN: Final = 4096
+"""Longest free-text string (``msg``, ``meaning``, ``field``)."""
+MAX_NODE_ID_LEN: Final = 128
+"""Longest node id, in characters."""
+MAX_CAPS: Final = 64
+"""Most capability names in one greeting."""
+MAX_CAP_LEN: Final = 64
+"""Longest capability name, in characters."""
+MAX_KEY_HASH_ALGO_LEN: Final = 64
+"""Longest key-hash algorithm name, in characters."""
+MAX_SEGMENTS: Final = 1024
+"""Most segments per block (``geo.seg`` entries)."""
+MAX_BLOCK_BYTES: Final = 2**30
+"""Largest block (``geo.bpb``), 1 GiB."""
+MAX_BLOCKS_PER_MESSAGE: Final = 1024
+"""Most blocks in one ``block`` message (``idx`` entries)."""
+MAX_PAYLOAD_FRAMES: Final = 16384
+"""Most payload frames after frame 0 (``len(idx) * len(geo.seg)``)."""
+MAX_WINDOW: Final = 2**20
+"""Largest ``window`` of a fetch and largest ``n`` of one ``credit``."""
+MAX_REASONS: Final = 256
+"""Most reasons in one ``refuse``."""
+MAX_RUN_CONFIG_DEPTH: Final = 6
+"""Deepest nesting of maps/arrays inside ``rc`` (the rc map itself is depth 1)."""
+MAX_RUN_CONFIG_ITEMS: Final = 65536
+"""Most values (scalars and containers) inside ``rc``."""
+MAX_MAP_LEN: Final = 256
+"""Most entries in any msgpack map of frame 0."""
+MAX_IN_FLIGHT: Final = 64
+"""Default most unfinished requests per peer connection (``Limits.max_in_flight``)."""
+MAX_CODE: Final = U32_MAX
+"""Codes are unsigned 32-bit on the wire."""
+
+OUTCOME_SENT: Final = 0
+"""``done`` outcome: the block was sent in a ``block`` message."""
+OUTCOME_MISSING: Final = 1
+"""``done`` outcome: the server does not hold the block."""
+OUTCOME_FAILED: Final = 2
+"""``done`` outcome: the server holds the block but could not send it."""
+
+CAP_CHECKSUM_XXH3_64: Final = "checksum-xxh3-64"
+"""Capability: every ``block`` carries the xxh3-64 (seed 0) of each block's bytes."""
+
+
+class Code(IntEnum):
+    """Every code that p2pkv sends; see the table in ``protocol/SPEC.md``."""
+
+    # 1xx: refusal reasons (handshake).
+    FINGERPRINT_MISMATCH = 100
+    """The run-config fingerprints differ (one reason per differing run-config field)."""
+    FINGERPRINT_FORGED = 101
+    """The peer's run config does not hash to the fingerprint it claims."""
+    RUN_CONFIG_INVALID = 102
+    """The peer's run config breaks the identity rules (missing/unknown field, bad type)."""
+    PROTOCOL_MAJOR_MISMATCH = 103
+    """The peer speaks another protocol major version."""
+    BLOCK_BYTES_MISMATCH = 104
+    """Bytes per block differ."""
+    SEGMENTS_MISMATCH = 105
+    """The per-block segment lists differ (same bytes can still be laid out differently)."""
+    KEY_HASH_ALGO_MISMATCH = 106
+    """The block-key hash algorithms differ: keys would never match."""
+    KEY_HASH_SEED_MISMATCH = 107
+    """The block-key hash seeds differ: keys would never match."""
+    CAPABILITY_MISSING = 108
+    """A capability this node requires was not offered by the peer."""
+
+    # 2xx: protocol errors.
+    MALFORMED = 200
+    """Frame 0 is not a msgpack map (not msgpack, truncated, trailing bytes, ext type)."""
+    MISSING_FIELD = 201
+    """A required field is absent."""
+    WRONG_TYPE = 202
+    """A field has the wrong msgpack type (bool is not int, bin is not str)."""
+    OUT_OF_BOUNDS = 203
+    """A value or a length is outside its bounds (also: too many keys for this peer)."""
+    UNKNOWN_TYPE = 204
+    """The message type tag is unknown (non-fatal: answered with ``error``)."""
+    UNEXPECTED = 205
+    """The message is not allowed in the connection's current state or role."""
+    FRAME_COUNT = 206
+    """Wrong number of frames, or a payload frame of the wrong size."""
+    TOO_LARGE = 207
+    """Frame 0 is larger than MAX_HEAD_BYTES."""
+    UNKNOWN_REQUEST = 208
+    """A reply or credit names a request id that was never opened."""
+    DUPLICATE_REQUEST = 209
+    """A request id is reused while the first request is unfinished."""
+    TOO_MANY_IN_FLIGHT = 210
+    """More unfinished requests than the receiver allows (non-fatal: ``error``)."""
+    TIMEOUT = 211
+    """A deadline expired (handshake, request, abort)."""
+    WINDOW_EXCEEDED = 212
+    """More blocks arrived than the receiver granted in credit."""
+    CHECKSUM_MISMATCH = 213
+    """A block's bytes do not match its xxh3-64 (the receiver drops the block)."""
+    UNAVAILABLE = 214
+    """The server cannot serve this request now (non-fatal: ``error``)."""
+
+    # 3xx: close reasons (bye).
+    NORMAL_CLOSE = 300
+    """The peer closes the connection; nothing went wrong."""
+    SHUTDOWN = 301
+    """The node shuts down."""
+    PROTOCOL_VIOLATION = 302
+    """The peer broke the protocol (a 2xx code names the precise violation when known)."""
+    PEER_TIMEOUT = 303
+    """No traffic from the peer within the heartbeat timeout."""
+
+
+def code_name(code: int) -> str:
+    """``"FINGERPRINT_MISMATCH(100)"`` for a known code, ``"code 999"`` for an unknown one."""
+    try:
+        return f"{Code(code).name}({int(code)})"
+    except ValueError:
+        return f"code {code}"

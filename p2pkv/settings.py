@@ -1,0 +1,265 @@
+"""Node settings from flags, a TOML file and ``P2PKV_*`` environment variables.
+
+Precedence: command-line flag > environment variable > TOML file > built-in default.
+Every option has one canonical name (``tp``, ``pool_blocks``, ...): the flag is
+``--tp``/``--pool-blocks``, the variable ``P2PKV_TP``/``P2PKV_POOL_BLOCKS`` and the TOML
+key ``tp``/``pool_blocks`` (top level, or under a ``[node]`` table). A bad value raises
+:class:`~p2pkv.errors.ConfigError` whose message starts with the option's flag.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from p2pkv.errors import ConfigError
+from p2pkv.identity import RunConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
+
+__all__ = ["OPTIONS", "Option", "Settings", "load_settings"]
+
+DEFAULT_MODEL = "p2pkv/demo-seed"
+
+
+def _int(minimum: int, maximum: int = 2**63 - 1) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool):
+            raise ValueError(f"must be an integer, got {value!r}")
+        if isinstance(value, str):
+            try:
+                value = int(value.strip(), 0)
+            except ValueError:
+                raise ValueError(f"must be an integer, got {value!r}") from None
+        if not isinstance(value, int):
+            raise ValueError(f"must be an integer, got {value!r}")
+        if not minimum <= value <= maximum:
+            raise ValueError(f"must be in [{minimum}, {maximum}], got {value}")
+        return value
+
+    return parse
+
+
+def _seconds(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number of seconds, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"must be a number of seconds, got {value!r}") from None
+    if not number > 0 or number != number or number == float("inf"):
+        raise ValueError(f"must be a positive number of seconds, got {value!r}")
+    return number
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"must be true or false, got {value!r}")
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"must be a non-empty string, got {value!r}")
+    return value.strip()
+
+
+def _choice(*choices: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {value!r}")
+        return str(value)
+
+    return parse
+
+
+def _str_list(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",") if v.strip()]
+    elif isinstance(value, (list, tuple)):
+        items = [_str(v) for v in value]
+    else:
+        raise ValueError(f"must be a list of strings, got {value!r}")
+    return tuple(items)
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "P2PKV_" + self.name.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("model", _str, DEFAULT_MODEL, "model name (part of the identity)"),
+    Option("layout", _choice("v1", "v2", "replicated"), "v2",
+           "KV layout: v1 cross-layer, v2 per-layer, replicated (MLA)"),
+    Option("preset", _str, None, "built-in geometry preset (seed, llama-3-8b, ...)"),
+    Option("model_config", _str, None, "local Hugging Face style config.json for the geometry"),
+    Option("layers", _int(1, 4096), None, "number of layers"),
+    Option("kv_heads", _int(1, 4096), None, "KV heads per rank"),
+    Option("head_dim", _int(1, 65536), None, "head size (MLA: latent size)"),
+    Option("block_tokens", _int(1, 65536), 16, "tokens per KV block"),
+    Option("tokens_per_hash", _int(1, 65536), None,
+           "tokens per block hash (default: --block-tokens)"),
+    Option("dtype", _choice("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"),
+           None, "KV cache element type"),
+    Option("tp", _int(1, 4096), 1, "tensor-parallel size"),
+    Option("pp", _int(1, 4096), 1, "pipeline-parallel size"),
+    Option("rank", _int(0, 1 << 20), 0, "this worker's rank (never hashed)"),
+    Option("parallel_agnostic", _bool, True,
+           "opt in to sharing across parallel layouts where the layout allows it"),
+    Option("key_seed", _int(0, 2**64 - 1), 0, "seed of the block-key hash (peers must agree)"),
+    Option("pool_blocks", _int(1, 1 << 30), 256, "blocks in the host pool"),
+    Option("listen", _str, "tcp://127.0.0.1:0", "address to serve on (port 0: ephemeral)"),
+    Option("peer", _str_list, (), "peer address to connect to at start (repeatable)"),
+    Option("handshake_timeout", _seconds, 5.0, "seconds to wait for a handshake"),
+    Option("lookup_timeout", _seconds, 5.0, "seconds to wait for a lookup answer"),
+    Option("fetch_timeout", _seconds, 60.0, "seconds a whole fetch may take"),
+    Option("heartbeat_timeout", _seconds, 5.0, "seconds of silence before a peer is dead"),
+    Option("checksums", _bool, True, "offer per-block xxh3-64 checksums"),
+    Option("metrics_port", _int(0, 65535), None, "serve Prometheus metrics on this port"),
+    Option("curve_secret_key", _str, None, "CURVE secret key file (enables encryption)"),
+    Option("curve_authorized", _str, None, "directory of authorized client public keys"),
+    Option("curve_server_key", _str, None, "server public key file (client side)"),
+    Option("log_level", _choice("debug", "info", "warning", "error"), "info", "log level"),
+)
+_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Resolved option values (``values[name]``) and where each came from."""
+
+    values: Mapping[str, Any]
+    sources: Mapping[str, str]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+    def geometry(self) -> Any:
+        """The KV geometry: preset or config.json, then per-field flag overrides."""
+        from p2pkv.layout import SEED_GEOMETRY, Geometry, geometry_from_hf_config, preset
+
+        v = self.values
+        block_tokens = v["block_tokens"]
+        try:
+            if v["preset"] is not None and v["model_config"] is not None:
+                raise ConfigError("--preset and --model-config are exclusive; give one")
+            if v["model_config"] is not None:
+                base = geometry_from_hf_config(Path(v["model_config"]),
+                                               tokens_per_block=block_tokens, tp_size=v["tp"])
+            elif v["preset"] is not None:
+                base = preset(v["preset"], tokens_per_block=block_tokens)
+            else:
+                base = SEED_GEOMETRY
+            kv_kind = base.kv_kind
+            if v["layout"] == "replicated" and kv_kind != "mla":
+                raise ConfigError("--layout replicated needs an MLA geometry (e.g. "
+                                  "--preset deepseek-v2-lite)")
+            return Geometry(
+                num_layers=v["layers"] or base.num_layers,
+                num_kv_heads=v["kv_heads"] or base.num_kv_heads,
+                head_size=v["head_dim"] or base.head_size,
+                tokens_per_block=block_tokens,
+                dtype=v["dtype"] or base.dtype,
+                kv_kind=kv_kind,
+            )
+        except ConfigError:
+            raise
+        except (ValueError, OSError) as exc:
+            option = "--model-config" if v["model_config"] else "--preset"
+            raise ConfigError(f"{option}: {exc}") from exc
+
+    def layout(self) -> Any:
+        from p2pkv.layout import make_layout
+
+        try:
+            return make_layout(self.values["layout"], self.geometry())
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(f"--layout: {exc}") from exc
+
+    def run_config(self, layout: Any | None = None) -> RunConfig:
+        layout = layout or self.layout()
+        g = layout.geometry
+        v = self.values
+        groups = [{
+            "tokens_per_block": g.tokens_per_block,
+            "layer_names": [f"model.layers.{i}.self_attn.attn" for i in range(g.num_layers)],
+        }]
+        try:
+            return RunConfig.resolve(
+                v["model"],
+                parallel_agnostic=v["parallel_agnostic"],
+                tokens_per_hash=v["tokens_per_hash"] or g.tokens_per_block,
+                tp_size=v["tp"], pp_size=v["pp"], rank=v["rank"], dtype=g.dtype,
+                kv_cache_groups=groups, **layout.identity_flags(),
+            )
+        except ValueError as exc:
+            raise ConfigError(f"run config: {exc}") from exc
+
+
+def load_settings(flags: Mapping[str, Any], *, config_file: str | None = None,
+                  environ: Mapping[str, str] | None = None) -> Settings:
+    """Merge flags (None = not given), environment and TOML into :class:`Settings`."""
+    env = os.environ if environ is None else environ
+    path = config_file or env.get("P2PKV_CONFIG")
+    toml: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"--config: cannot read {path!r}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"--config: {path!r} is not valid TOML: {exc}") from exc
+        table = data.get("node", data)
+        if not isinstance(table, dict):
+            raise ConfigError(f"--config: [node] in {path!r} must be a table")
+        for key, value in table.items():
+            name = key.replace("-", "_")
+            if name not in _BY_NAME:
+                raise ConfigError(f"--config: unknown option {key!r} in {path!r}")
+            toml[name] = value
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for opt in OPTIONS:
+        raw: Any = None
+        where = "default"
+        if flags.get(opt.name) not in (None, [], ()):
+            raw, where = flags[opt.name], opt.flag
+        elif opt.env in env and env[opt.env] != "":
+            raw, where = env[opt.env], opt.env
+        elif opt.name in toml:
+            raw, where = toml[opt.name], f"{path}:{opt.name}"
+        if where == "default":
+            values[opt.name] = opt.default
+        else:
+            try:
+                values[opt.name] = opt.parse(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{opt.flag}: {exc} (from {where})") from None
+        sources[opt.name] = where
+    return Settings(values, sources)

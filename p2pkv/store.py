@@ -1,0 +1,502 @@
+"""Key -> slot store over a :class:`~p2pkv.pool.BlockPool`: LRU, pins, checksums.
+
+Block lifecycle::
+
+    begin_write(key) -> BlockWriter      slot taken from the free list or by
+        |                                evicting the least recently used
+        |  fill writer.views             unpinned block; invisible to lookup
+        v
+    writer.commit([expected_checksum])   verified, then visible  (or
+    writer.abort()                       slot back to the free list, no trace)
+
+    acquire_read(key) -> BlockReader     slot pinned (reference counted): never
+        |  send reader.views             evicted, overwritten or reused until
+        v                                every reader has released it
+    reader.release()                     idempotent, any thread
+
+Eviction only takes committed blocks that no reader pins. :meth:`BlockStore.discard`
+of a pinned block hides it at once but returns its slot to the free list only
+when the last reader releases it, so memory never moves under a reader (e.g. a
+``zmq`` zero-copy send still in flight: release after its ``MessageTracker`` is
+done).
+
+Threading: every method of :class:`BlockStore`, :class:`BlockWriter` and
+:class:`BlockReader` may be called from any thread (the IO thread and engine
+threads). One lock guards the bookkeeping; payload bytes are copied and hashed
+outside it, which is safe because a slot being written or read is pinned. A
+writer's views belong to the writer alone until commit/abort; a reader's views
+must not be written.
+
+Keys are non-empty ``bytes`` of at most 64 bytes (block keys are 20). LRU order
+is updated by lookup hits, :meth:`BlockStore.acquire_read` and commits;
+:meth:`BlockStore.contains` is a pure query. ``hits``/``misses`` count
+:meth:`BlockStore.lookup` only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TypeAlias
+
+import xxhash
+
+from p2pkv.errors import P2PKVError, StoreFullError
+from p2pkv.pool import BlockPool, MemoryKind
+
+__all__ = [
+    "MAX_KEY_BYTES",
+    "BlockReader",
+    "BlockStore",
+    "BlockWriter",
+    "BytesLike",
+    "ChecksumMismatch",
+    "StoreError",
+    "StoreFullError",
+    "StoreStats",
+    "block_checksum",
+]
+
+MAX_KEY_BYTES = 64
+BytesLike: TypeAlias = "bytes | bytearray | memoryview"
+
+
+class StoreError(P2PKVError):
+    """A block store call that cannot be carried out (see subclasses).
+
+    :class:`~p2pkv.errors.StoreFullError` (raised when every slot is pinned)
+    is the package-wide error of that name and derives from ``P2PKVError``
+    directly.
+    """
+
+
+class ChecksumMismatch(StoreError):
+    """A block's bytes did not hash to the checksum its sender announced.
+
+    The block was dropped (never visible). ``expected``/``actual`` are xxh3-64.
+    """
+
+    def __init__(self, key: bytes, expected: int, actual: int) -> None:
+        super().__init__(
+            f"checksum mismatch for block {key.hex()}: expected {expected:#018x}, "
+            f"got {actual:#018x}; block dropped"
+        )
+        self.key = key
+        self.expected = expected
+        self.actual = actual
+
+
+def block_checksum(views: Iterable[BytesLike]) -> int:
+    """xxh3-64 (seed 0) of a block's segments hashed in order, streaming.
+
+    Equal to ``xxh3_64(b"".join(views))`` without building the joined bytes.
+    """
+    h = xxhash.xxh3_64(seed=0)
+    for view in views:
+        h.update(view)
+    return h.intdigest()
+
+
+def _check_key(key: object) -> bytes:
+    if not isinstance(key, bytes):
+        raise ValueError(f"block store keys are bytes, got {type(key).__name__}")
+    if not 0 < len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"block store keys are 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
+    return key
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A consistent snapshot of the store's counters.
+
+    ``used``: slots not on the free list (committed, being written, or
+    discarded but still pinned). ``pinned``: slots that cannot be reclaimed
+    now (writes in progress plus blocks held by at least one reader).
+    ``stored``: blocks visible to lookup.
+    """
+
+    capacity: int
+    used: int
+    pinned: int
+    stored: int
+    hits: int
+    misses: int
+    evictions: int
+    checksum_failures: int
+    memory_kind: MemoryKind
+    bytes_per_block: int
+
+
+class _Entry:
+    __slots__ = ("checksum", "discarded", "readers", "slot")
+
+    def __init__(self, slot: int, checksum: int | None) -> None:
+        self.slot = slot
+        self.readers = 0
+        self.discarded = False
+        # xxh3-64 of the committed bytes, computed at most once: a stored block
+        # is immutable, and it is sent to many peers.
+        self.checksum = checksum
+
+
+class BlockWriter:
+    """Exclusive access to one slot being filled for ``key``.
+
+    Fill :attr:`views`, then :meth:`commit` or :meth:`abort` exactly once
+    (abort after either is a no-op, so ``with writer:`` aborts on error).
+    Created only by :meth:`BlockStore.begin_write`.
+    """
+
+    __slots__ = ("_done", "_store", "key", "slot", "views")
+
+    def __init__(self, store: BlockStore, key: bytes, slot: int, views: list[memoryview]) -> None:
+        self._store = store
+        self._done = False
+        self.key = key
+        self.slot = slot
+        #: One writable memoryview per segment, aliasing the pool slot.
+        self.views = views
+
+    @property
+    def done(self) -> bool:
+        """True once committed or aborted."""
+        return self._done
+
+    def commit(self, expected_checksum: int | None = None) -> None:
+        """Make the block visible.
+
+        With ``expected_checksum`` the bytes are verified first (see
+        :func:`block_checksum`); on mismatch the write is aborted and
+        :class:`ChecksumMismatch` raised. Raises :class:`StoreError` if the
+        writer was already committed or aborted.
+        """
+        self._store._commit(self, expected_checksum)
+
+    def abort(self) -> None:
+        """Release the slot; the block never existed. Idempotent."""
+        self._store._abort(self)
+
+    def __enter__(self) -> BlockWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.abort()
+
+
+class BlockReader:
+    """A pin on one committed block; its slot is not reused until released.
+
+    Created only by :meth:`BlockStore.acquire_read`. :meth:`release` is
+    idempotent and may be called from any thread (for example the thread that
+    sees a ``zmq`` send tracker finish).
+    """
+
+    __slots__ = ("_entry", "_released", "_store", "key", "views")
+
+    def __init__(
+        self, store: BlockStore, key: bytes, entry: _Entry, views: list[memoryview]
+    ) -> None:
+        self._store = store
+        self._entry = entry
+        self._released = False
+        self.key = key
+        #: One memoryview per segment, aliasing the pool slot. Do not write.
+        self.views = views
+
+    @property
+    def slot(self) -> int:
+        return self._entry.slot
+
+    @property
+    def checksum(self) -> int:
+        """:func:`block_checksum` of the block, computed once per stored block."""
+        entry = self._entry
+        value = entry.checksum
+        if value is None:
+            # Safe without the lock: the pin keeps the bytes still, and two
+            # readers racing here store the same value.
+            value = block_checksum(self.views)
+            entry.checksum = value
+        return value
+
+    def release(self) -> None:
+        self._store._release(self)
+
+    def __enter__(self) -> BlockReader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+class BlockStore:
+    """Maps block keys to pool slots; see the module docstring for the lifecycle."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+        self._lock = threading.Lock()
+        # Committed, visible blocks; iteration order is LRU (oldest first).
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        # Keys whose write is in progress -> their slot.
+        self._writing: dict[bytes, int] = {}
+        # Discarded blocks still pinned by readers, by slot (eviction skips pinned ones).
+        self._discarded: dict[int, _Entry] = {}
+        # Popped from the end: slot 0 is handed out first.
+        self._free: list[int] = list(reversed(range(pool.num_blocks)))
+        self._hits = 0
+        self._misses = 0
+        self._evictions = 0
+        self._checksum_failures = 0
+
+    @property
+    def pool(self) -> BlockPool:
+        return self._pool
+
+    @property
+    def capacity(self) -> int:
+        return self._pool.num_blocks
+
+    # -- queries -------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which ``keys`` are stored. Counts hits/misses; hits become most recent."""
+        for key in keys:
+            _check_key(key)
+        result: list[bool] = []
+        with self._lock:
+            for key in keys:
+                hit = key in self._entries
+                if hit:
+                    self._entries.move_to_end(key)
+                    self._hits += 1
+                else:
+                    self._misses += 1
+                result.append(hit)
+        return result
+
+    def contains(self, key: bytes) -> bool:
+        """Whether ``key`` is stored (committed). No counters, no LRU change."""
+        _check_key(key)
+        with self._lock:
+            return key in self._entries
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and 0 < len(key) <= MAX_KEY_BYTES and self.contains(key)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def stored_keys(self) -> list[bytes]:
+        """Snapshot of the stored keys, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            read_pinned = sum(1 for e in self._entries.values() if e.readers) + len(self._discarded)
+            return StoreStats(
+                capacity=self._pool.num_blocks,
+                used=self._pool.num_blocks - len(self._free),
+                pinned=len(self._writing) + read_pinned,
+                stored=len(self._entries),
+                hits=self._hits,
+                misses=self._misses,
+                evictions=self._evictions,
+                checksum_failures=self._checksum_failures,
+                memory_kind=self._pool.memory_kind,
+                bytes_per_block=self._pool.bytes_per_block,
+            )
+
+    # -- writing -------------------------------------------------------------
+
+    def begin_write(self, key: bytes) -> BlockWriter | None:
+        """Take a slot for ``key``; the block is invisible until ``commit``.
+
+        Returns None when ``key`` is already stored or already being written
+        (there is nothing to do: the block is there or about to be). Raises
+        :class:`StoreFullError` when no slot is free and every stored block is
+        pinned by a reader, or all slots are being written.
+        """
+        _check_key(key)
+        with self._lock:
+            if key in self._entries or key in self._writing:
+                return None
+            slot = self._take_slot_locked()
+            self._writing[key] = slot
+        return BlockWriter(self, key, slot, self._pool.segment_views(slot))
+
+    def _take_slot_locked(self) -> int:
+        if self._free:
+            return self._free.pop()
+        for victim, entry in self._entries.items():
+            if entry.readers == 0:
+                del self._entries[victim]
+                self._evictions += 1
+                return entry.slot
+        raise StoreFullError(
+            f"all {self._pool.num_blocks} slots are pinned "
+            f"({len(self._writing)} being written, the rest held by readers)"
+        )
+
+    def _commit(self, writer: BlockWriter, expected_checksum: int | None) -> None:
+        actual: int | None = None
+        if expected_checksum is not None:
+            if (
+                isinstance(expected_checksum, bool)
+                or not isinstance(expected_checksum, int)
+                or not 0 <= expected_checksum < 2**64
+            ):
+                raise ValueError(f"expected_checksum must be a u64, got {expected_checksum!r}")
+            if writer.done:
+                raise StoreError(f"write of block {writer.key.hex()} is already finished")
+            # Hashing outside the lock is safe: the slot belongs to this writer.
+            actual = block_checksum(writer.views)
+        with self._lock:
+            if writer.done:
+                raise StoreError(f"write of block {writer.key.hex()} is already finished")
+            writer._done = True
+            del self._writing[writer.key]
+            if actual is not None and actual != expected_checksum:
+                self._free.append(writer.slot)
+                self._checksum_failures += 1
+                mismatch = True
+            else:
+                self._entries[writer.key] = _Entry(writer.slot, actual)
+                mismatch = False
+        if mismatch:
+            assert expected_checksum is not None and actual is not None
+            raise ChecksumMismatch(writer.key, expected_checksum, actual)
+
+    def _abort(self, writer: BlockWriter) -> None:
+        with self._lock:
+            if writer.done:
+                return
+            writer._done = True
+            del self._writing[writer.key]
+            self._free.append(writer.slot)
+
+    def put(
+        self,
+        key: bytes,
+        data: BytesLike | Sequence[BytesLike],
+        *,
+        expected_checksum: int | None = None,
+    ) -> bool:
+        """Copy ``data`` into a new block and commit it (a convenience for tools/tests).
+
+        ``data`` is either one buffer of ``bytes_per_block`` bytes (segments
+        back to back) or a sequence of per-segment buffers. Returns False when
+        the key was already stored or being written. Raises ValueError on a
+        size mismatch (no slot is taken), :class:`StoreFullError` and
+        :class:`ChecksumMismatch` as ``begin_write``/``commit`` do.
+        """
+        segments = self._split(data)
+        writer = self.begin_write(key)
+        if writer is None:
+            return False
+        with writer:
+            for dst, src in zip(writer.views, segments, strict=True):
+                dst[:] = src
+            writer.commit(expected_checksum)
+        return True
+
+    def _split(self, data: BytesLike | Sequence[BytesLike]) -> list[memoryview]:
+        sizes = self._pool.segment_sizes
+        if isinstance(data, (list, tuple)):
+            parts = [memoryview(part).cast("B") for part in data]
+            got = [len(part) for part in parts]
+            if got != list(sizes):
+                raise ValueError(f"segment sizes {got} do not match the layout's {list(sizes)}")
+            return parts
+        flat = memoryview(data).cast("B")  # type: ignore[arg-type]
+        if len(flat) != self._pool.bytes_per_block:
+            raise ValueError(
+                f"block data is {len(flat)} bytes, the layout needs {self._pool.bytes_per_block}"
+            )
+        parts = []
+        offset = 0
+        for size in sizes:
+            parts.append(flat[offset : offset + size])
+            offset += size
+        return parts
+
+    # -- reading -------------------------------------------------------------
+
+    def acquire_read(self, key: bytes) -> BlockReader | None:
+        """Pin the stored block ``key`` for reading, or None if it is not stored.
+
+        The block becomes most recently used. Call ``release()`` when done.
+        """
+        _check_key(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            entry.readers += 1
+            self._entries.move_to_end(key)
+        return BlockReader(self, key, entry, self._pool.segment_views(entry.slot))
+
+    def _release(self, reader: BlockReader) -> None:
+        with self._lock:
+            if reader._released:
+                return
+            reader._released = True
+            entry = reader._entry
+            entry.readers -= 1
+            if entry.readers == 0 and entry.discarded:
+                del self._discarded[entry.slot]
+                self._free.append(entry.slot)
+
+    def get(self, key: bytes) -> bytes | None:
+        """A copy of the block's bytes (segments concatenated), or None if absent.
+
+        For tools and tests; the data path uses :meth:`acquire_read` views.
+        """
+        reader = self.acquire_read(key)
+        if reader is None:
+            return None
+        with reader:
+            return b"".join(reader.views)
+
+    def checksum(self, key: bytes) -> int | None:
+        """:func:`block_checksum` of the stored block, or None if absent."""
+        reader = self.acquire_read(key)
+        if reader is None:
+            return None
+        with reader:
+            return reader.checksum
+
+    # -- removal -------------------------------------------------------------
+
+    def discard(self, key: bytes) -> bool:
+        """Remove ``key`` if stored; returns whether it was.
+
+        The block disappears from lookup at once; if readers pin it, its slot
+        is freed only when the last one releases. Writes in progress are not
+        affected (abort those through their writer).
+        """
+        _check_key(key)
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return False
+            if entry.readers:
+                entry.discarded = True
+                self._discarded[entry.slot] = entry
+            else:
+                self._free.append(entry.slot)
+            return True

@@ -1,0 +1,325 @@
+"""Generate the golden vectors in this folder: ``python protocol/vectors/gen.py``.
+
+The frames are packed here with plain ``msgpack`` from hand-written wire maps, and the
+expected decoded messages are written out from those maps, never by calling the p2pkv
+codec, so ``tests/test_protocol_vectors.py`` is a real cross-check of the decoder. The
+identity vectors build the canonical JSON by hand (``json.dumps(sort_keys=True,
+separators=(",", ":"))`` + SHA-256) rather than calling ``RunConfig``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+HERE = Path(__file__).resolve().parent
+
+# Codes as numbers on purpose: the vectors pin the wire values (see SPEC.md, "Codes").
+MALFORMED, MISSING_FIELD, WRONG_TYPE, OUT_OF_BOUNDS = 200, 201, 202, 203
+UNKNOWN_TYPE, FRAME_COUNT, TOO_LARGE, MAJOR_MISMATCH = 204, 206, 207, 103
+
+
+def pack(obj: Any) -> bytes:
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
+
+
+def jsonable(value: Any) -> Any:
+    """The JSON form used by the vectors: bin as {"bin": hex}, arrays as lists."""
+    if isinstance(value, (bytes, bytearray)):
+        return {"bin": bytes(value).hex()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    return value
+
+
+def rc_of(fields: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return fields, hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+BASE_RC = {
+    "model_name": "m", "tokens_per_hash": 16, "blocks_per_file": 1, "tp_size": 1,
+    "pp_size": 1, "pcp_size": 1, "dcp_size": 1, "dtype": "float16",
+    "kv_cache_groups": [], "inference_engine": "vllm",
+}
+V1_RC, V1_FP = rc_of(dict(BASE_RC))
+V2_RC, V2_FP = rc_of({**BASE_RC, "parallel_agnostic": False})
+CHECKSUM = "checksum-xxh3-64"
+
+
+def greeting(tag: str, node: str, rc: dict[str, Any], fp: str, seg: list[int],
+             **extra: Any) -> dict[str, Any]:
+    m: dict[str, Any] = {
+        "t": tag, "v": 1, "node": node, "minor": 0, "rc": rc, "fp": fp,
+        "geo": {"bpb": sum(seg), "seg": seg}, "khash": {"algo": "xxh3-128", "seed": 0},
+        "caps": [CHECKSUM],
+    }
+    m.update(extra)
+    return m
+
+
+def expected(wire: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    fields = {k: v for k, v in wire.items() if k not in ("t", "v")}
+    fields.update(overrides)
+    return {"type": wire["t"], "fields": jsonable(fields)}
+
+
+def message_vectors() -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, wire: dict[str, Any], exp: dict[str, Any],
+            payload: list[bytes] | None = None, segments: list[int] | None = None) -> None:
+        frames = [pack(wire), *(payload or [])]
+        out.append({"name": name, "frames": [f.hex() for f in frames],
+                    "segments": segments, "message": exp})
+
+    h = greeting("hello", "node-a", V1_RC, V1_FP, [589824],
+                 limits={"max_keys": 4096, "window": 64})
+    add("hello_v1_cross_layer", h,
+        expected(h, limits={"max_keys": 4096, "window": 64, "in_flight": None}, v=1))
+    h2 = greeting("hello", "node-b", V2_RC, V2_FP, [49152] * 12, caps=[])
+    add("hello_v2_per_layer_no_limits", h2, expected(h2, limits=None, v=1))
+    w = greeting("welcome", "node-b", V1_RC, V1_FP, [589824])
+    add("welcome", w, expected(w, limits=None, v=1))
+    h_future = greeting("hello", "node-c", V1_RC, V1_FP, [4096], v=2, extra_field=[1, 2])
+    exp = expected(h_future, limits=None, v=2)
+    del exp["fields"]["extra_field"]
+    add("hello_other_major_still_readable", h_future, exp)
+    reasons = [
+        {"code": 100, "field": "fingerprint", "ours": V2_FP, "theirs": V1_FP,
+         "meaning": "run configurations differ"},
+        {"code": 100, "field": "run_config.parallel_agnostic", "ours": False,
+         "theirs": {"absent": True},
+         "meaning": "V2 per-layer (parallel-specific) vs V1 cross-layer (parallel-agnostic) "
+                    "layout"},
+        {"code": 105, "field": "geometry.segments", "ours": [49152] * 12, "theirs": [589824],
+         "meaning": "V2 per-layer (12 × 49152-byte segments) vs V1 cross-layer "
+                    "(one 589824-byte segment)"},
+    ]
+    r = {"t": "refuse", "v": 1, "code": 100, "msg": "refused", "reasons": reasons,
+         "node": "node-b", "rc": V2_RC, "fp": V2_FP,
+         "geo": {"bpb": 589824, "seg": [49152] * 12}, "khash": {"algo": "xxh3-128", "seed": 0}}
+    add("refuse_v2_refuses_v1", r, expected(r))
+    r_min = {"t": "refuse", "v": 1, "code": 103, "msg": "major"}
+    add("refuse_minimal", r_min, expected(r_min, reasons=[], node=None, rc=None, fp=None,
+                                          geo=None, khash=None))
+    lk = {"t": "lookup", "v": 1, "req": 7, "keys": [b"\x01" * 20, b"\xff" * 64]}
+    add("lookup", lk, expected(lk))
+    lk2 = {"t": "lookup", "v": 1, "req": 8, "keys": [b"k"], "priority": "high"}
+    add("lookup_unknown_field_ignored", lk2, expected(lk2) | {"fields": jsonable(
+        {"req": 8, "keys": [b"k"]})})
+    hi = {"t": "hits", "v": 1, "req": 7, "hits": [True, False]}
+    add("hits", hi, expected(hi))
+    hi0 = {"t": "hits", "v": 1, "req": 2**64 - 1, "hits": []}
+    add("hits_empty_max_req", hi0, expected(hi0))
+    fe = {"t": "fetch", "v": 1, "req": 9, "keys": [b"a", b"b", b"c"], "window": 16}
+    add("fetch", fe, expected(fe))
+    cr = {"t": "credit", "v": 1, "req": 9, "n": 3}
+    add("credit", cr, expected(cr))
+    payload = [b"\x00" * 8, b"\x01" * 4, b"\x02" * 8, b"\x03" * 4]
+    bl = {"t": "block", "v": 1, "req": 9, "idx": [0, 2], "sums": [1, 2**64 - 1]}
+    add("block_two_blocks_two_segments", bl,
+        expected(bl, payload=[{"bin": p.hex()} for p in payload]), payload, [8, 4])
+    bl2 = {"t": "block", "v": 1, "req": 9, "idx": [1], "sums": [None]}
+    add("block_no_checksum_unknown_segments", bl2,
+        expected(bl2, payload=[{"bin": "aa"}]), [b"\xaa"], None)
+    dn = {"t": "done", "v": 1, "req": 9, "outcomes": [0, 1, 2]}
+    add("done", dn, expected(dn))
+    for tag in ("abort", "abort_ack"):
+        m = {"t": tag, "v": 1, "req": 9}
+        add(tag, m, expected(m))
+    for tag in ("ping", "pong"):
+        m = {"t": tag, "v": 1, "nonce": 12345678901234567890}
+        add(tag, m, expected(m))
+    by = {"t": "bye", "v": 1, "code": 300, "msg": ""}
+    add("bye", by, expected(by))
+    er = {"t": "error", "v": 1, "req": None, "code": 204, "msg": "unknown message type"}
+    add("error_no_request", er, expected(er))
+    er2 = {"t": "error", "v": 1, "req": 5, "code": 210, "msg": "too many"}
+    add("error_for_request", er2, expected(er2))
+    return out
+
+
+def error_vectors() -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, frames: list[bytes], code: int,
+            segments: list[int] | None = None) -> None:
+        out.append({"name": name, "frames": [f.hex() for f in frames],
+                    "segments": segments, "code": code})
+
+    def m(**kw: Any) -> bytes:
+        return pack(kw)
+
+    lookup = {"t": "lookup", "v": 1, "req": 1, "keys": [b"k"]}
+    add("no_frames", [], FRAME_COUNT)
+    add("empty_frame", [b""], MALFORMED)
+    add("not_msgpack", [b"\xc1"], MALFORMED)
+    add("truncated", [pack(lookup)[:-1]], MALFORMED)
+    add("trailing_bytes", [pack(lookup) + b"\x00"], MALFORMED)
+    add("not_a_map", [pack([1, 2, 3])], MALFORMED)
+    add("int_map_key", [b"\x81\x01\x02"], MALFORMED)
+    add("ext_type", [pack({"t": "ping", "v": 1, "nonce": msgpack.ExtType(1, b"x")})],
+        MALFORMED)
+    add("missing_t", [m(v=1, req=1)], MISSING_FIELD)
+    add("t_is_bin", [m(t=b"ping", v=1, nonce=1)], WRONG_TYPE)
+    add("missing_v", [m(t="ping", nonce=1)], MISSING_FIELD)
+    add("v_is_bool", [m(t="ping", v=True, nonce=1)], WRONG_TYPE)
+    add("other_major_lookup", [m(t="lookup", v=2, req=1, keys=[b"k"])], MAJOR_MISMATCH)
+    add("other_major_unreadable_hello", [m(t="hello", v=2, node=1)], MAJOR_MISMATCH)
+    add("unknown_type", [m(t="teleport", v=1)], UNKNOWN_TYPE)
+    add("missing_req", [m(t="lookup", v=1, keys=[b"k"])], MISSING_FIELD)
+    add("req_negative", [m(t="abort", v=1, req=-1)], OUT_OF_BOUNDS)
+    add("req_bool", [m(t="abort", v=1, req=True)], WRONG_TYPE)
+    add("req_float", [m(t="abort", v=1, req=1.0)], WRONG_TYPE)
+    add("key_is_str", [m(t="lookup", v=1, req=1, keys=["k"])], WRONG_TYPE)
+    add("key_empty", [m(t="lookup", v=1, req=1, keys=[b""])], OUT_OF_BOUNDS)
+    add("key_too_long", [m(t="lookup", v=1, req=1, keys=[b"x" * 65])], OUT_OF_BOUNDS)
+    add("no_keys", [m(t="lookup", v=1, req=1, keys=[])], OUT_OF_BOUNDS)
+    add("too_many_keys", [m(t="lookup", v=1, req=1, keys=[b"k"] * 16385)], MALFORMED)
+    add("keys_not_array", [m(t="fetch", v=1, req=1, keys=b"k", window=1)], WRONG_TYPE)
+    add("hit_is_int", [m(t="hits", v=1, req=1, hits=[1])], WRONG_TYPE)
+    add("window_zero", [m(t="fetch", v=1, req=1, keys=[b"k"], window=0)], OUT_OF_BOUNDS)
+    add("credit_zero", [m(t="credit", v=1, req=1, n=0)], OUT_OF_BOUNDS)
+    add("done_outcome_3", [m(t="done", v=1, req=1, outcomes=[3])], OUT_OF_BOUNDS)
+    add("block_sums_length", [m(t="block", v=1, req=1, idx=[0, 1], sums=[1]), b"a", b"b"],
+        OUT_OF_BOUNDS)
+    add("block_no_idx", [m(t="block", v=1, req=1, idx=[], sums=[])], OUT_OF_BOUNDS)
+    add("block_sum_is_str", [m(t="block", v=1, req=1, idx=[0], sums=["x"]), b"a"], WRONG_TYPE)
+    add("block_without_payload", [m(t="block", v=1, req=1, idx=[0], sums=[None])], FRAME_COUNT)
+    add("block_frame_count_vs_segments",
+        [m(t="block", v=1, req=1, idx=[0], sums=[None]), b"a" * 8], FRAME_COUNT, [8, 4])
+    add("block_frame_size_vs_segments",
+        [m(t="block", v=1, req=1, idx=[0], sums=[None]), b"a" * 8, b"b" * 5], FRAME_COUNT,
+        [8, 4])
+    add("payload_on_ping", [m(t="ping", v=1, nonce=1), b"x"], FRAME_COUNT)
+    hello = greeting("hello", "n", V1_RC, V1_FP, [4096])
+    add("hello_fp_uppercase", [pack({**hello, "fp": V1_FP.upper()})], OUT_OF_BOUNDS)
+    add("hello_fp_short", [pack({**hello, "fp": V1_FP[:15]})], OUT_OF_BOUNDS)
+    add("hello_seg_sum", [pack({**hello, "geo": {"bpb": 4096, "seg": [4095]}})], OUT_OF_BOUNDS)
+    add("hello_seg_empty", [pack({**hello, "geo": {"bpb": 4096, "seg": []}})], OUT_OF_BOUNDS)
+    add("hello_node_too_long", [pack({**hello, "node": "n" * 129})], OUT_OF_BOUNDS)
+    add("hello_node_empty", [pack({**hello, "node": ""})], OUT_OF_BOUNDS)
+    add("hello_rc_not_map", [pack({**hello, "rc": [1]})], WRONG_TYPE)
+    add("hello_rc_bin_value", [pack({**hello, "rc": {**V1_RC, "dtype": b"f16"}})], WRONG_TYPE)
+    deep: Any = 1
+    for _ in range(8):
+        deep = [deep]
+    add("hello_rc_too_deep", [pack({**hello, "rc": {**V1_RC, "x": deep}})], OUT_OF_BOUNDS)
+    add("hello_missing_khash", [pack({k: v for k, v in hello.items() if k != "khash"})],
+        MISSING_FIELD)
+    add("hello_seed_negative", [pack({**hello, "khash": {"algo": "x", "seed": -1}})],
+        OUT_OF_BOUNDS)
+    add("hello_cap_is_int", [pack({**hello, "caps": [1]})], WRONG_TYPE)
+    add("hello_limits_zero", [pack({**hello, "limits": {"max_keys": 0}})], OUT_OF_BOUNDS)
+    add("refuse_reason_missing_theirs",
+        [m(t="refuse", v=1, code=100, msg="", reasons=[
+            {"code": 100, "field": "f", "ours": 1, "meaning": ""}])], MISSING_FIELD)
+    add("bye_code_bool", [m(t="bye", v=1, code=False, msg="")], WRONG_TYPE)
+    add("bye_msg_bin", [m(t="bye", v=1, code=300, msg=b"x")], WRONG_TYPE)
+    return out
+
+
+IDENTITY_DEFAULTS = {
+    "tokens_per_hash": 16, "blocks_per_file": 1, "tp_size": 1, "pp_size": 1, "pcp_size": 1,
+    "dcp_size": 1, "dtype": "float16", "kv_cache_groups": [], "inference_engine": "vllm",
+}
+GROUPS = [{"tokens_per_block": 16, "layer_names": ["model.layers.0.attn", "model.layers.1.attn"]},
+          {"tokens_per_block": 32, "layer_names": ["model.layers.2.attn"]}]
+
+
+def identity_vectors() -> list[dict[str, Any]]:
+    """Each case: how to build it, and the run-config dict written out by the rules."""
+    cases: list[dict[str, Any]] = []
+
+    def add(name: str, rule: str, build: dict[str, Any], fields: dict[str, Any],
+            root: str = "/cache") -> None:
+        rc = {"model_name": build["args"]["model_name"], **IDENTITY_DEFAULTS, **fields}
+        rc = {k: v for k, v in rc.items() if v is not None}
+        text = json.dumps(rc, sort_keys=True, separators=(",", ":"))
+        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        safe = rc["model_name"].replace("/", "_")
+        cases.append({
+            "name": name, "rule": rule, **build, "run_config": rc, "canonical": text,
+            "digest": digest, "fingerprint": digest[:16], "root": root,
+            "namespace": f"{root}/{safe}_{digest[:12]}",
+        })
+
+    def ctor(**args: Any) -> dict[str, Any]:
+        return {"via": "constructor", "args": args}
+
+    def resolve(**args: Any) -> dict[str, Any]:
+        return {"via": "resolve", "args": args}
+
+    add("brief_worked_example", "defaults; rule 2 (not agnostic adds the key)",
+        ctor(model_name="m"), {"parallel_agnostic": False})
+    add("agnostic_defaults", "rule 2: agnostic leaves the key out",
+        ctor(model_name="m", parallel_agnostic=True), {})
+    add("agnostic_collapses_parallel_sizes", "rule 1: sizes forced to 1, rank to 0",
+        ctor(model_name="m", parallel_agnostic=True, tp_size=4, pp_size=2, pcp_size=2,
+             dcp_size=2, rank=3), {})
+    add("not_agnostic_keeps_parallel_sizes", "rule 2",
+        ctor(model_name="m", tp_size=4, pp_size=2, pcp_size=3, dcp_size=5, rank=1),
+        {"tp_size": 4, "pp_size": 2, "pcp_size": 3, "dcp_size": 5, "parallel_agnostic": False})
+    add("rank_never_hashed", "rule 6: same fingerprint as not_agnostic_keeps_parallel_sizes",
+        ctor(model_name="m", tp_size=4, pp_size=2, pcp_size=3, dcp_size=5, rank=7),
+        {"tp_size": 4, "pp_size": 2, "pcp_size": 3, "dcp_size": 5, "parallel_agnostic": False})
+    for tp in (2, 4):
+        add(f"replicated_opt_in_tp{tp}", "rules 3-4: replicated with opt-in collapses sizes",
+            resolve(model_name="deepseek/mla", parallel_agnostic=True,
+                    is_parallelism_agnostic=False, replicated_layout=True, tp_size=tp,
+                    rank=tp - 1),
+            {"replicated_layout": True})
+    add("replicated_without_opt_in", "rule 4: no opt-in changes nothing",
+        resolve(model_name="deepseek/mla", parallel_agnostic=False,
+                is_parallelism_agnostic=False, replicated_layout=True, tp_size=2),
+        {"tp_size": 2, "parallel_agnostic": False})
+    add("plain_agnostic_via_resolve", "rule 1 via resolve; differs from replicated",
+        resolve(model_name="deepseek/mla", parallel_agnostic=True,
+                is_parallelism_agnostic=True, replicated_layout=False, tp_size=2), {})
+    add("agnostic_layout_without_opt_in", "rule 4: layout agnostic but no opt-in",
+        resolve(model_name="m", parallel_agnostic=False, is_parallelism_agnostic=True,
+                replicated_layout=False, tp_size=2),
+        {"tp_size": 2, "parallel_agnostic": False})
+    add("canonical_format", "rule 5", ctor(model_name="m", canonical_format="nhd-v1"),
+        {"canonical_format": "nhd-v1", "parallel_agnostic": False})
+    add("storage_format", "rule 5",
+        ctor(model_name="m", parallel_agnostic=True, storage_format="safetensors"),
+        {"storage_format": "safetensors"})
+    add("kv_cache_groups", "groups in order, keys sorted in the canonical JSON",
+        ctor(model_name="m", kv_cache_groups=GROUPS),
+        {"kv_cache_groups": GROUPS, "parallel_agnostic": False})
+    add("model_name_with_slash", "namespace replaces / with _",
+        ctor(model_name="meta-llama/Llama-3.1-8B", parallel_agnostic=True), {},
+        root="/mnt/kv")
+    add("non_default_scalars", "dtype, tokens_per_hash, blocks_per_file, inference_engine",
+        ctor(model_name="m", dtype="bfloat16", tokens_per_hash=32, blocks_per_file=8,
+             inference_engine="sglang"),
+        {"dtype": "bfloat16", "tokens_per_hash": 32, "blocks_per_file": 8,
+         "inference_engine": "sglang", "parallel_agnostic": False})
+    add("non_ascii_model_name", "canonical JSON escapes non-ASCII as \\uXXXX",
+        ctor(model_name="modèle/ü", parallel_agnostic=True), {})
+    return cases
+
+
+def main() -> None:
+    (HERE / "messages.json").write_text(json.dumps(
+        {"about": "frames (hex) -> decoded message; see protocol/SPEC.md section 14",
+         "vectors": message_vectors()}, indent=1) + "\n")
+    (HERE / "errors.json").write_text(json.dumps(
+        {"about": "frames (hex) -> protocol error code; see protocol/SPEC.md",
+         "vectors": error_vectors()}, indent=1) + "\n")
+    (HERE / "identity.json").write_text(json.dumps(
+        {"about": "run-config inputs -> canonical JSON, SHA-256, fingerprint, namespace",
+         "vectors": identity_vectors()}, indent=1, ensure_ascii=False) + "\n")
+
+
+if __name__ == "__main__":
+    main()

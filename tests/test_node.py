@@ -1,0 +1,188 @@
+"""Two or more nodes in separate processes on 127.0.0.1: handshake, refusal, streaming."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from nodeproc import content, keys_for, make_node
+
+from p2pkv import KeyOutcome, PeerIncompatible
+from p2pkv.identity import ABSENT
+
+pytestmark = pytest.mark.timeout(180)
+
+SEED_V2 = {"layout": "v2", "geometry": "seed"}
+SEED_V1 = {"layout": "v1", "geometry": "seed"}
+
+
+@pytest.fixture
+def local_node() -> Iterator[Any]:
+    nodes: list[Any] = []
+
+    def build(spec: dict[str, Any], **config: Any) -> Any:
+        node = make_node(spec, **config)
+        nodes.append(node)
+        return node
+
+    yield build
+    for node in nodes:
+        node.close()
+
+
+def serve(spawn: Any, spec: dict[str, Any]) -> tuple[Any, str]:
+    proc = spawn("serve", spec)
+    ready = proc.event()
+    assert ready["event"] == "ready"
+    return proc, ready["address"]
+
+
+@pytest.mark.parametrize("spec", [SEED_V2, SEED_V1], ids=["v2", "v1"])
+def test_seed_fetch_is_byte_exact(spawn: Any, local_node: Any, spec: dict[str, Any]) -> None:
+    blocks = 48
+    producer, address = serve(spawn, {**spec, "blocks": blocks})
+    node = local_node({**spec, "blocks": blocks})
+    peer = node.connect(address)
+    keys = keys_for(blocks)
+    assert peer.lookup(keys) == [True] * blocks
+    result = peer.fetch(keys)
+    assert result.outcomes == (KeyOutcome.STORED,) * blocks
+    assert result.blocks == blocks and result.nbytes == blocks * 589_824
+    size = node.layout.bytes_per_block
+    for key in keys:
+        assert node.get(key) == content(key, size)
+    stats = producer.stop()
+    assert stats is not None and stats["blocks_sent"] == blocks
+
+
+def test_v1_vs_v2_refused_on_both_sides_with_zero_bytes(spawn: Any, local_node: Any) -> None:
+    producer, address = serve(spawn, {**SEED_V2, "blocks": 8})
+    node = local_node({**SEED_V1, "blocks": 8})
+    with pytest.raises(PeerIncompatible) as info:
+        node.connect(address)
+    by_field = {r.field: r for r in info.value.reasons}
+    # Same bytes per block, different identity AND different segment list.
+    assert "run_config.parallel_agnostic" in by_field
+    assert by_field["run_config.parallel_agnostic"].ours is ABSENT
+    assert by_field["run_config.parallel_agnostic"].theirs is False
+    assert "V1 cross-layer" in by_field["run_config.parallel_agnostic"].meaning
+    assert "geometry.segments" in by_field
+    assert "geometry.bytes_per_block" not in by_field
+    assert any(d.field == "parallel_agnostic" for d in info.value.diff)
+    assert node.store.stats().used == 0
+    stats = producer.stop()
+    assert stats is not None and stats["blocks_sent"] == 0 and stats["bytes_sent"] == 0
+    assert stats["accepted"] == 0 and sum(stats["refused"].values()) >= 2
+
+
+def test_refused_peer_cannot_lookup_or_fetch(spawn: Any, local_node: Any) -> None:
+    _, address = serve(spawn, {**SEED_V2, "blocks": 4})
+    node = local_node({**SEED_V1, "blocks": 4})
+    with pytest.raises(PeerIncompatible):
+        node.connect(address)
+    assert node.peers() == []
+
+
+def test_replicated_tp2_and_tp4_share(spawn: Any, local_node: Any) -> None:
+    blocks = 32
+    spec = {"layout": "replicated", "geometry": "mla-small", "blocks": blocks}
+    _, address = serve(spawn, {**spec, "tp": 2, "rank": 1})
+    node = local_node({**spec, "tp": 4, "rank": 3})
+    peer = node.connect(address)
+    keys = keys_for(blocks)
+    result = peer.fetch(keys)
+    assert result.stored == keys
+    for key in keys:
+        assert node.get(key) == content(key, node.layout.bytes_per_block)
+
+
+def test_replicated_vs_agnostic_refused(spawn: Any, local_node: Any) -> None:
+    # Same MLA geometry and byte count; one replicated, one plain cross-layer rows.
+    _, address = serve(spawn, {"layout": "replicated", "geometry": "mla-small", "blocks": 2})
+    node = local_node({"layout": "v1", "geometry": "mla-small", "blocks": 2})
+    with pytest.raises(PeerIncompatible) as info:
+        node.connect(address)
+    fields = {r.field for r in info.value.reasons}
+    assert "run_config.replicated_layout" in fields
+
+
+def test_missing_keys_reported_without_failing_the_rest(spawn: Any, local_node: Any) -> None:
+    _, address = serve(spawn, {**SEED_V2, "blocks": 10})
+    node = local_node({**SEED_V2, "blocks": 20})
+    peer = node.connect(address)
+    present = keys_for(10)
+    absent = keys_for(5, offset=100)
+    keys = [present[0], absent[0], *present[1:5], *absent[1:], *present[5:]]
+    result = peer.fetch(keys)
+    assert set(result.missing) == set(absent)
+    assert set(result.stored) == set(present)
+    assert result.failed == []
+    for key in present:
+        assert node.get(key) == content(key, node.layout.bytes_per_block)
+    assert node.lookup_local(absent) == [False] * len(absent)
+
+
+def test_lookup_answered_during_large_fetch(spawn: Any, local_node: Any) -> None:
+    blocks = 1536  # ~0.9 GB of seed V2 blocks
+    _, address = serve(spawn, {**SEED_V2, "blocks": blocks})
+    node = local_node({**SEED_V2, "blocks": blocks})
+    peer = node.connect(address)
+    keys = keys_for(blocks)
+    fetch = node.fetch_async(peer, keys, timeout=120)
+    # Wait until blocks are flowing, then ask a lookup of 10,000 keys.
+    deadline = time.monotonic() + 60
+    while node.store.stats().used < 64 and not fetch.done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    absent = keys_for(10_000 - blocks, offset=blocks)
+    lookup = node.lookup_async(peer, [*keys, *absent], timeout=30)
+    hits = lookup.result(timeout=30)
+    assert not fetch.done(), "the lookup should be answered while the fetch still streams"
+    assert hits == [True] * blocks + [False] * len(absent)
+    result = fetch.result(timeout=120)
+    assert len(result.stored) == blocks
+
+
+def test_three_consumers_at_once(spawn: Any) -> None:
+    blocks = 64
+    producer, address = serve(spawn, {**SEED_V2, "blocks": blocks})
+    consumers = [spawn("fetch", {**SEED_V2, "blocks": blocks}, address) for _ in range(3)]
+    for c in consumers:
+        ev = c.event(timeout=120)
+        assert ev["event"] == "fetched", ev
+        assert ev["stored"] == blocks and ev["corrupt"] == 0 and ev["failed"] == 0
+        assert c.wait() == 0
+    stats = producer.stop()
+    assert stats is not None and stats["blocks_sent"] == 3 * blocks
+
+
+def test_fetch_into_caller_buffers(spawn: Any, local_node: Any) -> None:
+    blocks = 6
+    _, address = serve(spawn, {**SEED_V2, "blocks": blocks})
+    node = local_node({**SEED_V2, "blocks": 1})
+    peer = node.connect(address)
+    keys = keys_for(blocks)
+    seg = node.layout.segment_sizes
+    buffers = [[bytearray(n) for n in seg] for _ in keys]
+    result = node.fetch_into(peer, keys, [[memoryview(b) for b in bufs] for bufs in buffers])
+    assert result.stored == keys
+    for key, bufs in zip(keys, buffers, strict=True):
+        assert b"".join(bufs) == content(key, sum(seg))
+    assert node.store.stats().used == 0
+
+
+def test_reconnect_to_restarted_peer(spawn: Any, local_node: Any) -> None:
+    from p2pkv import PeerGone
+
+    first, address = serve(spawn, {**SEED_V2, "blocks": 4, "port": 0})
+    node = local_node({**SEED_V2, "blocks": 8}, heartbeat_timeout=1.0, heartbeat_interval=0.2)
+    peer = node.connect(address)
+    assert peer.lookup(keys_for(4)) == [True] * 4
+    first.kill()
+    with pytest.raises(PeerGone):
+        for _ in range(50):
+            peer.lookup(keys_for(4), timeout=1.0)
+    _second, address2 = serve(spawn, {**SEED_V2, "blocks": 4})
+    peer2 = node.connect(address2)
+    assert peer2.fetch(keys_for(4)).stored == keys_for(4)
