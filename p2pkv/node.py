@@ -22,6 +22,7 @@ at most one window of data (see ``protocol/SPEC.md``, "Flow control").
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import enum
@@ -61,7 +62,14 @@ from p2pkv.protocol.codes import (
     OUTCOME_MISSING,
     OUTCOME_SENT,
 )
-from p2pkv.store import BlockReader, BlockStore, BlockWriter, ChecksumMismatch, StoreError
+from p2pkv.store import (
+    BlockReader,
+    BlockStore,
+    BlockWriter,
+    ChecksumMismatch,
+    StoreError,
+    StoreStats,
+)
 from p2pkv.transport import (
     CurveKeys,
     Wakeup,
@@ -97,6 +105,9 @@ _READ_BUDGET = 256
 # Grace added to a blocking helper's wait beyond the IO thread's own deadline, so the
 # typed timeout from the IO thread wins over a bare concurrent.futures timeout.
 _WAIT_GRACE = 1.0
+# Upper bounds (seconds) of the fetch latency histogram.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0, float("inf"))
 # Sink for payload frames that have nowhere to go (aborted fetch, failed slot).
 _SCRATCH = bytearray(0)
 # Segments at least this large are sent zero-copy (tracked); smaller ones are cheaper to
@@ -228,7 +239,10 @@ class NodeStats:
     bytes_received: int
     checksum_failures: int
     protocol_violations: int
-    store: Any
+    store: StoreStats
+    #: Cumulative (upper bound in seconds, count) pairs of fetch latency, +inf last.
+    fetch_latency_buckets: tuple[tuple[float, int], ...]
+    fetch_latency_sum: float
 
 
 # --------------------------------------------------------------------------- IO state
@@ -348,12 +362,21 @@ class Node:
         self._max_message = max(max(self._segments), MAX_HEAD_BYTES)
 
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._router = make_router(self._ctx, self.config.listen,
-                                   max_message_bytes=self._max_message, curve=self.config.curve)
-        self.address = bound_address(self._router)
         self._auth: Any = None
-        if self.config.curve is not None:
-            self._auth = _start_authenticator(self._ctx, self.config.curve)
+        try:
+            if self.config.curve is not None:
+                # The authenticator must run before the socket binds so that no
+                # connection slips through unauthenticated.
+                self._auth = _start_authenticator(self._ctx, self.config.curve)
+            self._router = make_router(self._ctx, self.config.listen,
+                                       max_message_bytes=self._max_message,
+                                       curve=self.config.curve)
+        except BaseException:
+            if self._auth is not None:
+                self._auth.stop()
+            self._ctx.term()
+            raise
+        self.address = bound_address(self._router)
 
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = Wakeup()
@@ -373,6 +396,8 @@ class Node:
         self._lock = threading.Lock()
         self._counters: collections.Counter[str] = collections.Counter()
         self._refusals: collections.Counter[str] = collections.Counter()
+        self._latency = [0] * len(_LATENCY_BUCKETS)
+        self._latency_sum = 0.0
         self._thread = threading.Thread(target=self._run, name=f"p2pkv-io-{self.address}",
                                         daemon=True)
         self._thread.start()
@@ -503,6 +528,10 @@ class Node:
                 bytes_sent=c["bytes_sent"], blocks_received=c["blocks_received"],
                 bytes_received=c["bytes_received"], checksum_failures=c["checksum_failures"],
                 protocol_violations=c["protocol_violations"], store=self.store.stats(),
+                fetch_latency_buckets=tuple(zip(_LATENCY_BUCKETS,
+                                                itertools.accumulate(self._latency),
+                                                strict=True)),
+                fetch_latency_sum=self._latency_sum,
             )
 
     def close(self, timeout: float | None = None) -> None:
@@ -959,8 +988,12 @@ class Node:
                                        else "peer failed to send the block")
         for w in recv.writers.values():
             w.abort()
+        seconds = now - recv.started
         result = FetchResult(recv.keys, tuple(o or KeyOutcome.FAILED for o in recv.outcomes),
-                             dict(recv.errors), recv.blocks, recv.nbytes, now - recv.started)
+                             dict(recv.errors), recv.blocks, recv.nbytes, seconds)
+        with self._lock:
+            self._latency[bisect.bisect_left(_LATENCY_BUCKETS, seconds)] += 1
+            self._latency_sum += seconds
         if not recv.future.done():
             recv.future.set_result(result)
 
@@ -1263,6 +1296,5 @@ class _KeySet:
         self._keys = keys
 
     def callback(self, domain: str, key: bytes) -> bool:
-        import zmq.utils.z85
-
-        return zmq.utils.z85.encode(key) in self._keys or key in self._keys
+        # pyzmq hands over the client's public key Z85-encoded, the form of key files.
+        return key in self._keys

@@ -106,7 +106,6 @@ def make_router(ctx: zmq.Context[zmq.Socket[bytes]], listen: str, *, max_message
             sock.setsockopt(zmq.CURVE_SERVER, 1)
             sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key)
-            sock.setsockopt(zmq.ZAP_DOMAIN, b"p2pkv")
         host_port = listen
         if listen.endswith(":0"):
             host_port = listen[:-2] + ":*"
