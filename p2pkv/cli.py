@@ -106,6 +106,13 @@ def node_config(settings: Settings, *, listen: str | None = None) -> Any:
 
     v = settings.values
     curve = None
+    if v["curve_secret_key"] is None:
+        # Never run in the clear while the operator believes CURVE is on.
+        for name in ("curve_authorized", "curve_server_key"):
+            if v[name] is not None:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag}: needs --curve-secret-key (CURVE is off without "
+                                  "this node's own key pair)")
     if v["curve_secret_key"] is not None:
         import zmq.auth
 
@@ -145,14 +152,28 @@ def node_config(settings: Settings, *, listen: str | None = None) -> Any:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from p2pkv.node import Node
-
+    # Resolve the whole configuration before importing the node (and torch): a bad
+    # value exits 2 at once, with nothing started.
     settings = _settings(args)
     layout = settings.layout()
     rc = settings.run_config(layout)
     config = node_config(settings)
+    from p2pkv.node import Node
+
+    # Handlers go in before anything starts, so a signal that arrives while the node
+    # starts or connects to its peers still means a clean stop (exit 0).
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     metrics = None
-    node = Node(rc, layout, pool_blocks=settings["pool_blocks"], config=config)
+    try:
+        node = Node(rc, layout, pool_blocks=settings["pool_blocks"], config=config)
+    except ConfigError as exc:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if str(exc).startswith("cannot listen"):
+            raise ConfigError(f"--listen: {exc}") from exc
+        raise
     try:
         if settings["metrics_port"] is not None:
             from p2pkv.metrics import serve_metrics
@@ -170,17 +191,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"  layout {layout.name}, {layout.bytes_per_block} bytes/block, "
               f"pool {settings['pool_blocks']} blocks ({info['pool']})")
         for address in settings["peer"]:
+            if stop.is_set():
+                break
             try:
                 peer = node.connect(address)
                 _emit(args, {"event": "peer", "address": address, "ok": True,
                              "remote": peer.remote_node_id},
                       f"connected to peer {address} ({peer.remote_node_id})")
-            except P2PKVError as exc:
+            except (P2PKVError, OSError) as exc:
                 _emit(args, {"event": "peer", "address": address, "ok": False,
                              "error": str(exc)}, f"peer {address}: {exc}")
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
         while not stop.wait(0.5):
             pass
         _emit(args, {"event": "stopping"}, "shutting down")
@@ -188,6 +208,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.close()
         node.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     _emit(args, {"event": "stopped"}, "stopped")
     return EXIT_OK
 
@@ -197,26 +219,44 @@ def _emit(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
 
 
 def _show(value: Any) -> str:
+    """One compact cell: ``(absent)``, ``12 × 49152`` for a list of equal ints,
+    ``[2 × 4096, 512]`` for runs in a list of ints, JSON otherwise."""
     if value is ABSENT or (isinstance(value, dict) and value == {"absent": True}):
         return "(absent)"
+    if (isinstance(value, (list, tuple)) and len(value) > 1
+            and all(type(v) is int for v in value)):
+        runs: list[list[int]] = []
+        for v in value:
+            if runs and runs[-1][1] == v:
+                runs[-1][0] += 1
+            else:
+                runs.append([1, v])
+        parts = [f"{n} × {v}" if n > 1 else str(v) for n, v in runs]
+        return parts[0] if len(parts) == 1 else "[" + ", ".join(parts) + "]"
     return json.dumps(value, sort_keys=True, default=str)
 
 
+_CELL_WIDTH = 40
+
+
 def refusal_table(reasons: Sequence[Any]) -> str:
-    """A fixed-width table of refusal reasons: field, ours, theirs, meaning."""
+    """A fixed-width table of refusal reasons: field, ours, theirs, meaning.
+
+    A value longer than the column is cut and ends with ``…``, so a cut is visible.
+    """
     rows = [("FIELD", "LOCAL", "REMOTE", "MEANING")]
     for r in reasons:
         rows.append((r.field, _show(r.ours), _show(r.theirs), r.meaning))
-    widths = [min(40, max(len(row[i]) for row in rows)) for i in range(3)]
+    widths = [min(_CELL_WIDTH, max(len(row[i]) for row in rows)) for i in range(3)]
     lines = []
     for row in rows:
-        cells = [row[i][: widths[i]].ljust(widths[i]) for i in range(3)]
-        lines.append("  ".join([*cells, row[3]]))
+        cells = [(row[i] if len(row[i]) <= widths[i] else row[i][: widths[i] - 1] + "…")
+                 .ljust(widths[i]) for i in range(3)]
+        lines.append("  ".join([*cells, row[3]]).rstrip())
     return "\n".join(lines)
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from p2pkv.node import Node
     from p2pkv.transport import validate_address
 
     settings = _settings(args)
@@ -226,7 +266,14 @@ def cmd_probe(args: argparse.Namespace) -> int:
         raise ConfigError(f"ADDRESS: {exc}") from exc
     layout = settings.layout()
     rc = settings.run_config(layout)
-    config = node_config(settings)
+    if settings["curve_secret_key"] is not None and settings["curve_server_key"] is None:
+        raise ConfigError("--curve-server-key: probing with CURVE needs the server's public "
+                          "key file")
+    # The probe only connects out: it never uses the configured --listen address (a
+    # shared TOML file or P2PKV_LISTEN would name the serving node's port, already taken).
+    config = node_config(settings, listen="tcp://127.0.0.1:0")
+    from p2pkv.node import Node
+
     with Node(rc, layout, pool_blocks=1, config=config) as node:
         try:
             peer = node.connect(args.address)
@@ -246,7 +293,9 @@ def cmd_probe(args: argparse.Namespace) -> int:
                 print(f"local fingerprint:  {rc.fingerprint}")
                 print(refusal_table(exc.reasons))
             return EXIT_REFUSED
-        except (PeerTimeout, P2PKVError) as exc:
+        except (PeerTimeout, P2PKVError, OSError) as exc:
+            # Any failure to reach the peer (timeout, refused or lost connection,
+            # unresolvable host) is "unreachable", exit 4.
             if args.json:
                 print(json.dumps({"verdict": "unreachable", "address": args.address,
                                   "error": str(exc)}, sort_keys=True))
@@ -307,10 +356,22 @@ _COMMANDS = {
 }
 
 
+def _log_level(args: argparse.Namespace) -> str:
+    """The resolved ``log_level`` (flag > env > TOML > default) of a command that takes
+    node options; ``warning`` otherwise, or when the options are invalid (the command
+    itself then reports the error and exits 2)."""
+    if not hasattr(args, "log_level"):
+        return "warning"
+    try:
+        return str(_settings(args)["log_level"])
+    except ConfigError:
+        return "warning"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = getattr(args, "log_level", None) or "warning"
+    level = _log_level(args)
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+import concurrent.futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -289,7 +290,6 @@ class _Sending:
 
     req: int
     keys: tuple[bytes, ...]
-    credit: int
     outcomes: list[int]
     next_index: int = 0
 
@@ -599,10 +599,12 @@ class Node:
     def _wait(fut: Future[_T], timeout: float) -> _T:
         try:
             return fut.result(timeout + _WAIT_GRACE)
-        except TimeoutError as exc:
+        except PeerTimeout:
+            raise
+        except concurrent.futures.TimeoutError as exc:
+            # The IO thread enforces the real deadline; this only guards against a
+            # wedged IO thread, so the caller is never left waiting forever.
             fut.cancel()
-            if isinstance(exc, PeerTimeout):
-                raise
             raise PeerTimeout(f"no answer within {timeout:.1f}s") from exc
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -637,7 +639,12 @@ class Node:
                     continue
                 conn = self._by_socket.get(sock)
                 if conn is not None and not conn.closed:
-                    self._read_dealer(conn, now)
+                    try:
+                        self._read_dealer(conn, now)
+                    except Exception as exc:
+                        # A bug must cost one connection, never the node.
+                        log.exception("internal error on connection to %s", conn.address)
+                        self._drop_outbound(conn, P2PKVError(f"internal error: {exc!r}"))
                 mon = self._by_monitor.get(sock)
                 if mon is not None and not mon.closed:
                     self._read_monitor(mon, now)
@@ -651,7 +658,7 @@ class Node:
         return not busy_out and not busy_in and not self._inflight_sends
 
     def _poll_timeout(self, now: float) -> int:
-        if any(j.credit > 0 and j.next_index < len(j.keys)
+        if any(j.next_index < len(j.keys) and i.session.window_left(j.req) > 0
                for i in self._inbound.values() for j in i.jobs.values()):
             return 0
         if self._inflight_sends:
@@ -1058,11 +1065,17 @@ class Node:
                 peer = _Inbound(rid, session)
                 self._inbound[rid] = peer
             try:
-                msg = proto.decode(frames[1:])
-            except ProtocolError as exc:
-                self._handle_in_events(peer, peer.session.receive_malformed(exc, now), now)
-                continue
-            self._handle_in_events(peer, peer.session.receive(msg, now), now)
+                try:
+                    msg = proto.decode(frames[1:])
+                except ProtocolError as exc:
+                    out = peer.session.receive_malformed(exc, now)
+                else:
+                    out = peer.session.receive(msg, now)
+                self._handle_in_events(peer, out, now)
+            except Exception:
+                # A bug must cost one peer, never the node.
+                log.exception("internal error serving peer %s; dropping it", rid.hex())
+                self._drop_inbound(peer)
 
     def _handle_in_events(self, peer: _Inbound, out: proto.Output, now: float) -> None:
         if out.replies and not self._send_in(peer.rid, out.replies):
@@ -1086,7 +1099,7 @@ class Node:
                 self._count("lookup_hits_served", sum(hits))
                 self._send_in(peer.rid, [peer.session.answer_lookup(ev.req, hits)])
             elif isinstance(ev, proto.FetchRequested):
-                peer.jobs[ev.req] = _Sending(ev.req, tuple(ev.keys), 0,
+                peer.jobs[ev.req] = _Sending(ev.req, tuple(ev.keys),
                                              [OUTCOME_FAILED] * len(ev.keys))
             elif isinstance(ev, proto.AbortRequested):
                 peer.jobs.pop(ev.req, None)
@@ -1125,7 +1138,13 @@ class Node:
             for job in list(peer.jobs.values()):
                 if peer.closed:
                     break
-                self._pump_job(peer, job)
+                try:
+                    self._pump_job(peer, job)
+                except (ProtocolError, ValueError, zmq.ZMQError) as exc:
+                    # One peer's trouble must never stop the node serving the others.
+                    log.warning("dropping peer %s while serving request %d: %s",
+                                peer.rid.hex(), job.req, exc)
+                    self._drop_inbound(peer)
 
     def _pump_job(self, peer: _Inbound, job: _Sending) -> None:
         sock = self._router

@@ -77,9 +77,11 @@ def _str(value: Any) -> str:
 
 def _choice(*choices: str) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
-        if value not in choices:
+        # Case and surrounding blanks do not matter (P2PKV_LOG_LEVEL=INFO is common).
+        name = value.strip().lower() if isinstance(value, str) else value
+        if name not in choices:
             raise ValueError(f"must be one of {', '.join(choices)}, got {value!r}")
-        return str(value)
+        return str(name)
 
     return parse
 
@@ -142,7 +144,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("curve_secret_key", _str, None, "CURVE secret key file (enables encryption)"),
     Option("curve_authorized", _str, None, "directory of authorized client public keys"),
     Option("curve_server_key", _str, None, "server public key file (client side)"),
-    Option("log_level", _choice("debug", "info", "warning", "error"), "info", "log level"),
+    Option("log_level", _choice("debug", "info", "warning", "error"), "warning",
+           "log level (stderr)"),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -168,18 +171,23 @@ class Settings:
                 raise ConfigError("--preset and --model-config are exclusive; give one")
             if v["model_config"] is not None:
                 base = geometry_from_hf_config(Path(v["model_config"]),
-                                               tokens_per_block=block_tokens, tp_size=v["tp"])
-            elif v["preset"] is not None:
-                base = preset(v["preset"], tokens_per_block=block_tokens)
+                                               tokens_per_block=block_tokens, tp_size=v["tp"],
+                                               dtype=v["dtype"])
+                kv_heads = base.num_kv_heads
             else:
-                base = SEED_GEOMETRY
+                base = (SEED_GEOMETRY if v["preset"] is None
+                        else preset(v["preset"], tokens_per_block=block_tokens))
+                kv_heads = base.num_kv_heads
             kv_kind = base.kv_kind
             if v["layout"] == "replicated" and kv_kind != "mla":
                 raise ConfigError("--layout replicated needs an MLA geometry (e.g. "
                                   "--preset deepseek-v2-lite)")
+            if kv_kind == "mla" and v["kv_heads"] not in (None, 1):
+                raise ConfigError(f"--kv-heads: an MLA geometry has exactly 1 KV head, got "
+                                  f"{v['kv_heads']}")
             return Geometry(
                 num_layers=v["layers"] or base.num_layers,
-                num_kv_heads=v["kv_heads"] or base.num_kv_heads,
+                num_kv_heads=v["kv_heads"] or kv_heads,
                 head_size=v["head_dim"] or base.head_size,
                 tokens_per_block=block_tokens,
                 dtype=v["dtype"] or base.dtype,
@@ -238,6 +246,12 @@ def load_settings(flags: Mapping[str, Any], *, config_file: str | None = None,
         table = data.get("node", data)
         if not isinstance(table, dict):
             raise ConfigError(f"--config: [node] in {path!r} must be a table")
+        if table is not data:
+            # With a [node] table, a key beside it would be silently ignored: refuse it.
+            for key in data:
+                if key != "node":
+                    raise ConfigError(f"--config: key {key!r} outside the [node] table in "
+                                      f"{path!r}; put every option under [node] or none")
         for key, value in table.items():
             name = key.replace("-", "_")
             if name not in _BY_NAME:
