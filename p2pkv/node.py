@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import concurrent.futures
 import contextlib
 import enum
 import itertools
@@ -34,7 +35,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-import concurrent.futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
