@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("keygen", help="write a CURVE key pair (NAME.key, NAME.key_secret)")
     p.add_argument("directory", help="where to write the keys")
     p.add_argument("--name", default="node", help="file name stem (default: node)")
+    p = sub.add_parser("bench", help="benchmarks against raw pyzmq, side by side")
+    p.add_argument("--quick", action="store_true", help="small version, under a minute")
+    p.add_argument("--json", dest="json_path", metavar="PATH", help="also write results here")
+    p.add_argument("--soak", type=float, metavar="SECONDS", help="eight-consumer soak run")
     return parser
 
 
@@ -101,10 +105,13 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
 
 
 def node_config(settings: Settings, *, listen: str | None = None) -> Any:
-    from p2pkv.node import NodeConfig
-    from p2pkv.transport import CurveKeys, load_authorized_keys
+    from p2pkv.transport import CurveKeys, load_authorized_keys, validate_address
 
     v = settings.values
+    try:
+        validate_address(listen or v["listen"], what="listen")
+    except ConfigError as exc:
+        raise ConfigError(f"--listen: {exc}") from exc
     curve = None
     if v["curve_secret_key"] is None:
         # Never run in the clear while the operator believes CURVE is on.
@@ -138,6 +145,10 @@ def node_config(settings: Settings, *, listen: str | None = None) -> Any:
             except ConfigError as exc:
                 raise ConfigError(f"--curve-authorized: {exc}") from exc
         curve = CurveKeys(public, secret, server_key, authorized)
+    # Imported last: p2pkv.node pulls in torch (seconds), and a bad --curve-* value
+    # above should fail at once.
+    from p2pkv.node import NodeConfig
+
     try:
         return NodeConfig(
             listen=listen or v["listen"], key_hash_seed=v["key_seed"], checksums=v["checksums"],
@@ -168,10 +179,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     metrics = None
     try:
         node = Node(rc, layout, pool_blocks=settings["pool_blocks"], config=config)
-    except ConfigError as exc:
+    except BaseException as exc:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if str(exc).startswith("cannot listen"):
+        if isinstance(exc, ConfigError) and str(exc).startswith("cannot listen"):
             raise ConfigError(f"--listen: {exc}") from exc
         raise
     try:
@@ -242,12 +253,14 @@ _CELL_WIDTH = 40
 def refusal_table(reasons: Sequence[Any]) -> str:
     """A fixed-width table of refusal reasons: field, ours, theirs, meaning.
 
-    A value longer than the column is cut and ends with ``…``, so a cut is visible.
+    Field names are never cut; a value longer than its column is cut and ends with
+    ``…``, so a cut is visible.
     """
     rows = [("FIELD", "LOCAL", "REMOTE", "MEANING")]
     for r in reasons:
         rows.append((r.field, _show(r.ours), _show(r.theirs), r.meaning))
-    widths = [min(_CELL_WIDTH, max(len(row[i]) for row in rows)) for i in range(3)]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    widths[1:] = [min(_CELL_WIDTH, w) for w in widths[1:]]
     lines = []
     for row in rows:
         cells = [(row[i] if len(row[i]) <= widths[i] else row[i][: widths[i] - 1] + "…")
@@ -331,12 +344,28 @@ def _remote_identity(exc: PeerIncompatible) -> dict[str, Any]:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
+    import os
+
     import zmq.auth
 
     directory = Path(args.directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(str(directory), args.name)
+    for existing in (directory / f"{args.name}.key", directory / f"{args.name}.key_secret"):
+        if existing.exists():
+            # Replacing a key pair would lock this node out of every peer that trusts it.
+            raise ConfigError(f"DIRECTORY: {str(existing)!r} exists; remove it or choose "
+                              "another --name")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"DIRECTORY: cannot create {str(directory)!r}: {exc}") from exc
+    # The secret is never readable by others, not even between its creation and a chmod.
+    umask = os.umask(0o077)
+    try:
+        public, secret = zmq.auth.create_certificates(str(directory), args.name)
+    finally:
+        os.umask(umask)
     Path(secret).chmod(0o600)
+    Path(public).chmod(0o644)
     print(f"public key: {public}\nsecret key: {secret}")
     return EXIT_OK
 
@@ -347,12 +376,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(blocks=args.blocks, as_json=args.json)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from p2pkv.bench import run_bench, run_soak
+
+    if args.soak is not None:
+        return run_soak(args.soak, json_path=args.json_path)
+    return run_bench(quick=args.quick, json_path=args.json_path)
+
+
 _COMMANDS = {
     "fingerprint": cmd_fingerprint,
     "serve": cmd_serve,
     "probe": cmd_probe,
     "demo": cmd_demo,
     "keygen": cmd_keygen,
+    "bench": cmd_bench,
 }
 
 

@@ -130,6 +130,13 @@ def _plain(value: Any) -> Any:
     return "(absent)" if value is ABSENT else value
 
 
+def _cell(value: Any) -> str:
+    """A reason value as the refusal table shows it (``12 × 49152``, ``(absent)``)."""
+    from p2pkv.cli import _show
+
+    return "(absent)" if value == "(absent)" else _show(value)
+
+
 class _Child:
     """A role process whose stdout JSON lines are read by a thread into a queue."""
 
@@ -240,8 +247,8 @@ def run_demo(*, blocks: int = 256, as_json: bool = False) -> int:
     if inc.get("event") == "refused":
         print("consumer  V1 cross-layer: REFUSED at handshake (no block byte exchanged):")
         for r in inc["reasons"]:
-            print(f"  - {r['field']}: local {json.dumps(r['local'])} vs remote "
-                  f"{json.dumps(r['remote'])}\n      {r['meaning']}")
+            print(f"  - {r['field']}: local {_cell(r['local'])} vs remote "
+                  f"{_cell(r['remote'])}\n      {r['meaning']}")
     else:
         print(f"consumer  V1 cross-layer: NOT refused: {inc}")
     prod = summary.get("producer", {})

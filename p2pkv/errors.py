@@ -70,7 +70,9 @@ class PeerGone(P2PKVError, ConnectionError):
 
 
 class TransferFailed(P2PKVError):
-    """A fetch could not be carried out as a whole (per-key outcomes are in the result)."""
+    """The peer turned a request down as a whole (too many keys, too many requests in
+    flight, unavailable); the connection stays up. Per-key fetch failures are not raised:
+    they are outcomes in the :class:`~p2pkv.node.FetchResult`."""
 
 
 class StoreFullError(P2PKVError):

@@ -62,10 +62,14 @@ class NodeCollector:
         peers.add_metric(["outbound"], s.peers_out)
         peers.add_metric(["inbound"], s.peers_in)
         yield peers
-        buckets = [(f"{le:g}" if le != float("inf") else "+Inf", n)
-                   for le, n in s.fetch_latency_buckets]
-        yield HistogramMetricFamily("p2pkv_fetch_seconds", "Fetch latency (issued by this node)",
-                                    buckets=buckets, sum_value=s.fetch_latency_sum)
+        # The latency histogram only when the node records one: an exception here would
+        # turn every scrape into an HTTP 500 and hide all the other metrics.
+        latency = getattr(s, "fetch_latency_buckets", None)
+        if latency is not None:
+            buckets = [(f"{le:g}" if le != float("inf") else "+Inf", n) for le, n in latency]
+            yield HistogramMetricFamily("p2pkv_fetch_seconds",
+                                        "Fetch latency (issued by this node)", buckets=buckets,
+                                        sum_value=getattr(s, "fetch_latency_sum", 0.0))
 
 
 @dataclass

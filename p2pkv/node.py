@@ -50,6 +50,7 @@ from p2pkv.errors import (
     PeerTimeout,
     ProtocolError,
     StoreFullError,
+    TransferFailed,
 )
 from p2pkv.identity import FieldDiff, RunConfig, diff
 from p2pkv.keys import KEY_HASH_ALGORITHM
@@ -109,6 +110,8 @@ _WAIT_GRACE = 1.0
 # Upper bounds (seconds) of the fetch latency histogram.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, float("inf"))
+# How long a failed pre-handshake send waits for the monitor to explain it.
+_MONITOR_GRACE_MS = 100
 # Sink for payload frames that have nowhere to go (aborted fetch, failed slot).
 _SCRATCH = bytearray(0)
 # Segments at least this large are sent zero-copy (tracked); smaller ones are cheaper to
@@ -693,11 +696,8 @@ class Node:
         if sum(1 for c in self._outbound.values() if not c.closed) >= self.config.max_peers:
             fut.set_exception(P2PKVError(f"peer limit reached (max_peers={self.config.max_peers})"))
             return
-        sock = make_dealer(self._ctx, address, max_message_bytes=self._max_message,
-                           curve=self.config.curve)
-        monitor = sock.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        sock, monitor = make_dealer(self._ctx, address, max_message_bytes=self._max_message,
+                                    curve=self.config.curve)
         now = time.monotonic()
         session = proto.Session(proto.Role.CLIENT, self.hello, deadlines=self._deadlines,
                                 limits=self._limits, now=now)
@@ -767,6 +767,12 @@ class Node:
             try:
                 conn.sock.send_multipart(proto.encode(msg), flags=zmq.NOBLOCK)
             except zmq.ZMQError as exc:
+                # Before the p2pkv handshake a send fails when ZeroMQ's own (CURVE/NULL)
+                # handshake already failed and tore the pipe down; the monitor says
+                # which, so give it a moment to report.
+                if (conn.handle is None and not conn.closed
+                        and conn.monitor.poll(_MONITOR_GRACE_MS)):
+                    self._read_monitor(conn, time.monotonic())
                 self._drop_outbound(conn, PeerGone(f"cannot send to {conn.address}: {exc}"))
                 return
 
@@ -782,7 +788,12 @@ class Node:
                 f"{conn.address} rejected the ZeroMQ security handshake (CURVE keys or "
                 "plaintext/encrypted mismatch)"))
         elif any(e in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) for e in events):
-            self._drop_outbound(conn, PeerGone(f"connection to {conn.address} was lost"))
+            if conn.handle is None:
+                self._drop_outbound(conn, PeerGone(
+                    f"could not connect to {conn.address} (refused, or closed during the "
+                    "handshake)"))
+            else:
+                self._drop_outbound(conn, PeerGone(f"connection to {conn.address} was lost"))
 
     def _read_dealer(self, conn: _Outbound, now: float) -> None:
         sock = conn.sock
@@ -938,9 +949,7 @@ class Node:
                 if recv is not None:
                     self._finish_fetch(recv, ev.outcomes, now)
             elif isinstance(ev, proto.RequestFailed):
-                self._fail_request(conn, ev.req, P2PKVError(
-                    f"{conn.address} failed request {ev.req}: {ev.msg} "
-                    f"[{proto.code_name(ev.code)}]"))
+                self._fail_request(conn, ev.req, _request_error(conn.address, ev))
             elif isinstance(ev, proto.RequestTimedOut):
                 self._fail_request(conn, ev.req, PeerTimeout(
                     f"{conn.address} made no progress on request {ev.req} ({ev.kind}) "
@@ -1278,6 +1287,22 @@ class Node:
 def _drain(sock: zmq.Socket[bytes]) -> None:
     while sock.getsockopt(zmq.RCVMORE):
         sock.recv(zmq.NOBLOCK)
+
+
+def _request_error(address: str, ev: proto.RequestFailed) -> P2PKVError:
+    """The typed error for a request the session failed, chosen by its code."""
+    text = f"{address}: request {ev.req} failed: {ev.msg} [{proto.code_name(ev.code)}]"
+    code = int(ev.code)
+    if code in (proto.Code.PEER_TIMEOUT, proto.Code.TIMEOUT):
+        return PeerTimeout(text)
+    if 100 <= code < 200:
+        return PeerIncompatible(text)
+    if 300 <= code < 400:
+        return PeerGone(text)
+    if code in (proto.Code.OUT_OF_BOUNDS, proto.Code.TOO_MANY_IN_FLIGHT, proto.Code.UNAVAILABLE):
+        # The peer turned this request down; the connection stays up.
+        return TransferFailed(text)
+    return ProtocolError(code, text)
 
 
 def _own_view(local: proto.Hello, refuse: proto.Refuse) -> list[proto.Reason]:

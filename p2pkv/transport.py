@@ -117,7 +117,13 @@ def make_router(ctx: zmq.Context[zmq.Socket[bytes]], listen: str, *, max_message
 
 
 def make_dealer(ctx: zmq.Context[zmq.Socket[bytes]], address: str, *, max_message_bytes: int,
-                curve: CurveKeys | None = None) -> zmq.Socket[bytes]:
+                curve: CurveKeys | None = None,
+                ) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+    """A DEALER connected to ``address`` and its monitor socket.
+
+    The monitor is attached before connecting: on loopback ZeroMQ's own handshake can
+    fail within microseconds, and an event emitted before a monitor exists is lost.
+    """
     sock = ctx.socket(zmq.DEALER)
     configure_common(sock, address, max_message_bytes=max_message_bytes)
     # A connection is one handshake: never let libzmq silently reconnect the same
@@ -130,12 +136,17 @@ def make_dealer(ctx: zmq.Context[zmq.Socket[bytes]], address: str, *, max_messag
         sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_key)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key)
         sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
+    monitor = sock.get_monitor_socket(
+        zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
     try:
         sock.connect(address)
     except zmq.ZMQError as exc:
+        sock.disable_monitor()
+        monitor.close(0)
         sock.close(0)
         raise ConfigError(f"cannot connect to {address!r}: {exc}") from exc
-    return sock
+    return sock, monitor
 
 
 def bound_address(sock: zmq.Socket[bytes]) -> str:

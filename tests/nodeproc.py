@@ -7,9 +7,15 @@ Usage: ``python tests/nodeproc.py ROLE SPEC_JSON [ADDRESS]`` where ROLE is
   ``{"event": "stats", ...}`` and exit 0.
 * ``fetch``: connect to ADDRESS, fetch every block, verify each byte, print
   ``{"event": "fetched", ...}`` (or ``{"event": "refused", ...}``) and exit 0.
+* ``watch``: connect to ADDRESS, fetch ``spec["first"]`` blocks (default 0) and verify
+  them (``{"event": "fetched", ...}``), then fetch the rest asynchronously, print
+  ``{"event": "flowing", ...}`` once ``spec["flowing"]`` more blocks (default 8) are
+  visible, and finally ``{"event": "finished", ...}`` or ``{"event": "failed", ...}``
+  (the exception type) with a consistency report of the local store.
 
 SPEC keys: layout (v1|v2|replicated), geometry ("seed", "mla-small" or a dict of
-Geometry fields), tp, blocks, pool (blocks), model, key_seed, agnostic (opt-in).
+Geometry fields), tp, blocks, pool (blocks), model, key_seed, agnostic (opt-in),
+config (a dict of NodeConfig keyword arguments), key_offset (index of the first key).
 """
 
 from __future__ import annotations
@@ -69,10 +75,10 @@ def say(obj: dict[str, Any]) -> None:
 
 
 def serve(spec: dict[str, Any]) -> int:
-    node = make_node(spec)
+    node = make_node(spec, **spec.get("config", {}))
     try:
         size = node.layout.bytes_per_block
-        for key in keys_for(spec["blocks"]):
+        for key in keys_for(spec["blocks"], spec.get("key_offset", 0)):
             node.put(key, content(key, size))
         say({"event": "ready", "address": node.address, "fingerprint": node.fingerprint})
         done = threading.Event()
@@ -92,7 +98,7 @@ def serve(spec: dict[str, Any]) -> int:
 
 
 def fetch(spec: dict[str, Any], address: str) -> int:
-    node = make_node(spec)
+    node = make_node(spec, **spec.get("config", {}))
     try:
         try:
             peer = node.connect(address)
@@ -103,7 +109,7 @@ def fetch(spec: dict[str, Any], address: str) -> int:
                  "theirs": "(absent)" if r.theirs is ABSENT else r.theirs}
                 for r in exc.reasons], "used": node.store.stats().used})
             return 0
-        keys = keys_for(spec["blocks"])
+        keys = keys_for(spec["blocks"], spec.get("key_offset", 0))
         t0 = time.perf_counter()
         result = peer.fetch(keys, timeout=60)
         seconds = time.perf_counter() - t0
@@ -119,7 +125,56 @@ def fetch(spec: dict[str, Any], address: str) -> int:
     return 0
 
 
+def consistency(node: Node, keys: list[bytes]) -> dict[str, Any]:
+    """What the local store shows: visible blocks, how many are not byte-exact, pins."""
+    size = node.layout.bytes_per_block
+    visible = [k for k, hit in zip(keys, node.lookup_local(keys), strict=True) if hit]
+    corrupt = sum(1 for k in visible if node.get(k) != content(k, size))
+    st = node.store.stats()
+    return {"visible": len(visible), "corrupt": corrupt, "used": st.used, "pinned": st.pinned,
+            "stored": st.stored}
+
+
+def watch(spec: dict[str, Any], address: str) -> int:
+    node = make_node(spec, **spec.get("config", {}))
+    try:
+        keys = keys_for(spec["blocks"], spec.get("key_offset", 0))
+        first = spec.get("first", 0)
+        try:
+            peer = node.connect(address)
+            if first:
+                result = peer.fetch(keys[:first], timeout=60)
+                say({"event": "fetched", "stored": len(result.stored),
+                     "failed": len(result.failed), **consistency(node, keys)})
+        except P2PKVError as exc:
+            say({"event": "error", "type": type(exc).__name__, "error": repr(exc)})
+            return 1
+        timeout = spec.get("timeout", 120)
+        future = node.fetch_async(peer, keys[first:], timeout=timeout)
+        target = first + spec.get("flowing", 8)
+        deadline = time.monotonic() + 60
+        while (node.store.stats().used < target and not future.done()
+               and time.monotonic() < deadline):
+            time.sleep(0.001)
+        say({"event": "flowing", "done": future.done(), "used": node.store.stats().used})
+        try:
+            result = future.result(timeout=timeout + 5)
+        except Exception as exc:  # reported; the parent judges the type and the timing
+            say({"event": "failed", "type": type(exc).__name__, "error": repr(exc),
+                 "p2pkv": isinstance(exc, P2PKVError), **consistency(node, keys)})
+            return 0
+        say({"event": "finished", "stored": len(result.stored), "failed": len(result.failed),
+             **consistency(node, keys)})
+    finally:
+        node.close()
+    return 0
+
+
 if __name__ == "__main__":
     role, spec_json = sys.argv[1], sys.argv[2]
     spec = json.loads(spec_json)
-    sys.exit(serve(spec) if role == "serve" else fetch(spec, sys.argv[3]))
+    if role == "serve":
+        sys.exit(serve(spec))
+    if role == "watch":
+        sys.exit(watch(spec, sys.argv[3]))
+    sys.exit(fetch(spec, sys.argv[3]))

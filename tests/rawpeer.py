@@ -1,0 +1,411 @@
+"""Raw ZeroMQ peers for reliability and security tests: no p2pkv.Node on this side.
+
+* :class:`RawPeer`: a DEALER that speaks (or mangles) the wire protocol by hand.
+* :class:`SilentRouter`: accepts connections and reads everything, answers nothing.
+* :class:`SilentTcp`: accepts TCP connections and never speaks (not even ZMTP).
+* :class:`CorruptingProxy`: ROUTER facing a client, DEALER to the real server; flips one
+  byte in some ``block`` payload frames.
+* :class:`GoodPeer`: a well-behaved node that keeps looking up and fetching (byte-exact)
+  in a thread while something hostile happens next to it.
+
+Every receive has a timeout; every socket has LINGER 0; every thread stops on ``close``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgpack
+import zmq
+from nodeproc import content
+
+from p2pkv import protocol as proto
+from p2pkv.node import Node, PeerHandle
+
+Frames = list[bytes]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (right now)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def raw_hello(server: Node, name: str = "raw") -> proto.Hello:
+    """A hello the server accepts: its own identity under another node id."""
+    return dataclasses.replace(server.hello, node=name)
+
+
+def packed(obj: Any) -> bytes:
+    data = msgpack.packb(obj, use_bin_type=True)
+    assert isinstance(data, bytes)
+    return data
+
+
+class RawPeer:
+    """One DEALER connection to ``address``, driven by hand."""
+
+    def __init__(self, address: str, *, ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 monitor: bool = False, reconnect: bool = False) -> None:
+        self._own_ctx = ctx is None
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = ctx or zmq.Context()
+        self.sock: zmq.Socket[bytes] = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # floods must not block on our side
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        if not reconnect:
+            self.sock.setsockopt(zmq.RECONNECT_IVL, -1)
+        self.monitor: zmq.Socket[bytes] | None = None
+        if monitor:
+            self.monitor = self.sock.get_monitor_socket()
+        self.sock.connect(address)
+        self.segments: tuple[int, ...] | None = None
+
+    # -- sending
+
+    def send(self, frames: Sequence[bytes], timeout: float = 5.0) -> None:
+        """Send one multipart message; raises zmq.Again if it cannot leave in time."""
+        self.sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
+        self.sock.send_multipart(list(frames))
+
+    def send_msg(self, msg: proto.Message) -> None:
+        self.send([bytes(f) for f in proto.encode(msg)])
+
+    def send_map(self, head: dict[str, Any], *payload: bytes) -> None:
+        self.send([packed(head), *payload])
+
+    # -- receiving
+
+    def recv(self, timeout: float) -> Frames | None:
+        """One multipart message, or None when nothing arrives within ``timeout``."""
+        if not self.sock.poll(int(timeout * 1000), zmq.POLLIN):
+            return None
+        return [bytes(f) for f in self.sock.recv_multipart(zmq.NOBLOCK)]
+
+    def recv_msg(self, timeout: float = 5.0) -> proto.Message:
+        """The next message, decoded (payload sizes checked once the handshake is done)."""
+        frames = self.recv(timeout)
+        assert frames is not None, f"no message from the node within {timeout}s"
+        return proto.decode(frames, self.segments)
+
+    def expect(self, kind: type[Any], timeout: float = 5.0) -> Any:
+        msg = self.recv_msg(timeout)
+        assert type(msg) is kind, f"expected {kind.__name__}, got {msg!r:.300}"
+        return msg
+
+    def nothing_within(self, timeout: float) -> bool:
+        return self.recv(timeout) is None
+
+    def handshake(self, server: Node, name: str = "raw") -> proto.Welcome:
+        self.send_msg(raw_hello(server, name))
+        welcome = self.expect(proto.Welcome)
+        self.segments = tuple(welcome.geo.seg)
+        return welcome  # type: ignore[no-any-return]
+
+    def alive(self, nonce: int = 424242, timeout: float = 5.0) -> bool:
+        """Ping the node on this connection; True when the matching pong comes back."""
+        self.send_msg(proto.Ping(nonce))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            frames = self.recv(deadline - time.monotonic())
+            if frames is None:
+                return False
+            msg = proto.decode(frames, self.segments)
+            if type(msg) is proto.Pong and msg.nonce == nonce:
+                return True
+        return False
+
+    def monitor_events(self, timeout: float) -> list[int]:
+        """Monitor events seen within ``timeout`` (needs ``monitor=True``)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        assert self.monitor is not None
+        events: list[int] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.monitor.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+                break
+            events.append(int(recv_monitor_message(self.monitor)["event"]))
+            if zmq.EVENT_DISCONNECTED in events:
+                break
+        return events
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.disable_monitor()
+            self.monitor.close(0)
+        self.sock.close(0)
+        if self._own_ctx:
+            self.ctx.term()
+
+
+class SilentRouter:
+    """A ROUTER that accepts, reads and ignores everything (a peer that never answers)."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.sock: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind("tcp://127.0.0.1:*")
+        endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(endpoint, bytes)
+        self.address = endpoint.decode()
+        self.received: list[Frames] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.sock.poll(50, zmq.POLLIN):
+                self.received.append([bytes(f) for f in self.sock.recv_multipart()])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+class FakeServer:
+    """A ROUTER that completes the handshake by hand (a welcome mirroring ``identity``),
+    then answers every later message with ``script(msg)`` (default: nothing at all)."""
+
+    def __init__(self, identity: proto.Greeting,
+                 script: Callable[[proto.Message], list[proto.Message]] | None = None) -> None:
+        self.welcome = proto.Welcome(
+            "fake-server", identity.minor, identity.rc, identity.fp, identity.geo,
+            identity.khash, identity.caps, identity.limits)
+        self.script = script or (lambda msg: [])
+        self.received: list[proto.Message] = []
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.sock: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind("tcp://127.0.0.1:*")
+        endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(endpoint, bytes)
+        self.address = endpoint.decode()
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.sock.poll(50, zmq.POLLIN):
+                    continue
+                rid, *frames = self.sock.recv_multipart()
+                msg = proto.decode(frames)
+                self.received.append(msg)
+                replies = [self.welcome] if type(msg) is proto.Hello else self.script(msg)
+                for reply in replies:
+                    self.sock.send_multipart([rid, *proto.encode(reply)])
+        except Exception:
+            self.errors.append(traceback.format_exc())
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+class SilentTcp:
+    """A TCP listener that accepts connections and never sends a byte (no ZMTP)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.05)
+        self.address = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            self.accepted.append(conn)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for conn in self.accepted:
+            conn.close()
+        self.sock.close()
+
+
+class CorruptingProxy:
+    """Client → ROUTER (this proxy) → DEALER → real server, and back.
+
+    Every ``every``-th block carried in a ``block`` message (counted over the proxy's
+    life, starting with the ``first``-th) gets one byte flipped in one of its payload
+    frames. ``corrupted`` records the keys of those blocks, found through the client's
+    ``fetch`` messages (``req`` → keys) that pass through the proxy.
+    """
+
+    def __init__(self, server_address: str, *, every: int = 3, first: int = 1) -> None:
+        self.server_address = server_address
+        self.every = every
+        self.first = first
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.front: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
+        self.front.setsockopt(zmq.LINGER, 0)
+        self.front.bind("tcp://127.0.0.1:*")
+        endpoint = self.front.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(endpoint, bytes)
+        self.address = endpoint.decode()
+        self.corrupted: list[bytes] = []
+        self.blocks_seen = 0
+        self.errors: list[str] = []
+        self._fetch_keys: dict[int, list[bytes]] = {}
+        self._backs: dict[bytes, zmq.Socket[bytes]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _back(self, rid: bytes, poller: zmq.Poller) -> zmq.Socket[bytes]:
+        sock = self._backs.get(rid)
+        if sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.server_address)
+            self._backs[rid] = sock
+            poller.register(sock, zmq.POLLIN)
+        return sock
+
+    def _to_server(self, frames: Frames) -> Frames:
+        with contextlib.suppress(Exception):
+            head = msgpack.unpackb(frames[0], raw=False)
+            if isinstance(head, dict) and head.get("t") == "fetch":
+                self._fetch_keys[int(head["req"])] = list(head["keys"])
+        return frames
+
+    def _to_client(self, frames: Frames) -> Frames:
+        try:
+            head = msgpack.unpackb(frames[0], raw=False)
+        except Exception:
+            return frames
+        if not isinstance(head, dict) or head.get("t") != "block" or len(frames) < 2:
+            return frames
+        idx = list(head["idx"])
+        per_block = (len(frames) - 1) // len(idx)
+        keys = self._fetch_keys.get(int(head["req"]), [])
+        for n, i in enumerate(idx):
+            self.blocks_seen += 1
+            if self.blocks_seen < self.first or (self.blocks_seen - self.first) % self.every:
+                continue
+            seg = self.blocks_seen % per_block
+            pos = 1 + n * per_block + seg
+            frame = bytearray(frames[pos])
+            frame[len(frame) // 2] ^= 0x5A
+            frames[pos] = bytes(frame)
+            if i < len(keys):
+                self.corrupted.append(keys[i])
+        return frames
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(50):
+                    if sock is self.front:
+                        rid, *frames = [bytes(f) for f in self.front.recv_multipart()]
+                        self._back(rid, poller).send_multipart(self._to_server(frames))
+                        continue
+                    frames = [bytes(f) for f in sock.recv_multipart()]
+                    rid = next(r for r, s in self._backs.items() if s is sock)
+                    self.front.send_multipart([rid, *self._to_client(frames)])
+        except Exception:  # surfaced by the test through .errors
+            self.errors.append(traceback.format_exc())
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for sock in self._backs.values():
+            sock.close(0)
+        self.front.close(0)
+        self.ctx.term()
+
+
+class GoodPeer:
+    """A well-behaved client node that keeps using ``server`` in a background thread.
+
+    Each round: a lookup of every key (all must hit) and a fetch of them into caller
+    buffers (all must be STORED and byte-exact). Anything else is recorded in
+    ``errors``; :meth:`stop` returns the number of good rounds.
+    """
+
+    def __init__(self, client: Node, server_address: str, keys: Sequence[bytes],
+                 pause: float = 0.01) -> None:
+        self.client = client
+        self.keys = list(keys)
+        self.pause = pause
+        self.peer: PeerHandle = client.connect(server_address)
+        self.rounds = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def one_round(self) -> None:
+        hits = self.peer.lookup(self.keys, timeout=10)
+        if hits != [True] * len(self.keys):
+            self.errors.append(f"lookup answered {hits}")
+        segs = self.client.layout.segment_sizes
+        buffers = [[bytearray(n) for n in segs] for _ in self.keys]
+        views: list[list[memoryview]] = [[memoryview(b) for b in bufs] for bufs in buffers]
+        result = self.client.fetch_into(self.peer, self.keys, views, timeout=10)
+        if result.stored != self.keys:
+            self.errors.append(f"fetch outcomes {result.outcomes} errors {result.errors}")
+        size = sum(segs)
+        for key, bufs in zip(self.keys, buffers, strict=True):
+            if b"".join(bufs) != content(key, size):
+                self.errors.append(f"block {key.hex()} is not byte-exact")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.one_round()
+            except Exception as exc:
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+            else:
+                self.rounds += 1
+            self._stop.wait(self.pause)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        self._stop.set()
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the good peer's thread is stuck"
+        return self.rounds
+
+    def check(self, min_rounds: int = 1) -> None:
+        """Stop; fail when a round went wrong or too few rounds ran."""
+        rounds = self.stop()
+        assert not self.errors, f"the well-behaved peer saw errors: {self.errors[:5]}"
+        assert rounds >= min_rounds, f"the well-behaved peer ran only {rounds} round(s)"
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, step: float = 0.005) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return predicate()

@@ -1,0 +1,84 @@
+"""``p2pkv-node bench --quick``: one real run, checked for structure and verified bytes.
+
+Speed is never asserted here (the machine is shared and noisy); the table's
+targets are for people reading it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+BULK = ("bulk seed V2 (12 x 48 KiB)", "bulk seed V1 (1 x 576 KiB)",
+        "bulk Llama-3-8B V2 (32 x 64 KiB)", "bulk 16 KiB blocks (V1)")
+LOOKUPS = tuple(f"lookup {n} keys, {when}" for n in ("1,000", "10,000")
+                for when in ("idle", "during bulk fetch"))
+FIELDS = {"case", "metric", "value", "baseline", "ratio", "target", "met", "verified",
+          "baseline_kind", "details", "error"}
+
+
+def _command() -> list[str]:
+    script = Path(sys.executable).with_name("p2pkv-node")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "p2pkv.cli"]
+
+
+def test_quick_bench_runs_every_case_and_verifies_every_byte(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    try:
+        proc = subprocess.run([*_command(), "bench", "--quick", "--json", str(out)],
+                              capture_output=True, text=True, timeout=200)
+    except subprocess.TimeoutExpired as exc:  # subprocess.run killed the child already
+        pytest.fail(f"bench --quick did not finish within 200 s: {exc.stderr!r:.3000}")
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+
+    data = json.loads(out.read_text())
+    assert data["mode"] == "quick"
+    assert data["ok"] is True and data["errors"] == []
+    assert "ROUTER" in data["baseline"] and "DEALER" in data["baseline"]
+    assert data["machine"]["nproc"] >= 1 and data["machine"]["python"]
+
+    rows = data["cases"]
+    by_case: dict[str, list[dict[str, object]]] = {}
+    for row in rows:
+        assert set(row) == FIELDS, row
+        assert row["error"] is None, row
+        assert row["verified"] is True, f"bytes not verified: {row}"
+        value, baseline = row["value"], row["baseline"]
+        assert isinstance(value, float) and math.isfinite(value) and value > 0, row
+        assert isinstance(baseline, float) and math.isfinite(baseline) and baseline > 0, row
+        assert row["ratio"] == pytest.approx(value / baseline), row
+        assert row["met"] in (True, False, None)
+        by_case.setdefault(str(row["case"]), []).append(row)
+        # The printed table carries every row too.
+        assert str(row["case"]) in proc.stdout
+
+    for name in BULK:
+        (row,) = by_case[name]
+        details = row["details"]
+        assert isinstance(details, dict)
+        assert row["metric"] == "fetch GB/s" and row["met"] in (True, False)
+        assert details["raw_verified"] is True and details["node_verified"] is True
+        # Bytes really moved: every round of both sides moved the whole dataset.
+        assert details["bytes_per_side"] >= data["plan"]["bulk_bytes"] * 0.9
+        assert len(details["node_round_gbps"]) == len(details["raw_round_gbps"]) >= 2
+    for name in LOOKUPS:
+        assert sorted(str(r["metric"]) for r in by_case[name]) == ["p50 ms", "p99 ms"]
+    assert any(r["met"] is not None for r in by_case["lookup 10,000 keys, during bulk fetch"])
+    assert sorted(str(r["metric"]) for r in by_case["handshake (connect to ready)"]) == [
+        "p50 ms", "p99 ms"]
+    assert any(name.startswith("checksums on vs off") for name in by_case)
+    (mem,) = [r for name, rs in by_case.items() if name.startswith("receiver peak RSS")
+              for r in rs]
+    assert isinstance(mem["details"], dict) and mem["details"]["pool_mib"] > 0
+    stats = data["server_stats"]["node-server"]["nodes"]
+    assert stats["seed-v2"]["protocol_violations"] == 0
+    assert stats["seed-v2"]["bytes_sent"] > data["plan"]["bulk_bytes"]

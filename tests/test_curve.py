@@ -1,0 +1,199 @@
+"""CURVE transport security and the connect allowlist (issue 8).
+
+Keys come from the real CLI (``p2pkv-node keygen DIR --name NAME``, zmq.auth format).
+A server node with ``CurveKeys(server_pub, server_sec, None, {authorized client pubs})``
+accepts an authorized client (byte-exact fetch) and rejects an unauthorized key and a
+plaintext client within the handshake timeout, with a P2PKVError (PeerIncompatible
+today: the ZeroMQ security handshake fails, reported through the socket monitor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+import zmq.auth
+from nodeproc import content, keys_for, make_node
+from rawpeer import RawPeer, SilentRouter, free_port, raw_hello
+
+from p2pkv.errors import ConfigError, P2PKVError, PeerIncompatible
+from p2pkv.protocol import encode
+from p2pkv.transport import CurveKeys, load_authorized_keys
+
+pytestmark = pytest.mark.timeout(120)
+
+SMALL = {"layout": "v2", "geometry": "small"}
+BLOCKS = 6
+SLACK = 0.75
+
+
+def keygen(directory: Path, name: str) -> tuple[bytes, bytes]:
+    """Run the CLI's keygen; return (public, secret) as read back with zmq.auth."""
+    script = Path(sys.executable).with_name("p2pkv-node")
+    cmd = ([str(script)] if script.exists() else
+           [sys.executable, "-c", "import sys; from p2pkv.cli import main; sys.exit(main())"])
+    done = subprocess.run([*cmd, "keygen", str(directory), "--name", name],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    public_file = directory / f"{name}.key"
+    secret_file = directory / f"{name}.key_secret"
+    assert public_file.is_file() and secret_file.is_file()
+    assert stat.S_IMODE(os.stat(secret_file).st_mode) == 0o600
+    public, none = zmq.auth.load_certificate(str(public_file))
+    assert none is None  # the public file holds no secret
+    pub2, secret = zmq.auth.load_certificate(str(secret_file))
+    assert pub2 == public and secret is not None and len(public) == len(secret) == 40
+    return public, secret
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[bytes, bytes]]:
+    base = tmp_path_factory.mktemp("curve")
+    out = {name: keygen(base / ("clients" if name.startswith("client") else "other"), name)
+           for name in ("server", "client1", "client2", "stranger")}
+    # load_authorized_keys reads every *.key in a directory (the two clients here).
+    assert load_authorized_keys(base / "clients") == frozenset(
+        {out["client1"][0], out["client2"][0]})
+    return out
+
+
+@pytest.fixture
+def nodes() -> Iterator[Any]:
+    built: list[Any] = []
+
+    def build(spec: dict[str, Any], **config: Any) -> Any:
+        node = make_node(spec, **config)
+        built.append(node)
+        return node
+
+    yield build
+    for node in built:
+        node.close(timeout=1.0)
+
+
+def curve_server(nodes: Any, keys: dict[str, tuple[bytes, bytes]]) -> Any:
+    spub, ssec = keys["server"]
+    authorized = frozenset({keys["client1"][0], keys["client2"][0]})
+    server = nodes({**SMALL, "blocks": BLOCKS}, handshake_timeout=1.5,
+                   curve=CurveKeys(spub, ssec, None, authorized))
+    for k in keys_for(BLOCKS):
+        server.put(k, content(k, server.layout.bytes_per_block))
+    return server
+
+
+def client_curve(keys: dict[str, tuple[bytes, bytes]], name: str) -> CurveKeys:
+    pub, sec = keys[name]
+    return CurveKeys(pub, sec, keys["server"][0], None)
+
+
+@pytest.mark.parametrize("who", ["client1", "client2"])
+def test_authorized_client_fetches_byte_exact(nodes: Any, keys: Any, who: str) -> None:
+    server = curve_server(nodes, keys)
+    client = nodes({**SMALL, "blocks": BLOCKS}, curve=client_curve(keys, who))
+    peer = client.connect(server.address)
+    wanted = keys_for(BLOCKS)
+    assert peer.lookup(wanted) == [True] * BLOCKS
+    result = peer.fetch(wanted)
+    assert result.stored == wanted
+    size = client.layout.bytes_per_block
+    assert all(client.get(k) == content(k, size) for k in wanted)
+    assert server.stats().handshakes_accepted == 1
+
+
+@pytest.mark.parametrize("who", ["stranger", "plaintext", "wrong-server-key"])
+def test_unauthorized_or_plaintext_client_cannot_handshake(
+        nodes: Any, keys: Any, who: str) -> None:
+    server = curve_server(nodes, keys)
+    if who == "stranger":
+        curve: CurveKeys | None = client_curve(keys, "stranger")
+    elif who == "wrong-server-key":
+        pub, sec = keys["client1"]
+        curve = CurveKeys(pub, sec, keys["stranger"][0], None)
+    else:
+        curve = None
+    client = nodes({**SMALL, "blocks": BLOCKS}, curve=curve, handshake_timeout=1.5)
+    t0 = time.monotonic()
+    with pytest.raises(P2PKVError) as info:
+        client.connect(server.address)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 1.5 + SLACK, f"took {elapsed:.2f}s"
+    # The ZeroMQ security handshake fails and the node reports it as PeerIncompatible
+    # (a stranger's key is rejected by ZAP; a plaintext client speaks the NULL
+    # mechanism; a wrong server key fails the CURVE handshake).
+    assert isinstance(info.value, PeerIncompatible), repr(info.value)
+    assert client.peers() == []
+    assert client.store.stats().used == 0
+    assert server.stats().handshakes_accepted == 0
+    # The server is unharmed: an authorized client still gets in.
+    good = nodes({**SMALL, "blocks": BLOCKS}, curve=client_curve(keys, "client1"))
+    assert good.connect(server.address).lookup(keys_for(2)) == [True, True]
+
+
+def test_wrong_server_key_error_type_is_stable(nodes: Any, keys: Any) -> None:
+    """The first connects race the CURVE failure against the hello being queued; the
+    error type must not depend on who wins."""
+    server = curve_server(nodes, keys)
+    pub, sec = keys["client1"]
+    kinds = []
+    for _ in range(8):  # a fresh client node each time: the race shows on first connects
+        client = nodes({**SMALL, "blocks": 2}, handshake_timeout=1.5,
+                       curve=CurveKeys(pub, sec, keys["stranger"][0], None))
+        with pytest.raises(P2PKVError) as info:
+            client.connect(server.address)
+        kinds.append(type(info.value).__name__)
+    assert set(kinds) == {"PeerIncompatible"}, kinds
+
+
+def test_plaintext_raw_socket_never_reaches_the_protocol(nodes: Any, keys: Any) -> None:
+    """A raw plaintext DEALER sends a hello: the NULL/CURVE mechanism mismatch fails the
+    ZMTP handshake, libzmq drops the connection, the node never sees a p2pkv message."""
+    server = curve_server(nodes, keys)
+    raw = RawPeer(server.address, monitor=True)
+    try:
+        with contextlib.suppress(zmq.Again):  # no pipe once the handshake has failed
+            raw.send([bytes(f) for f in encode(raw_hello(server))], timeout=0.2)
+        events = raw.monitor_events(2.0)
+        assert zmq.EVENT_DISCONNECTED in events or zmq.EVENT_CLOSED in events, events
+        assert raw.nothing_within(0.2)
+        assert server.stats().handshakes_accepted == 0
+        assert server.stats().protocol_violations == 0
+    finally:
+        raw.close()
+
+
+def test_connect_allowlist_refuses_before_any_connection(nodes: Any) -> None:
+    """ConfigError at call time, and not a single TCP connection is attempted."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.settimeout(0.5)
+    forbidden = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    allowed_router = SilentRouter()
+    try:
+        node = nodes(SMALL, handshake_timeout=0.5,
+                     connect_allowlist=frozenset({allowed_router.address}))
+        with pytest.raises(ConfigError) as info:
+            node.connect(forbidden)
+        assert forbidden in str(info.value)
+        with pytest.raises(ConfigError):
+            node.connect_async(f"tcp://127.0.0.1:{free_port()}")
+        with pytest.raises(TimeoutError):  # socket.timeout: nobody knocked
+            listener.accept()
+        assert node.peers() == []
+        # An allowed address is attempted (here: it times out, nobody answers).
+        with pytest.raises(P2PKVError) as info2:
+            node.connect(allowed_router.address)
+        assert not isinstance(info2.value, ConfigError)
+    finally:
+        listener.close()
+        allowed_router.close()

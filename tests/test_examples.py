@@ -1,0 +1,102 @@
+"""Every ``examples/*.py`` runs to completion: each imports its module and calls ``main()``
+(which asserts its own results) in a subprocess with a timeout.
+
+The examples start together (each process spends seconds importing torch) and each test
+waits for its own.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+TIMEOUT_S = 90
+
+# Import the file as a module and call main(): the same code `python examples/X.py` runs,
+# but a module without main() fails here instead of silently doing nothing.
+RUNNER = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("example", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+result = module.main()
+sys.exit(0 if result in (None, 0) else result)
+"""
+
+
+class Examples:
+    """The example processes, started together; each result is collected once."""
+
+    def __init__(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("P2PKV_")}
+        self.procs = {
+            path.name: subprocess.Popen([sys.executable, "-c", RUNNER, str(path)],
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, cwd=ROOT, env=env)
+            for path in EXAMPLES
+        }
+        self._results: dict[str, tuple[int, str, str]] = {}
+
+    def result(self, name: str) -> tuple[int, str, str]:
+        if name not in self._results:
+            proc = self.procs[name]
+            try:
+                out, err = proc.communicate(timeout=TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+                pytest.fail(f"{name} did not finish within {TIMEOUT_S}s\n{out[-2000:]}\n"
+                            f"{err[-3000:]}")
+            self._results[name] = (proc.returncode, out, err)
+        return self._results[name]
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def examples() -> Iterator[Examples]:
+    running = Examples()
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+def test_there_are_examples() -> None:
+    names = {p.name for p in EXAMPLES}
+    assert {"v1_vs_v2_refusal.py", "handshake_debug.py"} <= names, names
+
+
+@pytest.mark.parametrize("name", [p.name for p in EXAMPLES])
+def test_example_runs(name: str, examples: Examples) -> None:
+    code, out, err = examples.result(name)
+    assert code == 0, f"{name} exited {code}\n{out[-2000:]}\n{err[-3000:]}"
+    assert out.strip(), f"{name} printed nothing"
+
+
+def test_refusal_example_shows_the_compact_table(examples: Examples) -> None:
+    code, out, _ = examples.result("v1_vs_v2_refusal.py")
+    assert code == 0
+    assert "refused, as it must be:" in out
+    assert "run_config.parallel_agnostic" in out
+    assert "12 × 49152" in out  # geometry.segments, not cut off at the column width
+
+
+def test_handshake_debug_example_probes_twice(examples: Examples) -> None:
+    code, out, _ = examples.result("handshake_debug.py")
+    assert code == 0
+    assert "COMPATIBLE with" in out
+    assert "REFUSED by handshake" in out
+    assert "run_config.dtype" in out
+    assert "node shut down cleanly" in out
