@@ -50,6 +50,7 @@ __all__ = [
     "block_keys",
     "content_hash",
     "full_blocks",
+    "keys_well_formed",
     "make_block_key",
     "root_hash",
     "split_block_key",
@@ -61,6 +62,21 @@ CONTENT_HASH_BYTES = 16
 BLOCK_KEY_BYTES = CONTENT_HASH_BYTES + 4
 
 ExtraKey: TypeAlias = "int | str | bytes"
+
+
+def keys_well_formed(keys: Sequence[object], max_len: int) -> bool:
+    """True when every key is ``bytes`` of 1..``max_len`` bytes.
+
+    The iteration runs in C (``map``/``set``/``min``/``max``): a 10,000-key lookup is
+    checked on every layer it crosses, so the common, valid case must be cheap. Callers
+    walk the keys one by one only to name the bad one.
+    """
+    if not keys:
+        return True
+    if set(map(type, keys)) != {bytes}:
+        return False
+    lengths = list(map(len, keys))  # type: ignore[arg-type]
+    return min(lengths) >= 1 and max(lengths) <= max_len
 
 _ROOT_LABEL = b"p2pkv/block-key/root/v1"
 _U32 = struct.Struct("<I")

@@ -53,7 +53,7 @@ from p2pkv.errors import (
     TransferFailed,
 )
 from p2pkv.identity import FieldDiff, RunConfig, diff
-from p2pkv.keys import KEY_HASH_ALGORITHM
+from p2pkv.keys import KEY_HASH_ALGORITHM, keys_well_formed
 from p2pkv.layout import Layout
 from p2pkv.pool import BlockPool
 from p2pkv.protocol.codes import (
@@ -104,6 +104,8 @@ CHECKSUM_CAPABILITY = "checksum-xxh3-64"
 _BATCH_BYTES = 1 << 20
 # Messages handled per socket per loop turn, so one busy peer cannot starve the others.
 _READ_BUDGET = 256
+# Block bytes received per connection per loop turn before commands get a turn.
+_READ_BURST_BYTES = 4 << 20
 # Grace added to a blocking helper's wait beyond the IO thread's own deadline, so the
 # typed timeout from the IO thread wins over a bare concurrent.futures timeout.
 _WAIT_GRACE = 1.0
@@ -260,16 +262,23 @@ class _Receiving:
     keys: tuple[bytes, ...]
     future: Future[FetchResult]
     destinations: Sequence[Sequence[memoryview]] | None
-    window: int
+    granted: int  # blocks of credit granted so far (the initial window included)
     started: float
     deadline: float
     outcomes: list[KeyOutcome | None]
     index_map: list[int]
     errors: dict[int, str] = field(default_factory=dict)
-    writers: dict[int, BlockWriter] = field(default_factory=dict)
-    owed_credit: int = 0
+    arrived: int = 0  # blocks whose frames arrived (landed, failed or dropped)
     blocks: int = 0
     nbytes: int = 0
+
+    @property
+    def outstanding(self) -> int:
+        return self.granted - self.arrived
+
+    @property
+    def ungranted(self) -> int:
+        return len(self.index_map) - self.granted
 
 
 @dataclass(eq=False)
@@ -284,6 +293,7 @@ class _Outbound:
     handle: PeerHandle | None = None
     lookups: dict[int, tuple[Future[list[bool]], float]] = field(default_factory=dict)
     fetches: dict[int, _Receiving] = field(default_factory=dict)
+    received_blocks: int = 0
     closed: bool = False
 
 
@@ -391,9 +401,9 @@ class Node:
         self._by_monitor: dict[zmq.Socket[bytes], _Outbound] = {}
         self._inbound: dict[bytes, _Inbound] = {}
         self._peer_ids = itertools.count(1)
-        # (tracker, reader) in send order; a reader is released once libzmq let go.
-        self._inflight_sends: collections.deque[tuple[zmq.MessageTracker, BlockReader]] = (
-            collections.deque())
+        # (tracker, readers) in send order; readers are released once libzmq let go.
+        self._inflight_sends: collections.deque[
+            tuple[zmq.MessageTracker, list[BlockReader]]] = collections.deque()
         self._closing = False
         self._closed = threading.Event()
         self._lock = threading.Lock()
@@ -440,6 +450,9 @@ class Node:
                      timeout: float | None = None) -> Future[list[bool]]:
         keys = self._check_keys(keys)
         fut: Future[list[bool]] = Future()
+        if not keys:
+            fut.set_result([])
+            return fut
         deadline = time.monotonic() + (timeout or self.config.lookup_timeout)
         self._submit(fut, lambda: self._cmd_lookup(peer.peer_id, keys, fut, deadline))
         return fut
@@ -566,6 +579,8 @@ class Node:
         if len(out) > self.config.max_keys_per_request:
             raise ValueError(f"{len(out)} keys exceed max_keys_per_request="
                              f"{self.config.max_keys_per_request}; split the request")
+        if keys_well_formed(out, MAX_KEY_LEN):
+            return out
         for i, k in enumerate(out):
             if type(k) is not bytes or not 1 <= len(k) <= MAX_KEY_LEN:
                 raise ValueError(f"keys[{i}] must be bytes of length 1..{MAX_KEY_LEN}, "
@@ -577,6 +592,9 @@ class Node:
                      timeout: float | None) -> Future[FetchResult]:
         checked = self._check_keys(keys)
         fut: Future[FetchResult] = Future()
+        if not checked:
+            fut.set_result(FetchResult((), (), {}, 0, 0, 0.0))
+            return fut
         deadline = time.monotonic() + (timeout or self.config.fetch_timeout)
         self._submit(fut, lambda: self._cmd_fetch(peer.peer_id, checked, destinations, fut,
                                                   deadline))
@@ -740,7 +758,10 @@ class Node:
             fut.set_result(FetchResult(keys, tuple(o or KeyOutcome.STORED for o in outcomes),
                                        {}, 0, 0, 0.0))
             return
-        window = min(self._window, len(wanted))
+        # One credit budget per peer, shared by all its fetches: it bounds the data
+        # queued towards this node, and so how long a lookup answer can wait behind it.
+        free = self._window - sum(r.outstanding for r in conn.fetches.values())
+        window = max(1, min(free, len(wanted)))
         msg = conn.session.fetch(tuple(keys[i] for i in wanted), window, now)
         recv = _Receiving(msg.req, keys, fut, destinations, window, now, deadline, outcomes,
                           wanted)
@@ -797,8 +818,13 @@ class Node:
 
     def _read_dealer(self, conn: _Outbound, now: float) -> None:
         sock = conn.sock
+        start = conn.received_blocks
         for _ in range(_READ_BUDGET):
             if conn.closed:
+                return
+            # Leave a burst of bulk data after a few MiB so that queued commands (a
+            # lookup issued meanwhile) and other peers get their turn.
+            if (conn.received_blocks - start) * self._bpb >= _READ_BURST_BYTES:
                 return
             try:
                 head = sock.recv(zmq.NOBLOCK)
@@ -870,7 +896,7 @@ class Node:
                 if writer is not None:
                     writer.abort()
                 continue
-            recv.owed_credit += 1
+            recv.arrived += 1
             if not ok:
                 if writer is not None:
                     writer.abort()
@@ -909,15 +935,39 @@ class Node:
                                 "block message carries more frames than announced")
             self._handle_out_events(conn, conn.session.receive_malformed(bad, now), now)
             return
+        conn.received_blocks += len(msg.idx)
         self._count("blocks_received", landed)
         self._count("bytes_received", landed * self._bpb)
-        # Return credit in batches: half a window at a time keeps the pipe full while
-        # halving the number of credit messages.
-        if recv is not None and recv.owed_credit and (
-                recv.owed_credit * 2 >= recv.window or recv.owed_credit >= 64):
-            n_credit, recv.owed_credit = recv.owed_credit, 0
-            with contextlib.suppress(ProtocolError, ValueError):
-                self._send_out(conn, [conn.session.credit(recv.req, n_credit, now)])
+        self._refill_credit(conn, now)
+
+    def _refill_credit(self, conn: _Outbound, now: float) -> None:
+        """Grant credit so the peer's outstanding blocks return to the window budget.
+
+        Credit goes out in batches (at least half the budget, or whatever a starved
+        fetch needs), which keeps the pipe full with few credit messages; it is split
+        evenly over the fetches that still have blocks to be granted.
+        """
+        fetches = [r for r in conn.fetches.values() if r.ungranted > 0]
+        if not fetches:
+            return
+        free = self._window - sum(r.outstanding for r in conn.fetches.values())
+        starved = any(r.outstanding == 0 for r in fetches)
+        if free <= 0 or (free * 2 < self._window and free < 64 and not starved):
+            return
+        share = -(-free // len(fetches))
+        for r in fetches:
+            n = min(share, r.ungranted, free)
+            if n <= 0:
+                continue
+            try:
+                credit = conn.session.credit(r.req, n, now)
+            except (ProtocolError, ValueError):
+                continue  # the fetch is aborting; it needs no more credit
+            r.granted += n
+            free -= n
+            self._send_out(conn, [credit])
+            if conn.closed:
+                return
 
     def _handle_out_events(self, conn: _Outbound, out: proto.Output, now: float) -> None:
         self._send_out(conn, out.replies)
@@ -948,6 +998,7 @@ class Node:
                 recv = conn.fetches.pop(ev.req, None)
                 if recv is not None:
                     self._finish_fetch(recv, ev.outcomes, now)
+                    self._refill_credit(conn, now)  # its budget goes to the others
             elif isinstance(ev, proto.RequestFailed):
                 self._fail_request(conn, ev.req, _request_error(conn.address, ev))
             elif isinstance(ev, proto.RequestTimedOut):
@@ -1002,8 +1053,6 @@ class Node:
                 recv.errors.setdefault(key_index, "peer reported the block as sent but it "
                                        "never arrived" if code == OUTCOME_SENT
                                        else "peer failed to send the block")
-        for w in recv.writers.values():
-            w.abort()
         seconds = now - recv.started
         result = FetchResult(recv.keys, tuple(o or KeyOutcome.FAILED for o in recv.outcomes),
                              dict(recv.errors), recv.blocks, recv.nbytes, seconds)
@@ -1190,24 +1239,32 @@ class Node:
                 return
             # ROUTER accepts the rest of a multipart once its first frame went through.
             sock.send(head, zmq.SNDMORE)
-            last = len(readers) - 1
-            for b, reader in enumerate(readers):
-                views = reader.views
-                final = len(views) - 1
-                tracker: zmq.MessageTracker | None = None
-                for s, view in enumerate(views):
-                    flags = 0 if (b == last and s == final) else zmq.SNDMORE
-                    if view.nbytes >= _ZERO_COPY_MIN:
-                        tracker = sock.send(view, flags, copy=False, track=True)
-                    else:
-                        sock.send(view, flags, copy=True)
-                if tracker is None:
-                    reader.release()  # every segment was copied into libzmq
+            # Which frame is the last one sent without copying: only it is tracked.
+            # libzmq frees the frames of a connection in the order it sends them, so
+            # when the last zero-copy frame is released every earlier one is too, and
+            # one tracker can unpin all the blocks of the message.
+            frames = [view for reader in readers for view in reader.views]
+            last_zero_copy = -1
+            for f, view in enumerate(frames):
+                if view.nbytes >= _ZERO_COPY_MIN:
+                    last_zero_copy = f
+            final = len(frames) - 1
+            tracker: zmq.MessageTracker | None = None
+            for f, view in enumerate(frames):
+                flags = 0 if f == final else zmq.SNDMORE
+                if f == last_zero_copy:
+                    tracker = sock.send(view, flags, copy=False, track=True)
+                elif view.nbytes >= _ZERO_COPY_MIN:
+                    sock.send(view, flags, copy=False)
                 else:
-                    # All frames of a message are freed together, so the last tracker
-                    # of a block covers each of its segments.
-                    self._inflight_sends.append((tracker, reader))
-                job.outcomes[idx[b]] = OUTCOME_SENT
+                    sock.send(view, flags, copy=True)
+            if tracker is None:
+                for reader in readers:
+                    reader.release()  # every segment was copied into libzmq
+            else:
+                self._inflight_sends.append((tracker, readers))
+            for i in idx:
+                job.outcomes[i] = OUTCOME_SENT
             self._count("blocks_sent", len(idx))
             self._count("bytes_sent", len(idx) * self._bpb)
         if job.next_index >= n:
@@ -1217,7 +1274,8 @@ class Node:
     def _reap_sends(self) -> None:
         q = self._inflight_sends
         while q and q[0][0].done:
-            q.popleft()[1].release()
+            for reader in q.popleft()[1]:
+                reader.release()
 
     # -- deadlines and shutdown --------------------------------------------------------
 
@@ -1272,7 +1330,8 @@ class Node:
                 break
         # Whatever ZeroMQ still holds is dropped with LINGER 0; unpin it.
         while self._inflight_sends:
-            self._inflight_sends.popleft()[1].release()
+            for reader in self._inflight_sends.popleft()[1]:
+                reader.release()
         if self._auth is not None:
             with contextlib.suppress(Exception):
                 self._auth.stop()

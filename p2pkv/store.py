@@ -35,6 +35,7 @@ is updated by lookup hits, :meth:`BlockStore.acquire_read` and commits;
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -45,6 +46,7 @@ from typing import TypeAlias
 import xxhash
 
 from p2pkv.errors import P2PKVError, StoreFullError
+from p2pkv.keys import keys_well_formed
 from p2pkv.pool import BlockPool, MemoryKind
 
 __all__ = [
@@ -273,18 +275,19 @@ class BlockStore:
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         """Which ``keys`` are stored. Counts hits/misses; hits become most recent."""
-        for key in keys:
-            _check_key(key)
-        result: list[bool] = []
-        with self._lock:
+        if not keys_well_formed(keys, MAX_KEY_BYTES):
             for key in keys:
-                hit = key in self._entries
-                if hit:
-                    self._entries.move_to_end(key)
-                    self._hits += 1
-                else:
-                    self._misses += 1
-                result.append(hit)
+                _check_key(key)
+        with self._lock:
+            entries = self._entries
+            result = list(map(entries.__contains__, keys))
+            hits = sum(result)
+            if hits:
+                touch = entries.move_to_end
+                for key in itertools.compress(keys, result):
+                    touch(key)
+            self._hits += hits
+            self._misses += len(result) - hits
         return result
 
     def contains(self, key: bytes) -> bool:

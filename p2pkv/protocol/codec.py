@@ -20,6 +20,7 @@ import msgpack
 import xxhash
 
 from p2pkv.errors import ProtocolError
+from p2pkv.keys import keys_well_formed
 from p2pkv.protocol.codes import (
     MAX_BLOCK_BYTES,
     MAX_BLOCKS_PER_MESSAGE,
@@ -169,6 +170,8 @@ def _array(value: object, name: str, lo: int, hi: int) -> tuple[Any, ...]:
 
 def _keys(m: dict[Any, Any]) -> tuple[bytes, ...]:
     keys = _array(_field(m, "keys"), "keys", 1, MAX_KEYS)
+    if keys_well_formed(keys, MAX_KEY_LEN):
+        return keys
     for key in keys:
         if type(key) is not bytes:
             raise _wrong("keys[]", "bin", key)

@@ -29,6 +29,7 @@ from enum import Enum
 from typing import Any, Final
 
 from p2pkv.errors import ConfigError, ProtocolError
+from p2pkv.keys import keys_well_formed
 from p2pkv.protocol.codec import MajorVersionMismatch, decode
 from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
@@ -370,6 +371,8 @@ def _check_keys(keys: Sequence[bytes], limit: int) -> tuple[bytes, ...]:
     out = tuple(keys)
     if not 1 <= len(out) <= limit:
         raise ValueError(f"keys: need 1..{limit} keys, got {len(out)}")
+    if keys_well_formed(out, MAX_KEY_LEN):
+        return out
     for i, key in enumerate(out):
         if type(key) is not bytes:
             raise ValueError(f"keys[{i}] must be bytes, got {type(key).__name__}")
