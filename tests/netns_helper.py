@@ -7,19 +7,12 @@ also destroys the veth pair), and is safe to call after a partial setup.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import queue
 import shutil
 import subprocess
-import sys
-import threading
-from pathlib import Path
 from typing import Any
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
+from procs import NodeProcess
 
 
 class Unavailable(Exception):
@@ -113,54 +106,8 @@ class NetnsPair:
         self.close()
 
 
-class NsProcess:
+class NsProcess(NodeProcess):
     """``tests/nodeproc.py ROLE SPEC [ADDRESS]`` inside namespace ``ns``; JSON events."""
 
     def __init__(self, ns: str, role: str, spec: dict[str, Any], *extra: str) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(TESTS)}
-        self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, str(TESTS / "nodeproc.py"), role,
-             json.dumps(spec), *extra],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=env, cwd=ROOT)
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._stderr: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        threading.Thread(target=self._pump_err, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def _pump_err(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self._stderr.append(line)
-
-    def event(self, timeout: float = 60.0) -> dict[str, Any]:
-        """The next JSON event; raises AssertionError (with stderr) on timeout or exit."""
-        while True:
-            try:
-                line = self._lines.get(timeout=timeout)
-            except queue.Empty:
-                raise AssertionError(f"no event within {timeout}s; stderr:\n"
-                                     f"{self.stderr()}") from None
-            if line is None:
-                raise AssertionError(f"process exited ({self.proc.poll()}); stderr:\n"
-                                     f"{self.stderr()}")
-            with contextlib.suppress(json.JSONDecodeError):
-                return json.loads(line)  # type: ignore[no-any-return]
-
-    def stderr(self) -> str:
-        return "".join(self._stderr)[-4000:]
-
-    def kill(self) -> None:
-        if self.proc.stdin and not self.proc.stdin.closed:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
+        super().__init__(role, spec, *extra, prefix=("ip", "netns", "exec", ns))

@@ -16,14 +16,13 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
 import zmq.auth
-from nodeproc import content, keys_for, make_node
+from nodeproc import content, keys_for
 from rawpeer import RawPeer, SilentRouter, free_port, raw_hello
 
 from p2pkv.errors import ConfigError, P2PKVError, PeerIncompatible
@@ -65,20 +64,6 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[bytes, byt
     assert load_authorized_keys(base / "clients") == frozenset(
         {out["client1"][0], out["client2"][0]})
     return out
-
-
-@pytest.fixture
-def nodes() -> Iterator[Any]:
-    built: list[Any] = []
-
-    def build(spec: dict[str, Any], **config: Any) -> Any:
-        node = make_node(spec, **config)
-        built.append(node)
-        return node
-
-    yield build
-    for node in built:
-        node.close(timeout=1.0)
 
 
 def curve_server(nodes: Any, keys: dict[str, tuple[bytes, bytes]]) -> Any:

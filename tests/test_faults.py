@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future, wait
 from typing import Any
 
 import pytest
-from nodeproc import content, keys_for, make_node
+from nodeproc import content, keys_for
 from rawpeer import FakeServer, RawPeer, SilentRouter, SilentTcp, free_port, wait_until
 
 from p2pkv import KeyOutcome
@@ -29,20 +28,6 @@ SEED_V2 = {"layout": "v2", "geometry": "seed"}
 SMALL = {"layout": "v2", "geometry": "small"}
 # Scheduling slack on top of a configured deadline (2 cores, other processes running).
 SLACK = 0.75
-
-
-@pytest.fixture
-def nodes() -> Iterator[Any]:
-    built: list[Any] = []
-
-    def build(spec: dict[str, Any], **config: Any) -> Any:
-        node = make_node(spec, **config)
-        built.append(node)
-        return node
-
-    yield build
-    for node in built:
-        node.close(timeout=1.0)
 
 
 def failure_of(fut: Future[Any], timeout: float) -> tuple[BaseException, float]:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from nodeproc import content, keys_for, make_node
+from nodeproc import content, keys_for
 
 from p2pkv import KeyOutcome, PeerIncompatible
 from p2pkv.identity import ABSENT
@@ -18,20 +17,6 @@ SEED_V2 = {"layout": "v2", "geometry": "seed"}
 SEED_V1 = {"layout": "v1", "geometry": "seed"}
 
 
-@pytest.fixture
-def local_node() -> Iterator[Any]:
-    nodes: list[Any] = []
-
-    def build(spec: dict[str, Any], **config: Any) -> Any:
-        node = make_node(spec, **config)
-        nodes.append(node)
-        return node
-
-    yield build
-    for node in nodes:
-        node.close()
-
-
 def serve(spawn: Any, spec: dict[str, Any]) -> tuple[Any, str]:
     proc = spawn("serve", spec)
     ready = proc.event()
@@ -40,10 +25,10 @@ def serve(spawn: Any, spec: dict[str, Any]) -> tuple[Any, str]:
 
 
 @pytest.mark.parametrize("spec", [SEED_V2, SEED_V1], ids=["v2", "v1"])
-def test_seed_fetch_is_byte_exact(spawn: Any, local_node: Any, spec: dict[str, Any]) -> None:
+def test_seed_fetch_is_byte_exact(spawn: Any, nodes: Any, spec: dict[str, Any]) -> None:
     blocks = 48
     producer, address = serve(spawn, {**spec, "blocks": blocks})
-    node = local_node({**spec, "blocks": blocks})
+    node = nodes({**spec, "blocks": blocks})
     peer = node.connect(address)
     keys = keys_for(blocks)
     assert peer.lookup(keys) == [True] * blocks
@@ -57,9 +42,9 @@ def test_seed_fetch_is_byte_exact(spawn: Any, local_node: Any, spec: dict[str, A
     assert stats is not None and stats["blocks_sent"] == blocks
 
 
-def test_v1_vs_v2_refused_on_both_sides_with_zero_bytes(spawn: Any, local_node: Any) -> None:
+def test_v1_vs_v2_refused_on_both_sides_with_zero_bytes(spawn: Any, nodes: Any) -> None:
     producer, address = serve(spawn, {**SEED_V2, "blocks": 8})
-    node = local_node({**SEED_V1, "blocks": 8})
+    node = nodes({**SEED_V1, "blocks": 8})
     with pytest.raises(PeerIncompatible) as info:
         node.connect(address)
     by_field = {r.field: r for r in info.value.reasons}
@@ -77,19 +62,19 @@ def test_v1_vs_v2_refused_on_both_sides_with_zero_bytes(spawn: Any, local_node: 
     assert stats["accepted"] == 0 and sum(stats["refused"].values()) >= 2
 
 
-def test_refused_peer_cannot_lookup_or_fetch(spawn: Any, local_node: Any) -> None:
+def test_refused_peer_cannot_lookup_or_fetch(spawn: Any, nodes: Any) -> None:
     _, address = serve(spawn, {**SEED_V2, "blocks": 4})
-    node = local_node({**SEED_V1, "blocks": 4})
+    node = nodes({**SEED_V1, "blocks": 4})
     with pytest.raises(PeerIncompatible):
         node.connect(address)
     assert node.peers() == []
 
 
-def test_replicated_tp2_and_tp4_share(spawn: Any, local_node: Any) -> None:
+def test_replicated_tp2_and_tp4_share(spawn: Any, nodes: Any) -> None:
     blocks = 32
     spec = {"layout": "replicated", "geometry": "mla-small", "blocks": blocks}
     _, address = serve(spawn, {**spec, "tp": 2, "rank": 1})
-    node = local_node({**spec, "tp": 4, "rank": 3})
+    node = nodes({**spec, "tp": 4, "rank": 3})
     peer = node.connect(address)
     keys = keys_for(blocks)
     result = peer.fetch(keys)
@@ -98,19 +83,19 @@ def test_replicated_tp2_and_tp4_share(spawn: Any, local_node: Any) -> None:
         assert node.get(key) == content(key, node.layout.bytes_per_block)
 
 
-def test_replicated_vs_agnostic_refused(spawn: Any, local_node: Any) -> None:
+def test_replicated_vs_agnostic_refused(spawn: Any, nodes: Any) -> None:
     # Same MLA geometry and byte count; one replicated, one plain cross-layer rows.
     _, address = serve(spawn, {"layout": "replicated", "geometry": "mla-small", "blocks": 2})
-    node = local_node({"layout": "v1", "geometry": "mla-small", "blocks": 2})
+    node = nodes({"layout": "v1", "geometry": "mla-small", "blocks": 2})
     with pytest.raises(PeerIncompatible) as info:
         node.connect(address)
     fields = {r.field for r in info.value.reasons}
     assert "run_config.replicated_layout" in fields
 
 
-def test_missing_keys_reported_without_failing_the_rest(spawn: Any, local_node: Any) -> None:
+def test_missing_keys_reported_without_failing_the_rest(spawn: Any, nodes: Any) -> None:
     _, address = serve(spawn, {**SEED_V2, "blocks": 10})
-    node = local_node({**SEED_V2, "blocks": 20})
+    node = nodes({**SEED_V2, "blocks": 20})
     peer = node.connect(address)
     present = keys_for(10)
     absent = keys_for(5, offset=100)
@@ -124,10 +109,10 @@ def test_missing_keys_reported_without_failing_the_rest(spawn: Any, local_node: 
     assert node.lookup_local(absent) == [False] * len(absent)
 
 
-def test_lookup_answered_during_large_fetch(spawn: Any, local_node: Any) -> None:
+def test_lookup_answered_during_large_fetch(spawn: Any, nodes: Any) -> None:
     blocks = 1536  # ~0.9 GB of seed V2 blocks
     _, address = serve(spawn, {**SEED_V2, "blocks": blocks})
-    node = local_node({**SEED_V2, "blocks": blocks})
+    node = nodes({**SEED_V2, "blocks": blocks})
     peer = node.connect(address)
     keys = keys_for(blocks)
     fetch = node.fetch_async(peer, keys, timeout=120)
@@ -157,10 +142,10 @@ def test_three_consumers_at_once(spawn: Any) -> None:
     assert stats is not None and stats["blocks_sent"] == 3 * blocks
 
 
-def test_fetch_into_caller_buffers(spawn: Any, local_node: Any) -> None:
+def test_fetch_into_caller_buffers(spawn: Any, nodes: Any) -> None:
     blocks = 6
     _, address = serve(spawn, {**SEED_V2, "blocks": blocks})
-    node = local_node({**SEED_V2, "blocks": 1})
+    node = nodes({**SEED_V2, "blocks": 1})
     peer = node.connect(address)
     keys = keys_for(blocks)
     seg = node.layout.segment_sizes
@@ -172,11 +157,11 @@ def test_fetch_into_caller_buffers(spawn: Any, local_node: Any) -> None:
     assert node.store.stats().used == 0
 
 
-def test_reconnect_to_restarted_peer(spawn: Any, local_node: Any) -> None:
+def test_reconnect_to_restarted_peer(spawn: Any, nodes: Any) -> None:
     from p2pkv import PeerGone
 
     first, address = serve(spawn, {**SEED_V2, "blocks": 4, "port": 0})
-    node = local_node({**SEED_V2, "blocks": 8}, heartbeat_timeout=1.0, heartbeat_interval=0.2)
+    node = nodes({**SEED_V2, "blocks": 8}, heartbeat_timeout=1.0, heartbeat_interval=0.2)
     peer = node.connect(address)
     assert peer.lookup(keys_for(4)) == [True] * 4
     first.kill()
