@@ -22,11 +22,11 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q
-	$(VENV)/bin/ruff check p2pkv tests examples
+	$(VENV)/bin/ruff check p2pkv tests examples tools
 	$(VENV)/bin/mypy
 
 lint: venv
-	$(VENV)/bin/ruff check p2pkv tests examples
+	$(VENV)/bin/ruff check p2pkv tests examples tools
 	$(VENV)/bin/mypy
 
 bench: venv

@@ -342,9 +342,16 @@ class Node:
         if store is None:
             if (pool_blocks is None) == (pool_bytes is None):
                 raise ConfigError("give exactly one of pool_blocks or pool_bytes")
-            pool = (BlockPool(layout, pool_blocks) if pool_blocks is not None
-                    else BlockPool.for_bytes(layout, pool_bytes or 0))
+            try:
+                pool = (BlockPool(layout, pool_blocks) if pool_blocks is not None
+                        else BlockPool.for_bytes(layout, pool_bytes or 0))
+            except ValueError as exc:
+                raise ConfigError(f"pool: {exc}") from exc
             store = BlockStore(pool)
+        elif tuple(store.pool.segment_sizes) != tuple(layout.segment_sizes):
+            raise ConfigError(
+                f"the store's pool holds segments {list(store.pool.segment_sizes)}, the "
+                f"layout needs {list(layout.segment_sizes)}")
         self.store = store
         self.node_id = self.config.node_id or f"{socket.gethostname()}-{os.getpid()}-{id(self):x}"
         self._segments = tuple(layout.segment_sizes)
@@ -1163,8 +1170,10 @@ class Node:
                 log.info("accepted peer %s (%s)", ev.remote.node, peer.rid.hex())
             elif isinstance(ev, proto.HandshakeRefused):
                 with self._lock:
-                    for reason in ev.reasons:
-                        self._refusals[_reason_name(reason.code)] += 1
+                    # One count per reason kind per refused handshake (every differing
+                    # run-config field carries the fingerprint code).
+                    for code in {int(reason.code) for reason in ev.reasons} or {ev.code}:
+                        self._refusals[_reason_name(code)] += 1
                 log.warning("refused peer %s: %s", peer.rid.hex(),
                             "; ".join(r.describe() for r in ev.reasons))
                 self._drop_inbound(peer)
