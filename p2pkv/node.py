@@ -104,6 +104,8 @@ CHECKSUM_CAPABILITY = "checksum-xxh3-64"
 _BATCH_BYTES = 1 << 20
 # Messages handled per socket per loop turn, so one busy peer cannot starve the others.
 _READ_BUDGET = 256
+# Poll tick while sent blocks wait for ZeroMQ to release them.
+_REAP_TICK_MS = 10
 # How often the IO loop checks deadlines while it is busy (it always checks when idle).
 _DEADLINE_CHECK_S = 0.005
 # Block bytes received per connection per loop turn before commands get a turn.
@@ -698,7 +700,10 @@ class Node:
                for i in self._inbound.values() for j in i.jobs.values()):
             return 0
         if self._inflight_sends:
-            return 1
+            # Sent blocks stay pinned until reaped. Any arriving message (credit) wakes
+            # the loop anyway; this slower tick only bounds how long the last ones wait,
+            # without spinning a core that the receiving side may need.
+            return _REAP_TICK_MS
         nxt: float | None = None
         for c in self._outbound.values():
             d = c.session.next_deadline()
