@@ -323,7 +323,9 @@ class Node:
     """A p2pkv node: serves its block store to compatible peers and fetches from them.
 
     Lifecycle: construct (binds and starts the IO thread) → use → :meth:`close` (or use
-    as a context manager). All public methods are thread-safe.
+    as a context manager). All public methods are thread-safe. Callbacks added to the
+    returned futures run on the IO thread: keep them short, and do not block in them on
+    another of this node's futures.
     """
 
     def __init__(
@@ -577,6 +579,8 @@ class Node:
 
         with contextlib.suppress(P2PKVError):
             self._submit(Future(), begin)
+        if threading.current_thread() is self._thread:
+            return  # called from a future's callback: the loop ends once this returns
         self._thread.join(t + 5.0)
         if self._thread.is_alive():  # pragma: no cover - the loop always exits by deadline
             log.error("IO thread did not stop within %.1fs", t + 5.0)
@@ -900,8 +904,12 @@ class Node:
                         writer = self.store.begin_write(recv.keys[key_index])
                     except (StoreError, StoreFullError) as exc:
                         recv.errors[key_index] = f"no slot in the local pool: {exc}"
-                    if writer is not None:
-                        views = writer.views
+                    else:
+                        if writer is None:
+                            recv.errors[key_index] = (
+                                "the block was being written by another fetch at the time")
+                        else:
+                            views = writer.views
             # libzmq delivers a multipart message whole, so one "more frames?" check
             # per block suffices: a message that ends early shows up as a frame of the
             # wrong size, as nothing left to read, or as surplus frames at the end —
@@ -938,9 +946,9 @@ class Node:
                 if self.store.contains(recv.keys[key_index]):
                     # Another fetch stored the same block meanwhile: it is here.
                     recv.outcomes[key_index] = KeyOutcome.STORED
+                    recv.errors.pop(key_index, None)
                 else:
                     recv.outcomes[key_index] = KeyOutcome.FAILED
-                    recv.errors.setdefault(key_index, "no free slot in the local pool")
                 continue
             expected = msg.sums[n]
             if writer is not None:
