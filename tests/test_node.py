@@ -171,3 +171,21 @@ def test_reconnect_to_restarted_peer(spawn: Any, nodes: Any) -> None:
     _second, address2 = serve(spawn, {**SEED_V2, "blocks": 4})
     peer2 = node.connect(address2)
     assert peer2.fetch(keys_for(4)).stored == keys_for(4)
+
+
+def test_empty_requests_and_close_from_a_callback(nodes: Any) -> None:
+    """Empty lookups/fetches answer at once; closing a node from a future's callback
+    (which runs on the node's IO thread) neither deadlocks nor raises."""
+    import threading
+
+    server = nodes({**SEED_V2, "blocks": 2})
+    client = nodes({**SEED_V2, "blocks": 2})
+    peer = client.connect(server.address)
+    assert peer.lookup([]) == []
+    assert client.fetch(peer, []).outcomes == ()
+    closed = threading.Event()
+    fut = client.lookup_async(peer, keys_for(1))
+    fut.add_done_callback(lambda _: (client.close(), closed.set()))
+    assert closed.wait(10)
+    assert fut.result(timeout=5) == [False]
+    client.close()  # idempotent from the caller's thread too
