@@ -1142,12 +1142,18 @@ class Node:
         sock = self._router
         for _ in range(_READ_BUDGET):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                rid = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) < 2:
+            if not sock.getsockopt(zmq.RCVMORE):
                 continue  # an empty message carries nothing to answer
-            rid = frames[0]
+            head = sock.recv(zmq.NOBLOCK)
+            # Peers send the server no payload frames; count and drop any one by one
+            # rather than hold them all (libzmq bounds each frame, not their number).
+            extra = 0
+            while sock.getsockopt(zmq.RCVMORE):
+                sock.recv(zmq.NOBLOCK, copy=False)
+                extra += 1
             peer = self._inbound.get(rid)
             if peer is None:
                 if len(self._inbound) >= self.config.max_peers:
@@ -1163,7 +1169,7 @@ class Node:
                 self._inbound[rid] = peer
             try:
                 try:
-                    msg = proto.decode(frames[1:])
+                    msg = proto.decode_head(head, extra)
                 except ProtocolError as exc:
                     out = peer.session.receive_malformed(exc, now)
                 else:
