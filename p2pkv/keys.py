@@ -75,7 +75,7 @@ def keys_well_formed(keys: Sequence[object], max_len: int) -> bool:
         return True
     if set(map(type, keys)) != {bytes}:
         return False
-    lengths = list(map(len, keys))  # type: ignore[arg-type]
+    lengths = set(map(len, keys))  # type: ignore[arg-type]
     return min(lengths) >= 1 and max(lengths) <= max_len
 
 _ROOT_LABEL = b"p2pkv/block-key/root/v1"

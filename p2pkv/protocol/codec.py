@@ -325,11 +325,15 @@ def _d_lookup(m: dict[Any, Any], v: int) -> Message:
     return Lookup(_u64(m, "req"), _keys(m))
 
 
+_BOOL_ONLY: Final = frozenset({bool})
+
+
 def _d_hits(m: dict[Any, Any], v: int) -> Message:
     hits = _array(_field(m, "hits"), "hits", 0, MAX_KEYS)
-    for h in hits:
-        if type(h) is not bool:
-            raise _wrong("hits[]", "a bool", h)
+    if not set(map(type, hits)) <= _BOOL_ONLY:  # C-level pass; walk only to name the culprit
+        for h in hits:
+            if type(h) is not bool:
+                raise _wrong("hits[]", "a bool", h)
     return Hits(_u64(m, "req"), hits)
 
 

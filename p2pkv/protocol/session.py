@@ -658,7 +658,7 @@ class Session:
         """Server: the answer to lookup ``req``, one bool per key."""
         r = self._served(req, "lookup", "answer_lookup")
         hits_t = tuple(hits)
-        if len(hits_t) != len(r.keys) or any(type(h) is not bool for h in hits_t):
+        if len(hits_t) != len(r.keys) or not set(map(type, hits_t)) <= {bool}:
             raise ValueError(
                 f"answer_lookup: need {len(r.keys)} bools for request {req}, got {hits_t!r}"[:300]
             )
