@@ -1259,18 +1259,22 @@ class Node:
         checksums = session.checksums
         credit = session.window_left(job.req)
         while credit > 0 and job.next_index < n:
+            # Pin the next candidates in one store call; a missing key uses no credit,
+            # so a batch may come out smaller than the credit and the loop goes on.
+            start = job.next_index
+            stop = min(n, start + min(credit, batch_limit))
+            job.next_index = stop
             idx: list[int] = []
             readers: list[BlockReader] = []
-            while credit > 0 and job.next_index < n and len(idx) < batch_limit:
-                i = job.next_index
-                job.next_index += 1
-                reader = self.store.acquire_read(job.keys[i])
+            for i, reader in zip(range(start, stop),
+                                 self.store.acquire_read_many(job.keys[start:stop]),
+                                 strict=True):
                 if reader is None:
                     job.outcomes[i] = OUTCOME_MISSING
-                    continue
-                idx.append(i)
-                readers.append(reader)
-                credit -= 1
+                else:
+                    idx.append(i)
+                    readers.append(reader)
+            credit -= len(idx)
             if not idx:
                 continue
             sums = [r.checksum for r in readers] if checksums else None
@@ -1278,8 +1282,7 @@ class Node:
             try:
                 sock.send(peer.rid, zmq.SNDMORE | zmq.NOBLOCK)
             except zmq.ZMQError as exc:
-                for r in readers:
-                    r.release()
+                self.store.release_many(readers)
                 log.info("peer %s unreachable while sending (%s); dropping it",
                          peer.rid.hex(), exc)
                 self._drop_inbound(peer)
@@ -1306,8 +1309,7 @@ class Node:
                 else:
                     sock.send(view, flags, copy=True)
             if tracker is None:
-                for reader in readers:
-                    reader.release()  # every segment was copied into libzmq
+                self.store.release_many(readers)  # every segment was copied into libzmq
             else:
                 self._inflight_sends.append((tracker, readers))
             for i in idx:
@@ -1321,8 +1323,7 @@ class Node:
     def _reap_sends(self) -> None:
         q = self._inflight_sends
         while q and q[0][0].done:
-            for reader in q.popleft()[1]:
-                reader.release()
+            self.store.release_many(q.popleft()[1])
 
     # -- deadlines and shutdown --------------------------------------------------------
 
@@ -1377,8 +1378,7 @@ class Node:
                 break
         # Whatever ZeroMQ still holds is dropped with LINGER 0; unpin it.
         while self._inflight_sends:
-            for reader in self._inflight_sends.popleft()[1]:
-                reader.release()
+            self.store.release_many(self._inflight_sends.popleft()[1])
         if self._auth is not None:
             with contextlib.suppress(Exception):
                 self._auth.stop()

@@ -453,16 +453,45 @@ class BlockStore:
             self._entries.move_to_end(key)
         return BlockReader(self, key, entry, self._pool.segment_views(entry.slot))
 
+    def acquire_read_many(self, keys: Sequence[bytes]) -> list[BlockReader | None]:
+        """:meth:`acquire_read` for each key, under one lock (the sender's batches)."""
+        if not keys_well_formed(keys, MAX_KEY_BYTES):
+            for key in keys:
+                _check_key(key)
+        pinned: list[tuple[bytes, _Entry] | None] = []
+        with self._lock:
+            entries = self._entries
+            for key in keys:
+                entry = entries.get(key)
+                if entry is None:
+                    pinned.append(None)
+                    continue
+                entry.readers += 1
+                entries.move_to_end(key)
+                pinned.append((key, entry))
+        views = self._pool.segment_views
+        return [None if p is None else BlockReader(self, p[0], p[1], views(p[1].slot))
+                for p in pinned]
+
+    def release_many(self, readers: Iterable[BlockReader]) -> None:
+        """:meth:`BlockReader.release` for each reader, under one lock."""
+        with self._lock:
+            for reader in readers:
+                self._release_locked(reader)
+
     def _release(self, reader: BlockReader) -> None:
         with self._lock:
-            if reader._released:
-                return
-            reader._released = True
-            entry = reader._entry
-            entry.readers -= 1
-            if entry.readers == 0 and entry.discarded:
-                del self._discarded[entry.slot]
-                self._free.append(entry.slot)
+            self._release_locked(reader)
+
+    def _release_locked(self, reader: BlockReader) -> None:
+        if reader._released:
+            return
+        reader._released = True
+        entry = reader._entry
+        entry.readers -= 1
+        if entry.readers == 0 and entry.discarded:
+            del self._discarded[entry.slot]
+            self._free.append(entry.slot)
 
     def get(self, key: bytes) -> bytes | None:
         """A copy of the block's bytes (segments concatenated), or None if absent.

@@ -431,3 +431,25 @@ def test_concurrent_readers_and_writers_keep_invariants() -> None:
     assert stats.used == stats.stored <= stats.capacity
     for key in store.stored_keys():
         assert store.get(key) == payload(key)
+
+
+def test_batched_read_pins_hold_like_single_ones() -> None:
+    """acquire_read_many pins every present key (None for the absent ones) under one
+    lock; pinned blocks survive eviction; release_many frees them all, once."""
+    store = make_store(3)
+    keys = [bytes([i]) * 20 for i in range(3)]
+    for k in keys:
+        store.put(k, payload(k))
+    readers = store.acquire_read_many([keys[0], b"\xff" * 20, keys[2]])
+    assert readers[1] is None
+    held = [r for r in readers if r is not None]
+    assert [bytes(r.views[0]) for r in held] == [payload(keys[0]), payload(keys[2])]
+    assert store.stats().pinned == 2
+    # Only keys[1] is evictable: a new block must take its slot, not a pinned one.
+    store.put(b"n" * 20, payload(b"n" * 20))
+    assert store.lookup(keys) == [True, False, True]
+    store.release_many(held)
+    store.release_many(held)  # idempotent
+    assert store.stats().pinned == 0
+    with pytest.raises(ValueError):
+        store.acquire_read_many([b""])
