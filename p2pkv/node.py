@@ -1181,8 +1181,8 @@ class Node:
                 self._drop_inbound(peer)
 
     def _handle_in_events(self, peer: _Inbound, out: proto.Output, now: float) -> None:
-        if out.replies and not self._send_in(peer.rid, out.replies):
-            return
+        # Handshake verdicts are counted before the answer goes out, so that a peer that
+        # has its answer can already see it in this node's stats.
         for ev in out.events:
             if isinstance(ev, proto.HandshakeAccepted):
                 self._count("handshakes_accepted")
@@ -1195,6 +1195,12 @@ class Node:
                         self._refusals[_reason_name(code)] += 1
                 log.warning("refused peer %s: %s", peer.rid.hex(),
                             "; ".join(r.describe() for r in ev.reasons))
+        if out.replies and not self._send_in(peer.rid, out.replies):
+            return
+        for ev in out.events:
+            if isinstance(ev, proto.HandshakeAccepted):
+                pass  # counted above
+            elif isinstance(ev, proto.HandshakeRefused):
                 self._drop_inbound(peer)
                 return
             elif isinstance(ev, proto.LookupRequested):
