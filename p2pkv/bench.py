@@ -696,6 +696,19 @@ def role_raw_client(spec: dict[str, Any]) -> int:
     return 0
 
 
+def _report(rows: list[Row], lines: Sequence[str], result: dict[str, Any], ok: bool,
+            out: IO[str], json_path: str | None) -> int:
+    """Print the table and the error lines, write the JSON when asked; the exit code."""
+    print(format_table(rows), file=out)
+    for line in lines:
+        print(line, file=out)
+    out.flush()
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2, sort_keys=True, default=str)
+    return 0 if ok else 1
+
+
 # --------------------------------------------------------------------------- soak role
 
 
@@ -1265,16 +1278,10 @@ def run_bench(*, quick: bool = False, json_path: str | None = None,
     }
     print(f"p2pkv bench ({result['mode']}, {elapsed:.0f} s) -- baseline: {BASELINE_KIND}",
           file=out)
-    print(format_table(rows), file=out)
-    for e in errors:
-        print(f"error: {e}", file=out)
-    for r in rows_failed:
-        print(f"failed: {r.case} {r.metric}: {r.error or 'bytes not verified'}", file=out)
-    out.flush()
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=2, sort_keys=True, default=str)
-    return 0 if ok else 1
+    lines = [f"error: {e}" for e in errors]
+    lines += [f"failed: {r.case} {r.metric}: {r.error or 'bytes not verified'}"
+              for r in rows_failed]
+    return _report(rows, lines, result, ok, out, json_path)
 
 
 # --------------------------------------------------------------------------- soak
@@ -1426,14 +1433,7 @@ def run_soak(seconds: float, *, json_path: str | None = None, consumers: int = 8
               "samples": {"rss_kib": rss, "fds": fds},
               "cases": [dataclasses.asdict(r) for r in rows]}
     print(f"p2pkv soak ({consumers} consumers, {seconds:g} s)", file=out)
-    print(format_table(rows), file=out)
-    for e in errors[:10]:
-        print(f"error: {e}", file=out)
-    out.flush()
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=2, sort_keys=True, default=str)
-    return 0 if ok else 1
+    return _report(rows, [f"error: {e}" for e in errors[:10]], result, ok, out, json_path)
 
 
 if __name__ == "__main__":

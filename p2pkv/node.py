@@ -98,7 +98,6 @@ logging.getLogger("p2pkv").addHandler(logging.NullHandler())
 
 _T = TypeVar("_T")
 
-CHECKSUM_CAPABILITY = "checksum-xxh3-64"
 # Small blocks share one message up to this many payload bytes (fewer headers, fewer
 # syscalls); large blocks always travel one per message.
 _BATCH_BYTES = 1 << 20
@@ -361,7 +360,7 @@ class Node:
         self._segments = tuple(layout.segment_sizes)
         self._bpb = layout.bytes_per_block
         self._window = max(2, self.config.window_bytes // self._bpb)
-        caps = [CHECKSUM_CAPABILITY] if self.config.checksums else []
+        caps = [proto.CAP_CHECKSUM_XXH3_64] if self.config.checksums else []
         self._deadlines = proto.Deadlines(
             handshake=self.config.handshake_timeout,
             lookup=self.config.lookup_timeout,
@@ -1198,12 +1197,10 @@ class Node:
         if out.replies and not self._send_in(peer.rid, out.replies):
             return
         for ev in out.events:
-            if isinstance(ev, proto.HandshakeAccepted):
-                pass  # counted above
-            elif isinstance(ev, proto.HandshakeRefused):
+            if isinstance(ev, proto.HandshakeRefused):
                 self._drop_inbound(peer)
                 return
-            elif isinstance(ev, proto.LookupRequested):
+            if isinstance(ev, proto.LookupRequested):
                 hits = self.store.lookup(list(ev.keys))
                 self._count("lookups_served")
                 self._count("lookup_keys_served", len(ev.keys))

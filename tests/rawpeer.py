@@ -28,6 +28,7 @@ from nodeproc import content
 
 from p2pkv import protocol as proto
 from p2pkv.node import Node, PeerHandle
+from p2pkv.transport import bound_address
 
 Frames = list[bytes]
 
@@ -148,26 +149,20 @@ class RawPeer:
             self.ctx.term()
 
 
-class SilentRouter:
-    """A ROUTER that accepts, reads and ignores everything (a peer that never answers)."""
+class _BackgroundRouter:
+    """A ROUTER bound to an ephemeral loopback port, served by ``_run`` on a thread."""
 
     def __init__(self) -> None:
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.sock: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind("tcp://127.0.0.1:*")
-        endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT)
-        assert isinstance(endpoint, bytes)
-        self.address = endpoint.decode()
-        self.received: list[Frames] = []
+        self.address = bound_address(self.sock)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            if self.sock.poll(50, zmq.POLLIN):
-                self.received.append([bytes(f) for f in self.sock.recv_multipart()])
+        raise NotImplementedError
 
     def close(self) -> None:
         self._stop.set()
@@ -176,27 +171,33 @@ class SilentRouter:
         self.ctx.term()
 
 
-class FakeServer:
+class SilentRouter(_BackgroundRouter):
+    """A ROUTER that accepts, reads and ignores everything (a peer that never answers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: list[Frames] = []
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.sock.poll(50, zmq.POLLIN):
+                self.received.append([bytes(f) for f in self.sock.recv_multipart()])
+
+
+class FakeServer(_BackgroundRouter):
     """A ROUTER that completes the handshake by hand (a welcome mirroring ``identity``),
     then answers every later message with ``script(msg)`` (default: nothing at all)."""
 
     def __init__(self, identity: proto.Greeting,
                  script: Callable[[proto.Message], list[proto.Message]] | None = None) -> None:
+        super().__init__()
         self.welcome = proto.Welcome(
             "fake-server", identity.minor, identity.rc, identity.fp, identity.geo,
             identity.khash, identity.caps, identity.limits)
         self.script = script or (lambda msg: [])
         self.received: list[proto.Message] = []
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.sock: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind("tcp://127.0.0.1:*")
-        endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT)
-        assert isinstance(endpoint, bytes)
-        self.address = endpoint.decode()
         self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -212,12 +213,6 @@ class FakeServer:
                     self.sock.send_multipart([rid, *proto.encode(reply)])
         except Exception:
             self.errors.append(traceback.format_exc())
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close(0)
-        self.ctx.term()
 
 
 class SilentTcp:
@@ -267,9 +262,7 @@ class CorruptingProxy:
         self.front: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.LINGER, 0)
         self.front.bind("tcp://127.0.0.1:*")
-        endpoint = self.front.getsockopt(zmq.LAST_ENDPOINT)
-        assert isinstance(endpoint, bytes)
-        self.address = endpoint.decode()
+        self.address = bound_address(self.front)
         self.corrupted: list[bytes] = []
         self.blocks_seen = 0
         self.errors: list[str] = []

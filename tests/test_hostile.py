@@ -29,8 +29,8 @@ from rawpeer import CorruptingProxy, GoodPeer, RawPeer, packed, raw_hello
 from p2pkv import KeyOutcome
 from p2pkv import protocol as proto
 from p2pkv.errors import P2PKVError, PeerGone
-from p2pkv.node import CHECKSUM_CAPABILITY, Node
-from p2pkv.protocol import Code
+from p2pkv.node import Node
+from p2pkv.protocol import CAP_CHECKSUM_XXH3_64, Code
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -402,7 +402,7 @@ def test_corrupted_blocks_fail_per_key_and_never_become_visible(
     blocks = 24
     _, consumer, proxy, keys = pair(spec, blocks, {}, {})
     peer = consumer.connect(proxy.address)
-    assert CHECKSUM_CAPABILITY in peer.capabilities
+    assert CAP_CHECKSUM_XXH3_64 in peer.capabilities
     before = consumer.store.stats().checksum_failures
     result = peer.fetch(keys)
     assert not proxy.errors, proxy.errors
@@ -437,7 +437,7 @@ def test_without_checksums_corruption_goes_undetected(pair: Any, off: str) -> No
     _, consumer, proxy, keys = pair(SMALL, 12, cfg_off if off == "producer" else {},
                                     cfg_off if off == "consumer" else {})
     peer = consumer.connect(proxy.address)
-    assert CHECKSUM_CAPABILITY not in peer.capabilities
+    assert CAP_CHECKSUM_XXH3_64 not in peer.capabilities
     result = peer.fetch(keys)
     assert result.outcomes == (KeyOutcome.STORED,) * len(keys)
     bad = set(proxy.corrupted)
