@@ -41,6 +41,7 @@ __all__ = [
     "PRESET_NAMES",
     "SEED_GEOMETRY",
     "CrossLayerLayout",
+    "EngineRowLayout",
     "Geometry",
     "KVGeometry",
     "KVKind",
@@ -56,7 +57,7 @@ __all__ = [
 ]
 
 KVKind = Literal["mha", "mla"]
-LayoutName = Literal["v1", "v2", "replicated"]
+LayoutName = Literal["v1", "v2", "replicated", "engine-row"]
 
 #: Supported dtype names (as written in Hugging Face configs) and their sizes.
 DTYPE_ITEMSIZE: Mapping[str, int] = {
@@ -65,6 +66,9 @@ DTYPE_ITEMSIZE: Mapping[str, int] = {
     "float32": 4,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
+    # Opaque bytes: an engine's offload row (see EngineRowLayout), or an fp8 cache that
+    # the engine stores as uint8.
+    "uint8": 1,
 }
 
 
@@ -457,6 +461,42 @@ class ReplicatedMLALayout(KVLayout):
     def logical_from_engine(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         self._check_engine(tensors)
         return tensors[0].unsqueeze(2).contiguous()
+
+
+@dataclass(frozen=True)
+class EngineRowLayout(KVLayout):
+    """One opaque row of bytes per block, exactly as a serving engine's offload region
+    holds it (for example one chunk of vLLM's CPU offloading region, all layers of the
+    chunk in one row, padding included).
+
+    p2pkv moves the row as one segment and never interprets it; the engine's own
+    identity (run config and identity extension) says what the bytes mean. Build it with
+    :meth:`of_bytes`.
+    """
+
+    name: ClassVar[LayoutName] = "engine-row"
+    description: ClassVar[str] = "an engine's opaque offload row (one segment per block)"
+
+    @classmethod
+    def of_bytes(cls, row_bytes: int) -> EngineRowLayout:
+        """A layout whose block is one row of ``row_bytes`` bytes."""
+        _check_positive_int(row_bytes, "row_bytes")
+        return cls(Geometry(num_layers=1, num_kv_heads=1, head_size=row_bytes,
+                            tokens_per_block=1, dtype="uint8", kv_kind="mla"))
+
+    @property
+    def block_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return ((self.geometry.block_bytes // self.geometry.itemsize,),)
+
+    def identity_flags(self) -> dict[str, bool]:
+        # The engine states its identity itself; a row carries no layout claim.
+        return {"is_parallelism_agnostic": False, "replicated_layout": False}
+
+    def engine_from_logical(self, kv: torch.Tensor) -> list[torch.Tensor]:
+        raise ValueError("an engine row is opaque: it has no logical (layer, head) view")
+
+    def logical_from_engine(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        raise ValueError("an engine row is opaque: it has no logical (layer, head) view")
 
 
 #: Short names used by the package namespace (``p2pkv.Layout``, ``p2pkv.KVGeometry``).

@@ -59,6 +59,7 @@ from p2pkv.pool import BlockPool
 from p2pkv.protocol.codes import (
     MAX_BLOCKS_PER_MESSAGE,
     MAX_HEAD_BYTES,
+    MAX_KEY_HASH_ALGO_LEN,
     MAX_KEY_LEN,
     OUTCOME_FAILED,
     OUTCOME_MISSING,
@@ -168,6 +169,9 @@ class NodeConfig:
     listen: str = "tcp://127.0.0.1:0"
     node_id: str | None = None
     key_hash_seed: int = 0
+    #: Name of the block-key hash, compared at the handshake. Keys an engine hashes
+    #: itself (for example vLLM's block hashes) are carried opaquely under their own name.
+    key_hash_algo: str = KEY_HASH_ALGORITHM
     checksums: bool = True
     window_bytes: int = 16 << 20
     handshake_timeout: float = 5.0
@@ -202,6 +206,10 @@ class NodeConfig:
         if type(self.key_hash_seed) is not int or not 0 <= self.key_hash_seed < 2**64:
             raise ConfigError(f"key_hash_seed must be an int in [0, 2**64), got "
                               f"{self.key_hash_seed!r}")
+        if (not isinstance(self.key_hash_algo, str)
+                or not 1 <= len(self.key_hash_algo) <= MAX_KEY_HASH_ALGO_LEN):
+            raise ConfigError(f"key_hash_algo must be a name of 1..{MAX_KEY_HASH_ALGO_LEN} "
+                              f"characters, got {self.key_hash_algo!r}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError("heartbeat_timeout must be longer than heartbeat_interval")
 
@@ -379,7 +387,7 @@ class Node:
             rc=run_config.get_run_config(),
             fp=run_config.fingerprint,
             geo=proto.Geometry(bpb=self._bpb, seg=self._segments),
-            khash=proto.KeyHash(algo=KEY_HASH_ALGORITHM, seed=self.config.key_hash_seed),
+            khash=proto.KeyHash(algo=self.config.key_hash_algo, seed=self.config.key_hash_seed),
             caps=tuple(caps),
             limits=self._limits.advertised(window=self._window),
         )

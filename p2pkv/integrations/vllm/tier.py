@@ -1,0 +1,591 @@
+"""p2pkv as a secondary tier of vLLM's offloading connector.
+
+``P2PKVTier`` runs in vLLM's engine-core (scheduler) process. It owns one p2pkv
+:class:`~p2pkv.node.Node` that serves the chunks this engine stored to compatible peers,
+and fetches chunks other engines stored straight into vLLM's primary (CPU) region.
+
+Threads and what each may touch:
+
+- the **scheduler thread** calls every ``SecondaryTierManager`` method; none blocks
+  (lookups answer RETRY until the background lookup has an answer, loads and stores
+  only submit work);
+- the **lookup thread** (vLLM's ``AsyncLookupManager``) asks every connected peer about
+  one step's keys at once, with one deadline, and records which peer holds each key;
+- the **store thread** copies stored chunks out of the primary region into the node's
+  pool (the region's slots are reused as soon as the store job is reported);
+- the node's **IO thread** lands fetched chunks in the primary region with ``recv_into``
+  (no intermediate copy) and completes the load futures.
+
+Nothing is ever loaded that was not verified: a refused, dead, slow or corrupt source
+fails only its keys (reported through ``successful_keys``), vLLM recomputes them, and the
+lookup cache marks them as misses so the scheduler does not retry a doomed load.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from p2pkv.errors import ConfigError, P2PKVError, PeerGone, PeerIncompatible
+from p2pkv.identity import RunConfig
+from p2pkv.integrations.vllm.identity import VLLMKeyHash, current_key_hash, run_config_from_spec
+from p2pkv.layout import EngineRowLayout
+from p2pkv.node import FetchResult, KeyOutcome, Node, NodeConfig, PeerHandle
+
+log = logging.getLogger("p2pkv.vllm")
+
+__all__ = ["P2PKVTier", "TIER_OPTIONS", "Metrics"]
+
+#: Tier-config keys taken by this tier (the node options keep their ``serve`` names;
+#: see docs/configuration.md). Identity options are absent on purpose: the identity is
+#: vLLM's own, read from the offloading spec.
+TIER_OPTIONS: tuple[str, ...] = (
+    "listen", "peers", "pool_blocks", "checksums", "parallel_agnostic",
+    "handshake_timeout", "lookup_timeout", "fetch_timeout", "heartbeat_timeout",
+    "curve_secret_key", "curve_authorized", "curve_server_key", "reconnect_interval",
+)
+_DEFAULT_RECONNECT = 2.0
+#: After a refusal the configuration of one side must change; try again rarely.
+_REFUSED_RETRY = 30.0
+#: Holder entries kept for keys answered but not loaded yet.
+_MAX_HOLDERS = 1 << 20
+
+
+class Metrics:
+    """Names of the Prometheus metrics the tier adds to vLLM's own output."""
+
+    LOOKUP_KEYS = "vllm:p2pkv_lookup_keys"
+    LOOKUP_HITS = "vllm:p2pkv_lookup_hits"
+    LOADED_BLOCKS = "vllm:p2pkv_loaded_blocks"
+    LOADED_BYTES = "vllm:p2pkv_loaded_bytes"
+    LOAD_FAILURES = "vllm:p2pkv_load_failures"
+    STORED_BLOCKS = "vllm:p2pkv_stored_blocks"
+    STORED_BYTES = "vllm:p2pkv_stored_bytes"
+    HANDSHAKES_REFUSED = "vllm:p2pkv_handshakes_refused"
+    PEERS = "vllm:p2pkv_peers"
+
+
+def _tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], float]:
+    """Validate the tier's config params with the launcher's parsers."""
+    from p2pkv.settings import load_settings
+
+    unknown = sorted(set(params) - set(TIER_OPTIONS) - {"locality"})
+    if unknown:
+        raise ConfigError(
+            f"P2PKVTier: unknown option(s) {unknown}; valid: {sorted(TIER_OPTIONS)} (the "
+            "identity comes from vLLM's offloading spec, not from tier options)")
+    flags = {k: v for k, v in params.items() if k not in ("peers", "reconnect_interval",
+                                                            "locality")}
+    peers = params.get("peers", ())
+    if isinstance(peers, str) or not isinstance(peers, Sequence):
+        raise ConfigError(f"P2PKVTier: peers must be a list of tcp://HOST:PORT addresses, "
+                          f"got {peers!r}")
+    flags["peer"] = list(peers)
+    reconnect = params.get("reconnect_interval", _DEFAULT_RECONNECT)
+    if isinstance(reconnect, bool) or not isinstance(reconnect, (int, float)) or reconnect <= 0:
+        raise ConfigError(f"P2PKVTier: reconnect_interval must be a positive number of "
+                          f"seconds, got {reconnect!r}")
+    try:
+        settings = load_settings(flags, environ={})
+    except ConfigError as exc:
+        raise ConfigError(f"P2PKVTier: {exc}") from exc
+    return settings, tuple(settings["peer"]), float(reconnect)
+
+
+@dataclass
+class _Peer:
+    address: str
+    handle: PeerHandle | None = None
+    connecting: Future[PeerHandle] | None = None
+    next_attempt: float = 0.0
+    last_error: str | None = None
+    refused: tuple[str, ...] = ()
+
+
+@dataclass
+class _LoadJob:
+    job_id: int
+    keys: list[OffloadKey]
+    pending: int
+    stored: set[bytes] = field(default_factory=set)
+    failures: dict[str, int] = field(default_factory=dict)
+    nbytes: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+
+class _PeerLookup(AsyncLookupManager):
+    def __init__(self, tier: P2PKVTier, tier_type: str) -> None:
+        super().__init__(tier_type=tier_type)
+        self._tier = tier
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        return self._tier._ask_peers(keys)
+
+
+class P2PKVTier(SecondaryTierManager):
+    """A secondary tier whose chunks live in other engines' p2pkv nodes.
+
+    Tier config (``kv_connector_extra_config["secondary_tiers"]`` entry)::
+
+        {"type": "P2PKVTier", "module_path": "p2pkv.integrations.vllm",
+         "listen": "tcp://0.0.0.0:5601", "peers": ["tcp://hostB:5601"],
+         "pool_blocks": 4096, "lookup_timeout": 1.0, "fetch_timeout": 30.0}
+
+    ``pool_blocks`` defaults to the primary region's chunk count.
+    """
+
+    medium: ClassVar[Medium] = Medium.CPU
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.P2P
+
+    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview,
+                 tier_type: str, backpressure_detector: Any = None,
+                 **params: Any) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type,
+                         backpressure_detector=backpressure_detector)
+        self.locality = Locality.REMOTE
+        settings, peers, self._reconnect = _tier_settings(params)
+        from p2pkv.cli import node_config
+
+        self._node_config: NodeConfig = node_config(settings)
+        self.run_config: RunConfig = run_config_from_spec(
+            offloading_spec, parallel_agnostic=settings["parallel_agnostic"])
+        self.layout = EngineRowLayout.of_bytes(self.block_size_bytes)
+        self._pool_blocks = int(params.get("pool_blocks") or primary_kv_view.shape[0])
+        self._lookup_timeout = float(settings["lookup_timeout"])
+        self._fetch_timeout = float(settings["fetch_timeout"])
+        # The 2-D region as bytes: chunk c is rows[c * row : (c + 1) * row].
+        self._rows = primary_kv_view.cast("B")
+        self._hash_function = _configured_hash_function()
+        self._key_hash: VLLMKeyHash | None = None
+        self._node: Node | None = None
+        self._lock = threading.Lock()
+        self._peers = {a: _Peer(a) for a in peers}
+        self._holders: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        self._lookup = _PeerLookup(self, tier_type)
+        self._finished: collections.deque[tuple[JobResult, list[OffloadKey]]] = \
+            collections.deque()
+        self._loads: dict[int, _LoadJob] = {}
+        self._outstanding: set[Future[Any]] = set()
+        self._stores = concurrent.futures.ThreadPoolExecutor(1, "p2pkv-vllm-store")
+        self._stats = OffloadingConnectorStats()
+        self._refusals: collections.Counter[str] = collections.Counter()
+        self._closed = False
+        log.info("p2pkv tier: fingerprint %s, %d-byte chunks, peers %s",
+                 self.run_config.fingerprint, self.block_size_bytes, list(peers) or "none")
+
+    # ------------------------------------------------------------------ identity, node
+
+    @property
+    def fingerprint(self) -> str:
+        return self.run_config.fingerprint
+
+    @property
+    def node(self) -> Node | None:
+        """The node, once started (after the engine initialised its block hashing)."""
+        return self._node
+
+    def _ensure_node(self) -> Node:
+        if self._node is not None:
+            return self._node
+        if self._closed:
+            raise PeerGone("the p2pkv tier is shut down")
+        # vLLM seeds its block hashes after building the scheduler (and this tier), so
+        # the key hash is read on first use, when requests are already flowing.
+        self._key_hash = current_key_hash(self._hash_function)
+        config = replace(self._node_config, key_hash_algo=self._key_hash.algo,
+                         key_hash_seed=self._key_hash.seed)
+        self._node = Node(self.run_config, self.layout, pool_blocks=self._pool_blocks,
+                          config=config)
+        log.info("p2pkv tier node %s on %s: key hash %s (NONE_HASH digest %s)",
+                 self._node.node_id, self._node.address, self._key_hash.algo,
+                 self._key_hash.seed_digest)
+        self._maintain_peers()
+        return self._node
+
+    def _maintain_peers(self) -> None:
+        node = self._node
+        if node is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            due = [p for p in self._peers.values()
+                   if p.handle is None and p.connecting is None and now >= p.next_attempt]
+            for peer in due:
+                try:
+                    fut = node.connect_async(peer.address)
+                except P2PKVError as exc:
+                    peer.last_error = str(exc)
+                    peer.next_attempt = now + self._reconnect
+                    continue
+                peer.connecting = fut
+                fut.add_done_callback(lambda f, p=peer: self._connected(p, f))
+
+    def _connected(self, peer: _Peer, fut: Future[PeerHandle]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            peer.connecting = None
+            try:
+                peer.handle = fut.result()
+            except PeerIncompatible as exc:
+                peer.next_attempt = now + _REFUSED_RETRY
+                fields = tuple(r.field for r in exc.reasons)
+                if fields != peer.refused:
+                    for f in fields:
+                        self._refusals[f] += 1
+                        self._stats.increase_counter(Metrics.HANDSHAKES_REFUSED, 1, (f,))
+                    log.error("p2pkv tier: peer %s refused, nothing will be shared with it:\n%s",
+                              peer.address, _refusal_text(exc, self._key_hash))
+                peer.refused = fields
+                peer.last_error = str(exc)
+                return
+            except BaseException as exc:  # noqa: BLE001 - unreachable, closed, timed out
+                peer.next_attempt = now + self._reconnect
+                if peer.last_error != str(exc):
+                    log.warning("p2pkv tier: cannot reach peer %s: %s", peer.address, exc)
+                peer.last_error = str(exc)
+                return
+            peer.refused = ()
+            peer.last_error = None
+            log.info("p2pkv tier: connected to %s (%s)", peer.address, peer.handle.remote_node_id)
+
+    def _lost(self, handle: PeerHandle, exc: BaseException) -> None:
+        with self._lock:
+            for peer in self._peers.values():
+                if peer.handle is handle:
+                    peer.handle = None
+                    peer.next_attempt = time.monotonic() + self._reconnect
+                    peer.last_error = str(exc)
+                    log.warning("p2pkv tier: lost peer %s: %s", peer.address, exc)
+
+    # ------------------------------------------------------------------ lookups
+
+    def _ask_peers(self, keys: list[OffloadKey]) -> list[bool]:
+        """Runs on the lookup thread: one lookup per connected peer, in parallel, one
+        deadline for all. Silence, errors and refusals are misses."""
+        node = self._node
+        if node is None or not keys:
+            return [False] * len(keys)
+        deadline = time.monotonic() + self._lookup_timeout
+        with self._lock:
+            connecting = [p.connecting for p in self._peers.values() if p.connecting]
+        if connecting:  # a peer still shaking hands gets the same deadline
+            concurrent.futures.wait(connecting, timeout=self._lookup_timeout)
+        with self._lock:
+            handles = [p.handle for p in self._peers.values() if p.handle is not None]
+        asks: list[tuple[PeerHandle, Future[list[bool]]]] = []
+        for handle in handles:
+            try:
+                asks.append((handle, node.lookup_async(
+                    handle, keys, timeout=max(0.001, deadline - time.monotonic()))))
+            except P2PKVError as exc:
+                self._lost(handle, exc)
+        found = [False] * len(keys)
+        holders: dict[bytes, str] = {}
+        for handle, fut in asks:
+            try:
+                answer = fut.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+            except PeerGone as exc:
+                self._lost(handle, exc)
+                continue
+            except (P2PKVError, concurrent.futures.TimeoutError) as exc:
+                log.debug("p2pkv tier: lookup at %s failed: %s", handle.address, exc)
+                continue
+            for i, hit in enumerate(answer):
+                if hit and not found[i]:
+                    found[i] = True
+                    holders[keys[i]] = handle.address
+        with self._lock:
+            for key, address in holders.items():
+                self._holders[key] = address
+                self._holders.move_to_end(key)
+            while len(self._holders) > _MAX_HOLDERS:
+                self._holders.popitem(last=False)
+            self._stats.increase_counter(Metrics.LOOKUP_KEYS, len(keys))
+            self._stats.increase_counter(Metrics.LOOKUP_HITS, sum(found))
+        return found
+
+    # ------------------------------------------------------------------ SecondaryTierManager
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._ensure_node()
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._ensure_node()
+        found = self._lookup.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        node = self._ensure_node()
+        keys = list(job_metadata.keys)
+        chunk_ids = np.asarray(job_metadata.chunk_ids).tolist()
+        if len(keys) != len(chunk_ids):
+            raise ValueError(f"load job {job_metadata.job_id}: {len(keys)} keys for "
+                             f"{len(chunk_ids)} chunks")
+        by_peer: dict[str, list[tuple[OffloadKey, int]]] = {}
+        job = _LoadJob(job_metadata.job_id, keys, pending=0)
+        with self._lock:
+            handles = {p.address: p.handle for p in self._peers.values() if p.handle}
+            for key, cid in zip(keys, chunk_ids, strict=True):
+                address = self._holders.pop(key, None)
+                if address is None or address not in handles:
+                    job.failures["no_holder"] = job.failures.get("no_holder", 0) + 1
+                    continue
+                by_peer.setdefault(address, []).append((key, int(cid)))
+            job.pending = len(by_peer)
+            self._loads[job.job_id] = job
+        row = self.block_size_bytes
+        for address, items in by_peer.items():
+            handle = handles[address]
+            dests = [[self._rows[cid * row:(cid + 1) * row]] for _, cid in items]
+            try:
+                fut = node.fetch_into_async(handle, [k for k, _ in items], dests,
+                                            timeout=self._fetch_timeout)
+            except P2PKVError as exc:
+                self._lost(handle, exc)
+                self._load_done(job, len(items), None, exc)
+                continue
+            with self._lock:
+                self._outstanding.add(fut)
+            fut.add_done_callback(lambda f, j=job, n=len(items), h=handle:
+                                  self._fetched(j, n, h, f))
+        if not by_peer:
+            self._load_done(job, 0, None, None)
+
+    def _fetched(self, job: _LoadJob, n: int, handle: PeerHandle,
+                 fut: Future[FetchResult]) -> None:
+        with self._lock:
+            self._outstanding.discard(fut)
+        try:
+            result = fut.result()
+        except BaseException as exc:  # noqa: BLE001 - every failure fails only these keys
+            if isinstance(exc, PeerGone):
+                self._lost(handle, exc)
+            self._load_done(job, n, None, exc)
+            return
+        self._load_done(job, n, result, None)
+
+    def _load_done(self, job: _LoadJob, n: int, result: FetchResult | None,
+                   exc: BaseException | None) -> None:
+        with self._lock:
+            if result is not None:
+                for key, outcome in zip(result.keys, result.outcomes, strict=True):
+                    if outcome is KeyOutcome.STORED:
+                        job.stored.add(key)
+                    else:
+                        kind = outcome.name.lower()
+                        job.failures[kind] = job.failures.get(kind, 0) + 1
+                job.nbytes += result.nbytes
+            elif exc is not None:
+                kind = type(exc).__name__
+                job.failures[kind] = job.failures.get(kind, 0) + n
+                log.warning("p2pkv tier: load job %d: %d chunk(s) failed: %s", job.job_id, n, exc)
+            if n:
+                job.pending -= 1
+            if job.pending > 0:
+                return
+            self._loads.pop(job.job_id, None)
+            ok = [k for k in job.keys if k in job.stored]
+            failed = [k for k in job.keys if k not in job.stored]
+            self._stats.increase_counter(Metrics.LOADED_BLOCKS, len(ok))
+            self._stats.increase_counter(Metrics.LOADED_BYTES, len(ok) * self.block_size_bytes)
+            for kind, count in job.failures.items():
+                self._stats.increase_counter(Metrics.LOAD_FAILURES, count, (kind,))
+            self._finished.append((JobResult(
+                job_id=job.job_id, success=not failed,
+                successful_keys=tuple(ok) if failed else None,
+                transfer_time=time.perf_counter() - job.started,
+                transfer_bytes=len(ok) * self.block_size_bytes,
+            ), failed))
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        node = self._ensure_node()
+        keys = list(job_metadata.keys)
+        chunk_ids = np.asarray(job_metadata.chunk_ids).tolist()
+        if len(keys) != len(chunk_ids):
+            raise ValueError(f"store job {job_metadata.job_id}: {len(keys)} keys for "
+                             f"{len(chunk_ids)} chunks")
+        fut = self._stores.submit(self._store, node, job_metadata.job_id, keys, chunk_ids)
+        with self._lock:
+            self._outstanding.add(fut)
+        fut.add_done_callback(self._forget)
+
+    def _forget(self, fut: Future[Any]) -> None:
+        with self._lock:
+            self._outstanding.discard(fut)
+
+    def _store(self, node: Node, job_id: int, keys: list[OffloadKey],
+               chunk_ids: list[int]) -> None:
+        """Store thread: copy the chunks out of the primary region into the pool."""
+        started = time.perf_counter()
+        row = self.block_size_bytes
+        stored = 0
+        failed = 0
+        for key, cid in zip(keys, chunk_ids, strict=True):
+            try:
+                if node.put(key, self._rows[cid * row:(cid + 1) * row]):
+                    stored += 1
+            except (P2PKVError, ValueError) as exc:
+                failed += 1
+                log.warning("p2pkv tier: cannot keep chunk %s: %s", key.hex()[:16], exc)
+        with self._lock:
+            self._stats.increase_counter(Metrics.STORED_BLOCKS, stored)
+            self._stats.increase_counter(Metrics.STORED_BYTES, stored * row)
+            self._finished.append((JobResult(
+                job_id=job_id, success=failed == 0, transfer_time=time.perf_counter() - started,
+                transfer_bytes=stored * row), []))
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results: list[JobResult] = []
+        with self._lock:
+            while self._finished:
+                result, failed = self._finished.popleft()
+                results.append(result)
+                if failed:
+                    # Never promise these keys again in this request's lookups: vLLM
+                    # recomputes them instead of retrying a load that just failed.
+                    self._lookup.mark_miss(failed)
+        return results
+
+    def has_pending_work(self) -> bool:
+        with self._lock:
+            return bool(self._outstanding or self._loads or self._finished)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookup.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._lookup.flush()
+        self._maintain_peers()
+
+    def drain_jobs(self) -> None:
+        """Wait until no load or store touches the primary region. Loads are bounded by
+        ``fetch_timeout`` (the node fails them at their deadline), stores by a copy."""
+        deadline = time.monotonic() + self._fetch_timeout + 5.0
+        while True:
+            with self._lock:
+                pending = set(self._outstanding)
+            if not pending:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.error("p2pkv tier: %d transfer(s) still running after the fetch deadline",
+                          len(pending))
+                return
+            concurrent.futures.wait(pending, timeout=remaining)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.drain_jobs()
+        self._stores.shutdown(wait=True)
+        self._lookup.shutdown()
+        if self._node is not None:
+            with contextlib.suppress(Exception):
+                self._node.close()
+
+    # ------------------------------------------------------------------ observability
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot for logs and tests: peers, refusals by field, node counters."""
+        with self._lock:
+            peers = {a: {"connected": p.handle is not None, "refused": list(p.refused),
+                         "last_error": p.last_error} for a, p in self._peers.items()}
+            refusals = dict(self._refusals)
+        return {
+            "fingerprint": self.fingerprint,
+            "address": self._node.address if self._node else None,
+            "key_hash": self._key_hash.algo if self._key_hash else None,
+            "peers": peers,
+            "handshakes_refused": refusals,
+            "node": self._node.stats() if self._node else None,
+        }
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]
+                                 ) -> dict[str, OffloadingMetricMetadata]:
+        return {
+            Metrics.LOOKUP_KEYS: OffloadingCounterMetadata(
+                "Chunk keys this engine asked p2pkv peers about."),
+            Metrics.LOOKUP_HITS: OffloadingCounterMetadata(
+                "Chunk keys a p2pkv peer said it holds."),
+            Metrics.LOADED_BLOCKS: OffloadingCounterMetadata(
+                "Chunks fetched from p2pkv peers into the primary region, verified."),
+            Metrics.LOADED_BYTES: OffloadingCounterMetadata(
+                "Bytes fetched from p2pkv peers into the primary region."),
+            Metrics.LOAD_FAILURES: OffloadingCounterMetadata(
+                "Chunks a load could not bring (vLLM recomputes them), by reason.",
+                labelnames=("reason",)),
+            Metrics.STORED_BLOCKS: OffloadingCounterMetadata(
+                "Chunks copied into this engine's p2pkv pool to serve to peers."),
+            Metrics.STORED_BYTES: OffloadingCounterMetadata(
+                "Bytes copied into this engine's p2pkv pool."),
+            Metrics.HANDSHAKES_REFUSED: OffloadingCounterMetadata(
+                "Peers refused at the p2pkv handshake, by differing field.",
+                labelnames=("field",)),
+            Metrics.PEERS: OffloadingGaugeMetadata("Compatible p2pkv peers connected."),
+        }
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        with self._lock:
+            stats, self._stats = self._stats, OffloadingConnectorStats()
+            connected = sum(1 for p in self._peers.values() if p.handle is not None)
+        stats.set_gauge(Metrics.PEERS, connected)
+        return stats
+
+
+def _configured_hash_function() -> str | None:
+    try:
+        from vllm.config import get_current_vllm_config
+
+        algo = get_current_vllm_config().cache_config.prefix_caching_hash_algo
+    except Exception:  # noqa: BLE001 - outside a config context
+        return None
+    return algo if isinstance(algo, str) and algo else None
+
+
+def _refusal_text(exc: PeerIncompatible, key_hash: VLLMKeyHash | None) -> str:
+    lines = []
+    for r in exc.reasons:
+        meaning = r.meaning
+        if r.field == "key_hash.seed":
+            meaning = ("vLLM's block-hash seed (NONE_HASH) differs: set PYTHONHASHSEED to "
+                       "the same value in every engine, or use a cryptographic "
+                       "prefix_caching_hash_algo such as sha256")
+        elif r.field == "key_hash.algo":
+            meaning = ("vLLM's prefix_caching_hash_algo differs: use the same one in every "
+                       "engine")
+        lines.append(f"  {r.field}: local {r.ours!r} remote {r.theirs!r}: {meaning}")
+    return "\n".join(lines)

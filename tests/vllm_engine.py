@@ -1,0 +1,104 @@
+"""A real vLLM engine in its own process, driven over JSON lines (used by test_vllm.py).
+
+Run with the vLLM environment's Python (``.venv-vllm/bin/python``)::
+
+    vllm_engine.py --model-dir DIR [--p2pkv '{"listen": ..., "peers": [...]}']
+                   [--offload-block-size N]
+
+It prints ``{"ready": ...}`` once the engine runs, then answers one JSON command per
+stdin line: ``{"cmd": "generate", "prompts": [[ids]], "max_tokens": n}`` →
+``{"tokens": [[ids]], "cached": [n], "seconds": [s]}``; ``{"cmd": "metrics"}`` →
+``{"metrics": {name: value}}``; ``{"cmd": "exit"}`` ends it. Engine logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+#: Every answer line starts with this, so stray output on stdout is never mistaken for one.
+MARK = "@p2pkv "
+
+
+def reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def kv_transfer_config(tier: dict[str, Any], offload_block_size: int) -> dict[str, Any]:
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "P2PKVTieringSpec",
+            "spec_module_path": "p2pkv.integrations.vllm",
+            "cpu_bytes_to_use": 64 << 20,
+            "block_size": offload_block_size,
+            "secondary_tiers": [
+                {"type": "P2PKVTier", "module_path": "p2pkv.integrations.vllm", **tier}],
+        },
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--p2pkv", default=None, help="tier options as JSON (omit: no connector)")
+    ap.add_argument("--offload-block-size", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--hash-algo", default="sha256")
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = {}
+    if args.p2pkv is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            **kv_transfer_config(json.loads(args.p2pkv), args.offload_block_size))
+    started = time.monotonic()
+    llm = LLM(model=args.model_dir, skip_tokenizer_init=True, dtype="float32",
+              block_size=args.block_size, max_model_len=2048, enforce_eager=True,
+              max_num_seqs=4, seed=0, prefix_caching_hash_algo=args.hash_algo,
+              disable_log_stats=False, **kwargs)
+    reply({"ready": True, "start_seconds": time.monotonic() - started})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "exit":
+            break
+        if cmd["cmd"] == "generate":
+            params = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0,
+                                    detokenize=False)
+            tokens, cached, seconds = [], [], []
+            for ids in cmd["prompts"]:
+                t0 = time.monotonic()
+                out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params,
+                                   use_tqdm=False)[0]
+                seconds.append(time.monotonic() - t0)
+                tokens.append(list(out.outputs[0].token_ids))
+                cached.append(out.num_cached_tokens or 0)
+            reply({"tokens": tokens, "cached": cached, "seconds": seconds})
+        elif cmd["cmd"] == "metrics":
+            values: dict[str, float] = {}
+            for m in llm.get_metrics():
+                value = getattr(m, "value", None)
+                if isinstance(value, (int, float)):
+                    labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items())
+                                      if k not in ("engine", "model_name"))
+                    values[m.name + (f"{{{labels}}}" if labels else "")] = value
+            reply({"metrics": values})
+        else:
+            reply({"error": f"unknown command {cmd['cmd']!r}"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
