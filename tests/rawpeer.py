@@ -289,7 +289,7 @@ class CorruptingProxy:
                 self._fetch_keys[int(head["req"])] = list(head["keys"])
         return frames
 
-    def _to_client(self, frames: Frames) -> Frames:
+    def _to_client(self, frames: Frames) -> Frames | None:
         try:
             head = msgpack.unpackb(frames[0], raw=False)
         except Exception:
@@ -324,7 +324,9 @@ class CorruptingProxy:
                         continue
                     frames = [bytes(f) for f in sock.recv_multipart()]
                     rid = next(r for r, s in self._backs.items() if s is sock)
-                    self.front.send_multipart([rid, *self._to_client(frames)])
+                    out = self._to_client(frames)
+                    if out is not None:  # None: a subclass holds the message back
+                        self.front.send_multipart([rid, *out])
         except Exception:  # surfaced by the test through .errors
             self.errors.append(traceback.format_exc())
 

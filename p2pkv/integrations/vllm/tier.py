@@ -27,6 +27,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -60,8 +61,10 @@ from p2pkv.identity import RunConfig
 from p2pkv.integrations.vllm.identity import VLLMKeyHash, current_key_hash, run_config_from_spec
 from p2pkv.layout import EngineRowLayout
 from p2pkv.node import FetchResult, KeyOutcome, Node, NodeConfig, PeerHandle
+from p2pkv.transport import validate_address
 
-log = logging.getLogger("p2pkv.vllm")
+# Under "vllm." so that vLLM's own log handler prints the tier's lines with the engine's.
+log = logging.getLogger("vllm.p2pkv")
 
 __all__ = ["P2PKVTier", "TIER_OPTIONS", "Metrics"]
 
@@ -74,6 +77,9 @@ TIER_OPTIONS: tuple[str, ...] = (
     "curve_secret_key", "curve_authorized", "curve_server_key", "reconnect_interval",
 )
 _DEFAULT_RECONNECT = 2.0
+#: Defaults that differ from ``serve``'s: a scheduler waits on lookups, so silence
+#: becomes a miss sooner; a load that takes longer than recomputing is not worth waiting.
+TIER_DEFAULTS: Mapping[str, Any] = {"lookup_timeout": 1.0, "fetch_timeout": 10.0}
 #: After a refusal the configuration of one side must change; try again rarely.
 _REFUSED_RETRY = 30.0
 #: Holder entries kept for keys answered but not loaded yet.
@@ -103,8 +109,9 @@ def _tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], flo
         raise ConfigError(
             f"P2PKVTier: unknown option(s) {unknown}; valid: {sorted(TIER_OPTIONS)} (the "
             "identity comes from vLLM's offloading spec, not from tier options)")
-    flags = {k: v for k, v in params.items() if k not in ("peers", "reconnect_interval",
-                                                            "locality")}
+    flags = dict(TIER_DEFAULTS)
+    flags.update({k: v for k, v in params.items()
+                  if k not in ("peers", "reconnect_interval", "locality")})
     peers = params.get("peers", ())
     if isinstance(peers, str) or not isinstance(peers, Sequence):
         raise ConfigError(f"P2PKVTier: peers must be a list of tcp://HOST:PORT addresses, "
@@ -116,8 +123,14 @@ def _tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], flo
                           f"seconds, got {reconnect!r}")
     try:
         settings = load_settings(flags, environ={})
+        for address in settings["peer"]:
+            validate_address(address, what="peers entry")
+        validate_address(settings["listen"], what="listen")
     except ConfigError as exc:
-        raise ConfigError(f"P2PKVTier: {exc}") from exc
+        # Name the tier option, not the launcher flag it shares a parser with.
+        message = re.sub(r" \(from --[a-z-]+\)$", "", str(exc))
+        message = re.sub(r"--([a-z-]+)", lambda m: m.group(1).replace("-", "_"), message)
+        raise ConfigError(f"P2PKVTier: {message}") from None
     return settings, tuple(settings["peer"]), float(reconnect)
 
 
@@ -198,6 +211,7 @@ class P2PKVTier(SecondaryTierManager):
         self._stores = concurrent.futures.ThreadPoolExecutor(1, "p2pkv-vllm-store")
         self._stats = OffloadingConnectorStats()
         self._refusals: collections.Counter[str] = collections.Counter()
+        self._inbound_refusals: dict[str, int] = {}
         self._closed = False
         log.info("p2pkv tier: fingerprint %s, %d-byte chunks, peers %s",
                  self.run_config.fingerprint, self.block_size_bytes, list(peers) or "none")
@@ -261,7 +275,8 @@ class P2PKVTier(SecondaryTierManager):
                 if fields != peer.refused:
                     for f in fields:
                         self._refusals[f] += 1
-                        self._stats.increase_counter(Metrics.HANDSHAKES_REFUSED, 1, (f,))
+                        self._stats.increase_counter(Metrics.HANDSHAKES_REFUSED, 1,
+                                                     ("outbound", f))
                     log.error("p2pkv tier: peer %s refused, nothing will be shared with it:\n%s",
                               peer.address, _refusal_text(exc, self._key_hash))
                 peer.refused = fields
@@ -553,15 +568,22 @@ class P2PKVTier(SecondaryTierManager):
             Metrics.STORED_BYTES: OffloadingCounterMetadata(
                 "Bytes copied into this engine's p2pkv pool."),
             Metrics.HANDSHAKES_REFUSED: OffloadingCounterMetadata(
-                "Peers refused at the p2pkv handshake, by differing field.",
-                labelnames=("field",)),
+                "p2pkv handshakes refused: outbound by differing field, inbound (peers "
+                "this engine refused) by reason.", labelnames=("side", "reason")),
             Metrics.PEERS: OffloadingGaugeMetadata("Compatible p2pkv peers connected."),
         }
 
     def get_stats(self) -> OffloadingConnectorStats | None:
+        inbound = dict(self._node.stats().handshakes_refused) if self._node else {}
         with self._lock:
             stats, self._stats = self._stats, OffloadingConnectorStats()
             connected = sum(1 for p in self._peers.values() if p.handle is not None)
+            for reason, count in inbound.items():
+                delta = count - self._inbound_refusals.get(reason, 0)
+                if delta > 0:
+                    stats.increase_counter(Metrics.HANDSHAKES_REFUSED, delta,
+                                           ("inbound", reason))
+            self._inbound_refusals = inbound
         stats.set_gauge(Metrics.PEERS, connected)
         return stats
 

