@@ -288,7 +288,9 @@ def test_chunks_corrupted_in_flight_are_recomputed(
 
 
 class StallingProxy(CorruptingProxy):
-    """Passes the handshake and lookups, holds back every ``block`` message."""
+    """Passes the handshake and lookups; from the first ``block`` message on, holds back
+    everything the server sends except heartbeat answers (a stalled transfer on a live
+    link, until the server dies and its pongs stop too)."""
 
     def __init__(self, server_address: str) -> None:
         self.holding = threading.Event()
@@ -298,9 +300,11 @@ class StallingProxy(CorruptingProxy):
         try:
             head = msgpack.unpackb(frames[0], raw=False)
         except Exception:
-            return frames
-        if isinstance(head, dict) and head.get("t") == "block":
+            head = None
+        tag = head.get("t") if isinstance(head, dict) else None
+        if tag == "block":
             self.holding.set()
+        if self.holding.is_set() and tag != "pong":
             return None
         return frames
 
@@ -325,6 +329,10 @@ def test_producer_killed_mid_load(
         assert waited < 20.0, waited
         metrics = engine.metrics()
         assert metrics.get("vllm:p2pkv_loaded_blocks", 0) == 0
+        # The load failed because the peer went silent (its heartbeat deadline), not on a
+        # protocol error or the fetch deadline.
+        failures = {k: v for k, v in metrics.items() if "load_failures" in k}
+        assert failures == {"vllm:p2pkv_load_failures{reason=PeerTimeout}": 4}, failures
         engine.close()
     finally:
         proxy.close()

@@ -80,7 +80,7 @@ class VLLMKeyHash:
         return hashlib.sha256(self.none_hash).hexdigest()[:16]
 
 
-def current_key_hash(function: str | None = None) -> VLLMKeyHash:
+def current_key_hash() -> VLLMKeyHash:
     """vLLM's key hash in this process. Call it after the engine initialised its
     block hashing (``init_none_hash``), which happens after the scheduler is built."""
     from vllm.v1.core import kv_cache_utils
@@ -89,18 +89,24 @@ def current_key_hash(function: str | None = None) -> VLLMKeyHash:
     if none_hash is None:
         raise RuntimeError("vLLM has not initialised NONE_HASH yet (init_none_hash has not "
                            "run); the key hash is only known once the engine core started")
-    if function is None:
-        function = _hash_function_name()
-    return VLLMKeyHash(function=function, none_hash=bytes(none_hash))
+    return VLLMKeyHash(function=_hash_function_name(bytes(none_hash)),
+                       none_hash=bytes(none_hash))
 
 
-def _hash_function_name() -> str:
-    try:
-        from vllm.config import get_current_vllm_config
+def _hash_function_name(none_hash: bytes) -> str:
+    """Which of vLLM's prefix-caching hash functions made ``none_hash``.
 
-        algo = get_current_vllm_config().cache_config.prefix_caching_hash_algo
-        if isinstance(algo, str) and algo:
-            return algo
-    except Exception:  # noqa: BLE001 - outside a config context vLLM may raise anything
-        pass
+    ``NONE_HASH`` is the hash function applied to the seed, so re-hashing the seed with
+    each candidate names the function without reading the engine's configuration.
+    """
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_none_hash_seed
+
+    seed = get_none_hash_seed()
+    for name in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"):
+        try:
+            if bytes(get_hash_fn_by_name(name)(seed)) == none_hash:
+                return name
+        except Exception:  # noqa: BLE001 - a function this vLLM build lacks
+            continue
     return "unknown"

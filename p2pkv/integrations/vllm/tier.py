@@ -197,7 +197,6 @@ class P2PKVTier(SecondaryTierManager):
         self._fetch_timeout = float(settings["fetch_timeout"])
         # The 2-D region as bytes: chunk c is rows[c * row : (c + 1) * row].
         self._rows = primary_kv_view.cast("B")
-        self._hash_function = _configured_hash_function()
         self._key_hash: VLLMKeyHash | None = None
         self._node: Node | None = None
         self._lock = threading.Lock()
@@ -234,7 +233,7 @@ class P2PKVTier(SecondaryTierManager):
             raise PeerGone("the p2pkv tier is shut down")
         # vLLM seeds its block hashes after building the scheduler (and this tier), so
         # the key hash is read on first use, when requests are already flowing.
-        self._key_hash = current_key_hash(self._hash_function)
+        self._key_hash = current_key_hash()
         config = replace(self._node_config, key_hash_algo=self._key_hash.algo,
                          key_hash_seed=self._key_hash.seed)
         self._node = Node(self.run_config, self.layout, pool_blocks=self._pool_blocks,
@@ -586,16 +585,6 @@ class P2PKVTier(SecondaryTierManager):
             self._inbound_refusals = inbound
         stats.set_gauge(Metrics.PEERS, connected)
         return stats
-
-
-def _configured_hash_function() -> str | None:
-    try:
-        from vllm.config import get_current_vllm_config
-
-        algo = get_current_vllm_config().cache_config.prefix_caching_hash_algo
-    except Exception:  # noqa: BLE001 - outside a config context
-        return None
-    return algo if isinstance(algo, str) and algo else None
 
 
 def _refusal_text(exc: PeerIncompatible, key_hash: VLLMKeyHash | None) -> str:
