@@ -64,7 +64,8 @@ def fill_block(key: bytes, nbytes: int) -> bytes:
         z = (z ^ (z >> np.uint64(30))) * _M1
         z = (z ^ (z >> np.uint64(27))) * _M2
         z ^= z >> np.uint64(31)
-    return z.astype("<u8").tobytes()[:nbytes]
+    data: bytes = z.astype("<u8").tobytes()
+    return data[:nbytes]
 
 
 def first_mismatch(key: bytes, data: bytes | Sequence[int] | None, nbytes: int) -> str | None:
