@@ -168,6 +168,7 @@ class NodeConfig:
     listen: str = "tcp://127.0.0.1:0"
     node_id: str | None = None
     key_hash_seed: int = 0
+    key_hash_algo: str = KEY_HASH_ALGORITHM  # another name for keys of another derivation
     checksums: bool = True
     window_bytes: int = 16 << 20
     handshake_timeout: float = 5.0
@@ -204,6 +205,8 @@ class NodeConfig:
                               f"{self.key_hash_seed!r}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError("heartbeat_timeout must be longer than heartbeat_interval")
+        if type(self.key_hash_algo) is not str or not 1 <= len(self.key_hash_algo) <= 64:
+            raise ConfigError(f"key_hash_algo must be 1..64 characters, got {self.key_hash_algo!r}")
 
 
 @dataclass(frozen=True)
@@ -379,7 +382,7 @@ class Node:
             rc=run_config.get_run_config(),
             fp=run_config.fingerprint,
             geo=proto.Geometry(bpb=self._bpb, seg=self._segments),
-            khash=proto.KeyHash(algo=KEY_HASH_ALGORITHM, seed=self.config.key_hash_seed),
+            khash=proto.KeyHash(algo=self.config.key_hash_algo, seed=self.config.key_hash_seed),
             caps=tuple(caps),
             limits=self._limits.advertised(window=self._window),
         )
