@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # The CPU build of torch; without a pin pip takes a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench clean netns-tools
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,20 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/p2pkv-node demo
 
-test: venv
+# The lossy-link test (tests/test_netns.py, root only) needs tc netem or nft. As root,
+# install Debian's nftables (and iproute2 for `ip`/`tc`) when nft is missing; as any
+# other user this does nothing and the root-only tests skip with their reason.
+netns-tools:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    { ! command -v nft >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1; }; then \
+	    echo "installing nftables and iproute2 for the network-namespace tests"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get -qq update && \
+	    DEBIAN_FRONTEND=noninteractive apt-get -qq install -y --no-install-recommends \
+	        nftables iproute2 >/dev/null || \
+	    echo "could not install nftables/iproute2; the lossy-link test will skip"; \
+	fi
+
+test: venv netns-tools
 	$(PY) -m pytest -q
 	$(VENV)/bin/ruff check p2pkv tests examples tools
 	$(VENV)/bin/mypy

@@ -1,8 +1,9 @@
 """``p2pkv-node``: run, inspect and debug p2pkv nodes.
 
-Subcommands: ``serve``, ``fingerprint``, ``probe``, ``demo``, ``keygen``, ``bench``.
-Exit codes: 0 success; 2 bad configuration (nothing started); 3 peer refused the
-handshake; 4 peer unreachable or timed out; 1 anything else.
+Subcommands: ``serve``, ``fingerprint``, ``probe``, ``fetch``, ``demo``, ``keygen``,
+``bench``. Exit codes: 0 success; 2 bad configuration (nothing started); 3 peer refused
+the handshake; 4 peer unreachable, lost or timed out; 5 ``fetch``: a block was missing,
+failed or did not match the fill rule; 1 anything else.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pkv.errors import ConfigError, P2PKVError, PeerIncompatible, PeerTimeout
+from p2pkv.fill import MAX_FILL_BLOCKS, fill_block, fill_keys, first_mismatch
 from p2pkv.identity import ABSENT
 from p2pkv.settings import OPTIONS, Settings, load_settings
 
@@ -26,14 +28,17 @@ EXIT_ERROR = 1
 EXIT_CONFIG = 2
 EXIT_REFUSED = 3
 EXIT_UNREACHABLE = 4
+EXIT_MISMATCH = 5
 
 log = logging.getLogger("p2pkv.cli")
 
 
-def _add_options(parser: argparse.ArgumentParser) -> None:
+def _add_options(parser: argparse.ArgumentParser, *, serving: bool = False) -> None:
     group = parser.add_argument_group("node configuration (flag > P2PKV_* env > --config TOML)")
     group.add_argument("--config", metavar="FILE", help="TOML file with option values")
     for opt in OPTIONS:
+        if opt.name == "fill" and not serving:
+            continue  # only a serving node holds content
         if opt.name == "peer":
             group.add_argument(opt.flag, dest=opt.name, action="append", metavar="ADDRESS",
                                help=opt.help)
@@ -53,10 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_options(p)
     p.add_argument("--root", default="/kvcache", help="storage root for the namespace")
     p = sub.add_parser("serve", help="serve blocks until SIGINT/SIGTERM")
-    _add_options(p)
+    _add_options(p, serving=True)
     p = sub.add_parser("probe", help="handshake with a node and explain the verdict")
     _add_options(p)
     p.add_argument("address", help="tcp://HOST:PORT of the node to probe")
+    p = sub.add_parser("fetch", help="fetch the blocks of a node started with serve --fill "
+                       "and verify every byte")
+    _add_options(p)
+    p.add_argument("address", help="tcp://HOST:PORT of the node to fetch from")
+    p.add_argument("--fill-keys", type=int, required=True, metavar="N",
+                   help="fetch fill blocks 0..N-1 (protocol/SPEC.md appendix A)")
     p = sub.add_parser("demo", help="producer, compatible and incompatible consumers, live")
     p.add_argument("--blocks", type=int, default=256, help="blocks to move (default 256)")
     p.add_argument("--json", action="store_true")
@@ -154,7 +165,7 @@ def node_config(settings: Settings, *, listen: str | None = None) -> Any:
             listen=listen or v["listen"], key_hash_seed=v["key_seed"], checksums=v["checksums"],
             handshake_timeout=v["handshake_timeout"], lookup_timeout=v["lookup_timeout"],
             fetch_timeout=v["fetch_timeout"], heartbeat_timeout=v["heartbeat_timeout"],
-            heartbeat_interval=min(0.5, v["heartbeat_timeout"] / 4), curve=curve,
+            heartbeat_interval=min(1.0, v["heartbeat_timeout"] / 4), curve=curve,
         )
     except ConfigError as exc:
         if str(exc).startswith("listen"):
@@ -169,6 +180,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     layout = settings.layout()
     rc = settings.run_config(layout)
     config = node_config(settings)
+    fill = settings["fill"]
+    if fill > settings["pool_blocks"]:
+        raise ConfigError(f"--fill: {fill} blocks do not fit a pool of "
+                          f"{settings['pool_blocks']} blocks (raise --pool-blocks)")
+    try:
+        fill_keys(fill, seed=settings["key_seed"], tokens_per_hash=rc.tokens_per_hash)
+    except ValueError as exc:
+        raise ConfigError(f"--fill: {exc}") from exc
     from p2pkv.node import Node
 
     # Handlers go in before anything starts, so a signal that arrives while the node
@@ -186,6 +205,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"--listen: {exc}") from exc
         raise
     try:
+        # Filled before the listening line: whoever reads it finds the content there.
+        for key in fill_keys(fill, seed=settings["key_seed"], tokens_per_hash=rc.tokens_per_hash):
+            node.put(key, fill_block(key, layout.bytes_per_block))
         if settings["metrics_port"] is not None:
             from p2pkv.metrics import serve_metrics
 
@@ -194,13 +216,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "event": "listening", "address": node.address, "fingerprint": rc.fingerprint,
             "namespace": rc.namespace("/kvcache"), "run_config": rc.get_run_config(),
             "layout": layout.name, "pool": node.store.stats().memory_kind,
-            "metrics_port": metrics.port if metrics else None,
+            "metrics_port": metrics.port if metrics else None, "fill": fill,
         }
         _emit(args, info, f"p2pkv-node listening on {node.address}\n"
               f"  fingerprint {rc.fingerprint}  namespace {info['namespace']}\n"
               f"  run config  {json.dumps(rc.get_run_config(), sort_keys=True)}\n"
               f"  layout {layout.name}, {layout.bytes_per_block} bytes/block, "
-              f"pool {settings['pool_blocks']} blocks ({info['pool']})")
+              f"pool {settings['pool_blocks']} blocks ({info['pool']})"
+              + (f"\n  filled with {fill} blocks of known content (SPEC appendix A)"
+                 if fill else ""))
         for address in settings["peer"]:
             if stop.is_set():
                 break
@@ -269,52 +293,68 @@ def refusal_table(reasons: Sequence[Any]) -> str:
     return "\n".join(lines)
 
 
-def cmd_probe(args: argparse.Namespace) -> int:
+def _client_config(settings: Settings, address: str) -> Any:
+    """The node configuration of a command that only connects out (probe, fetch)."""
     from p2pkv.transport import validate_address
 
-    settings = _settings(args)
     try:
-        validate_address(args.address, what="ADDRESS")
+        validate_address(address, what="ADDRESS")
     except ConfigError as exc:
         raise ConfigError(f"ADDRESS: {exc}") from exc
+    if settings["curve_secret_key"] is not None and settings["curve_server_key"] is None:
+        raise ConfigError("--curve-server-key: connecting with CURVE needs the server's "
+                          "public key file")
+    # It only connects out: it never uses the configured --listen address (a shared TOML
+    # file or P2PKV_LISTEN would name the serving node's port, already taken).
+    return node_config(settings, listen="tcp://127.0.0.1:0")
+
+
+def _handshake(node: Any, args: argparse.Namespace, fingerprint: str) -> Any:
+    """Connect and handshake; on failure print the verdict and return its exit code."""
+    try:
+        return node.connect(args.address)
+    except PeerIncompatible as exc:
+        reasons = [_reason_dict(r) for r in exc.reasons]
+        if args.json:
+            print(json.dumps({"verdict": "refused", "address": args.address,
+                              "local_fingerprint": fingerprint,
+                              "remote": _remote_identity(exc), "reasons": reasons},
+                             sort_keys=True, default=str))
+        else:
+            print(f"REFUSED by handshake with {args.address}")
+            remote = _remote_identity(exc)
+            if remote:
+                print(f"remote node:        {remote.get('node')}")
+                print(f"remote fingerprint: {remote.get('fp')}")
+            print(f"local fingerprint:  {fingerprint}")
+            print(refusal_table(exc.reasons))
+        return EXIT_REFUSED
+    except (PeerTimeout, P2PKVError, OSError) as exc:
+        # Any failure to reach the peer (timeout, refused or lost connection,
+        # unresolvable host) is "unreachable", exit 4.
+        _unreachable(args, exc)
+        return EXIT_UNREACHABLE
+
+
+def _unreachable(args: argparse.Namespace, exc: BaseException) -> None:
+    if args.json:
+        print(json.dumps({"verdict": "unreachable", "address": args.address,
+                          "error": str(exc)}, sort_keys=True))
+    else:
+        print(f"UNREACHABLE {args.address}: {exc}")
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    config = _client_config(settings, args.address)
     layout = settings.layout()
     rc = settings.run_config(layout)
-    if settings["curve_secret_key"] is not None and settings["curve_server_key"] is None:
-        raise ConfigError("--curve-server-key: probing with CURVE needs the server's public "
-                          "key file")
-    # The probe only connects out: it never uses the configured --listen address (a
-    # shared TOML file or P2PKV_LISTEN would name the serving node's port, already taken).
-    config = node_config(settings, listen="tcp://127.0.0.1:0")
     from p2pkv.node import Node
 
     with Node(rc, layout, pool_blocks=1, config=config) as node:
-        try:
-            peer = node.connect(args.address)
-        except PeerIncompatible as exc:
-            reasons = [_reason_dict(r) for r in exc.reasons]
-            if args.json:
-                print(json.dumps({"verdict": "refused", "address": args.address,
-                                  "local_fingerprint": rc.fingerprint,
-                                  "remote": _remote_identity(exc), "reasons": reasons},
-                                 sort_keys=True, default=str))
-            else:
-                print(f"REFUSED by handshake with {args.address}")
-                remote = _remote_identity(exc)
-                if remote:
-                    print(f"remote node:        {remote.get('node')}")
-                    print(f"remote fingerprint: {remote.get('fp')}")
-                print(f"local fingerprint:  {rc.fingerprint}")
-                print(refusal_table(exc.reasons))
-            return EXIT_REFUSED
-        except (PeerTimeout, P2PKVError, OSError) as exc:
-            # Any failure to reach the peer (timeout, refused or lost connection,
-            # unresolvable host) is "unreachable", exit 4.
-            if args.json:
-                print(json.dumps({"verdict": "unreachable", "address": args.address,
-                                  "error": str(exc)}, sort_keys=True))
-            else:
-                print(f"UNREACHABLE {args.address}: {exc}")
-            return EXIT_UNREACHABLE
+        peer = _handshake(node, args, rc.fingerprint)
+        if isinstance(peer, int):
+            return peer
         info = {"verdict": "compatible", "address": args.address,
                 "remote_node": peer.remote_node_id, "fingerprint": peer.remote_fingerprint,
                 "run_config": peer.remote_run_config,
@@ -328,6 +368,60 @@ def cmd_probe(args: argparse.Namespace) -> int:
             print(f"capabilities: {', '.join(sorted(peer.capabilities)) or '(none)'}")
         peer.close()
     return EXIT_OK
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    """Fetch fill blocks 0..N-1 (SPEC appendix A) and check every byte against the rule."""
+    settings = _settings(args)
+    count = args.fill_keys
+    if not 1 <= count <= MAX_FILL_BLOCKS:
+        raise ConfigError(f"--fill-keys: must be in [1, {MAX_FILL_BLOCKS}], got {count}")
+    config = _client_config(settings, args.address)
+    layout = settings.layout()
+    rc = settings.run_config(layout)
+    try:
+        keys = fill_keys(count, seed=settings["key_seed"], tokens_per_hash=rc.tokens_per_hash)
+    except ValueError as exc:
+        raise ConfigError(f"--fill-keys: {exc}") from exc
+    size = layout.bytes_per_block
+    from p2pkv.node import KeyOutcome, Node
+
+    with Node(rc, layout, pool_blocks=count, config=config) as node:
+        peer = _handshake(node, args, rc.fingerprint)
+        if isinstance(peer, int):
+            return peer
+        try:
+            result = peer.fetch(keys, timeout=settings["fetch_timeout"])
+        except (P2PKVError, OSError) as exc:
+            # The connection was lost or the fetch as a whole timed out.
+            _unreachable(args, exc)
+            return EXIT_UNREACHABLE
+        problems: list[dict[str, Any]] = []
+        for i, (key, outcome) in enumerate(zip(keys, result.outcomes, strict=True)):
+            if outcome is KeyOutcome.STORED:
+                error = first_mismatch(key, node.get(key), size)
+                if error is not None:
+                    problems.append({"index": i, "key": key.hex(), "problem": "corrupt",
+                                     "detail": error})
+            else:
+                problems.append({"index": i, "key": key.hex(), "problem": outcome.value,
+                                 "detail": result.errors.get(i, "")})
+        peer.close()
+    verified = count - len(problems)
+    info = {"verdict": "verified" if not problems else "mismatch", "address": args.address,
+            "blocks": count, "verified": verified, "bytes": result.nbytes,
+            "seconds": result.seconds, "gbps": result.gbps, "problems": problems}
+    if args.json:
+        print(json.dumps(info, sort_keys=True))
+    else:
+        word = "VERIFIED" if not problems else "MISMATCH"
+        print(f"{word} {verified}/{count} blocks from {args.address}: {result.nbytes} bytes "
+              f"in {result.seconds:.3f} s, {result.gbps:.3f} GB/s")
+        for p in problems[:20]:
+            print(f"  block {p['index']} ({p['key']}): {p['problem']} {p['detail']}".rstrip())
+        if len(problems) > 20:
+            print(f"  ... and {len(problems) - 20} more")
+    return EXIT_OK if not problems else EXIT_MISMATCH
 
 
 def _reason_dict(reason: Any) -> dict[str, Any]:
@@ -388,6 +482,7 @@ _COMMANDS = {
     "fingerprint": cmd_fingerprint,
     "serve": cmd_serve,
     "probe": cmd_probe,
+    "fetch": cmd_fetch,
     "demo": cmd_demo,
     "keygen": cmd_keygen,
     "bench": cmd_bench,

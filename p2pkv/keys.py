@@ -5,8 +5,8 @@ KV-cache group index as 4 big-endian bytes (vLLM's convention). Content hashes
 chain over the prompt, so equal keys mean equal prefixes: the hash of block
 ``i`` covers the hash of block ``i - 1``.
 
-Wire-level definition (another implementation must reproduce it byte for byte;
-all integers little-endian unless stated otherwise):
+Wire-level definition (``protocol/SPEC.md`` §15; another implementation must reproduce
+it byte for byte; all integers little-endian unless stated otherwise):
 
 ``root(seed)``
     ``XXH3_128(b"p2pkv/block-key/root/v1", seed)``: the parent of block 0.

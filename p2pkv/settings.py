@@ -133,6 +133,8 @@ OPTIONS: tuple[Option, ...] = (
            "opt in to sharing across parallel layouts where the layout allows it"),
     Option("key_seed", _int(0, 2**64 - 1), 0, "seed of the block-key hash (peers must agree)"),
     Option("pool_blocks", _int(1, 1 << 30), 256, "blocks in the host pool"),
+    Option("fill", _int(0, 1 << 24), 0,
+           "serve: start holding N blocks of known content (protocol/SPEC.md appendix A)"),
     Option("listen", _str, "tcp://127.0.0.1:0", "address to serve on (port 0: ephemeral)"),
     Option("peer", _str_list, (), "peer address to connect to at start (repeatable)"),
     Option("handshake_timeout", _seconds, 5.0, "seconds to wait for a handshake"),

@@ -3,6 +3,8 @@
 * :class:`RawPeer`: a DEALER that speaks (or mangles) the wire protocol by hand.
 * :class:`SilentRouter`: accepts connections and reads everything, answers nothing.
 * :class:`SilentTcp`: accepts TCP connections and never speaks (not even ZMTP).
+* :class:`ThrottlingProxy`: a TCP relay that passes a known number of bytes per second
+  towards the client, so a test can act mid-transfer without racing a full-speed fetch.
 * :class:`CorruptingProxy`: ROUTER facing a client, DEALER to the real server; flips one
   byte in some ``block`` payload frames.
 * :class:`GoodPeer`: a well-behaved node that keeps looking up and fetching (byte-exact)
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import select
 import socket
 import threading
 import time
@@ -242,6 +245,93 @@ class SilentTcp:
         self._thread.join(5)
         for conn in self.accepted:
             conn.close()
+        self.sock.close()
+
+
+class ThrottlingProxy:
+    """A TCP relay to ``upstream`` passing at most ``rate`` bytes/s towards the client.
+
+    A long transfer through it takes a known minimum time, so "the fetch is still
+    running" is a fact rather than a race. Bytes towards the server pass unthrottled.
+    When either side closes or resets, the relay closes the other side at once and drops
+    what it has not delivered, as a crashed or vanished peer would.
+    """
+
+    _CHUNK = 65536
+
+    def __init__(self, upstream: str, rate: float) -> None:
+        host, port = upstream.removeprefix("tcp://").rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._rate = rate
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.05)
+        self.address = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.relayed = 0  # bytes delivered towards clients
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self.sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            try:
+                server = socket.create_connection(self._upstream, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            thread = threading.Thread(target=self._relay, args=(client, server), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _relay(self, client: socket.socket, server: socket.socket) -> None:
+        client.setblocking(False)
+        server.setblocking(False)
+        up = b""  # towards the server
+        down = b""  # towards the client
+        tokens, last = 0.0, time.monotonic()
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                tokens = min(tokens + (now - last) * self._rate, float(self._CHUNK))
+                last = now
+                readers = [client]
+                if not down and tokens >= 1:
+                    readers.append(server)
+                writers = ([client] if down else []) + ([server] if up else [])
+                r, w, _ = select.select(readers, writers, [], 0.005)
+                if client in r:
+                    data = client.recv(self._CHUNK)
+                    if not data:
+                        return
+                    up += data
+                if server in r:
+                    data = server.recv(int(tokens))
+                    if not data:
+                        return
+                    tokens -= len(data)
+                    down += data
+                if down and client in w:
+                    n = client.send(down)
+                    self.relayed += n
+                    down = down[n:]
+                if up and server in w:
+                    up = up[server.send(up):]
+        except OSError:
+            return  # a reset on either side ends the relay
+        finally:
+            for end in (client, server):
+                with contextlib.suppress(OSError):
+                    end.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(5)
         self.sock.close()
 
 

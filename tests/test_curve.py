@@ -33,7 +33,8 @@ pytestmark = pytest.mark.timeout(120)
 
 SMALL = {"layout": "v2", "geometry": "small"}
 BLOCKS = 6
-SLACK = 0.75
+# Scheduling slack on a busy 2-core machine; the bounds only show that nothing hangs.
+SLACK = 5.0
 
 
 def keygen(directory: Path, name: str) -> tuple[bytes, bytes]:
@@ -106,12 +107,14 @@ def test_unauthorized_or_plaintext_client_cannot_handshake(
         curve = CurveKeys(pub, sec, keys["stranger"][0], None)
     else:
         curve = None
-    client = nodes({**SMALL, "blocks": BLOCKS}, curve=curve, handshake_timeout=1.5)
+    # A long handshake deadline: the failure must be the security handshake's, reported
+    # as soon as libzmq sees it, never the deadline (PeerTimeout) on a slow machine.
+    client = nodes({**SMALL, "blocks": BLOCKS}, curve=curve, handshake_timeout=30.0)
     t0 = time.monotonic()
     with pytest.raises(P2PKVError) as info:
         client.connect(server.address)
     elapsed = time.monotonic() - t0
-    assert elapsed < 1.5 + SLACK, f"took {elapsed:.2f}s"
+    assert elapsed < 30.0 - SLACK, f"took {elapsed:.2f}s"
     # The ZeroMQ security handshake fails and the node reports it as PeerIncompatible
     # (a stranger's key is rejected by ZAP; a plaintext client speaks the NULL
     # mechanism; a wrong server key fails the CURVE handshake).
@@ -131,7 +134,7 @@ def test_wrong_server_key_error_type_is_stable(nodes: Any, keys: Any) -> None:
     pub, sec = keys["client1"]
     kinds = []
     for _ in range(8):  # a fresh client node each time: the race shows on first connects
-        client = nodes({**SMALL, "blocks": 2}, handshake_timeout=1.5,
+        client = nodes({**SMALL, "blocks": 2}, handshake_timeout=30.0,
                        curve=CurveKeys(pub, sec, keys["stranger"][0], None))
         with pytest.raises(P2PKVError) as info:
             client.connect(server.address)
@@ -147,11 +150,15 @@ def test_plaintext_raw_socket_never_reaches_the_protocol(nodes: Any, keys: Any) 
     try:
         with contextlib.suppress(zmq.Again):  # no pipe once the handshake has failed
             raw.send([bytes(f) for f in encode(raw_hello(server))], timeout=0.2)
-        events = raw.monitor_events(2.0)
+        events = raw.monitor_events(10.0)
         assert zmq.EVENT_DISCONNECTED in events or zmq.EVENT_CLOSED in events, events
-        assert raw.nothing_within(0.2)
-        assert server.stats().handshakes_accepted == 0
+        # A full round trip of an authorized client afterwards: the node has handled
+        # everything the raw socket could have delivered, and counted none of it.
+        good = nodes({**SMALL, "blocks": BLOCKS}, curve=client_curve(keys, "client1"))
+        assert good.connect(server.address).lookup(keys_for(2)) == [True, True]
+        assert server.stats().handshakes_accepted == 1
         assert server.stats().protocol_violations == 0
+        assert raw.nothing_within(0)
     finally:
         raw.close()
 

@@ -19,7 +19,9 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.netns, pytest.mark.slow]
 
 SEED_V2 = {"layout": "v2", "geometry": "seed"}
 HEARTBEAT = {"heartbeat_interval": 0.3, "heartbeat_timeout": 1.5}
-SLACK = 1.0
+# Generous on a busy machine: the fetch's other deadlines (fetch idle 30 s, fetch 60 s)
+# stay far beyond heartbeat_timeout + SLACK, so the bound still shows the heartbeat fired.
+SLACK = 5.0
 
 
 @pytest.fixture

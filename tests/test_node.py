@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 from nodeproc import content, keys_for
+from rawpeer import ThrottlingProxy, wait_until
 
 from p2pkv import KeyOutcome, PeerIncompatible
 from p2pkv.identity import ABSENT
@@ -110,23 +110,29 @@ def test_missing_keys_reported_without_failing_the_rest(spawn: Any, nodes: Any) 
 
 
 def test_lookup_answered_during_large_fetch(spawn: Any, nodes: Any) -> None:
-    blocks = 1536  # ~0.9 GB of seed V2 blocks
+    """A 10,000-key lookup on the connection of a bulk fetch is answered while the fetch
+    still streams. The producer is reached through a ThrottlingProxy (30 MB/s), so the
+    ~150 MB fetch takes about 5 s whatever the machine's load: the lookup, queued behind
+    at most the granted credit (16 MiB, about 0.6 s), must come back long before."""
+    blocks = 256
     _, address = serve(spawn, {**SEED_V2, "blocks": blocks})
     node = nodes({**SEED_V2, "blocks": blocks})
-    peer = node.connect(address)
-    keys = keys_for(blocks)
-    fetch = node.fetch_async(peer, keys, timeout=120)
-    # Wait until blocks are flowing, then ask a lookup of 10,000 keys.
-    deadline = time.monotonic() + 60
-    while node.store.stats().used < 64 and not fetch.done() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    absent = keys_for(10_000 - blocks, offset=blocks)
-    lookup = node.lookup_async(peer, [*keys, *absent], timeout=30)
-    hits = lookup.result(timeout=30)
-    assert not fetch.done(), "the lookup should be answered while the fetch still streams"
-    assert hits == [True] * blocks + [False] * len(absent)
-    result = fetch.result(timeout=120)
-    assert len(result.stored) == blocks
+    proxy = ThrottlingProxy(address, 30e6)
+    try:
+        peer = node.connect(proxy.address)
+        keys = keys_for(blocks)
+        fetch = node.fetch_async(peer, keys, timeout=120)
+        # Wait until blocks are flowing, then ask a lookup of 10,000 keys.
+        assert wait_until(lambda: node.store.stats().used >= 8 or fetch.done(), 60)
+        absent = keys_for(10_000 - blocks, offset=blocks)
+        lookup = node.lookup_async(peer, [*keys, *absent], timeout=60)
+        hits = lookup.result(timeout=60)
+        assert not fetch.done(), "the lookup should be answered while the fetch still streams"
+        assert hits == [True] * blocks + [False] * len(absent)
+        result = fetch.result(timeout=120)
+        assert len(result.stored) == blocks
+    finally:
+        proxy.close()
 
 
 def test_three_consumers_at_once(spawn: Any) -> None:
@@ -167,7 +173,7 @@ def test_reconnect_to_restarted_peer(spawn: Any, nodes: Any) -> None:
     first.kill()
     with pytest.raises(PeerGone):
         for _ in range(50):
-            peer.lookup(keys_for(4), timeout=1.0)
+            peer.lookup(keys_for(4), timeout=10.0)
     _second, address2 = serve(spawn, {**SEED_V2, "blocks": 4})
     peer2 = node.connect(address2)
     assert peer2.fetch(keys_for(4)).stored == keys_for(4)

@@ -100,3 +100,63 @@ def test_spec_worked_example_matches_the_codec() -> None:
     block = encode_head(Block(1, (0,), (block_checksum([bytes(4096)]),))).hex()
     flat = "".join(spec.split())
     assert lookup in flat and block in flat
+
+
+# ---------------------------------------------------------------------- block keys, fill
+
+KEYS = json.loads((VECTORS / "keys.json").read_text(encoding="utf-8"))["vectors"]
+FILL = json.loads((VECTORS / "fill.json").read_text())["vectors"]
+
+
+def _extra(entry: dict[str, Any]) -> int | str | bytes:
+    (kind, value), = entry.items()
+    return bytes.fromhex(value) if kind == "bytes" else value  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("vector", KEYS, ids=[v["name"] for v in KEYS])
+def test_block_key_vector(vector: dict[str, Any]) -> None:
+    from p2pkv.keys import block_keys, content_hash, root_hash
+
+    seed, tph = vector["seed"], vector["tokens_per_hash"]
+    parent = None if vector["parent_hash"] is None else bytes.fromhex(vector["parent_hash"])
+    extras = [_extra(e) for e in vector["extra_keys"]]
+    keys = block_keys(vector["token_ids"], seed=seed, tokens_per_block=tph,
+                      group=vector["group"], extra_keys=extras, parent_hash=parent)
+    assert [k.hex() for k in keys] == vector["keys"]
+    assert root_hash(seed).hex() == vector["root"]
+    chain = parent or root_hash(seed)
+    for i, want in enumerate(vector["content_hashes"]):
+        chain = content_hash(chain, vector["token_ids"][i * tph:(i + 1) * tph], seed=seed,
+                             extra_keys=extras)
+        assert chain.hex() == want
+        assert bytes.fromhex(vector["messages"][i])[:16] == (
+            bytes.fromhex(vector["content_hashes"][i - 1]) if i else parent or root_hash(seed))
+
+
+def test_block_key_vectors_chain_across_calls() -> None:
+    by_name = {v["name"]: v for v in KEYS}
+    assert by_name["parent_hash_continues_a_chain"]["keys"] == (
+        by_name["three_blocks_and_a_tail"]["keys"][1:])
+    assert by_name["tail_only_has_no_key"]["keys"] == []
+    equal = by_name["equal_blocks_at_different_positions"]["keys"]
+    assert len(set(equal)) == len(equal) == 3
+
+
+@pytest.mark.parametrize("vector", FILL, ids=[v["name"] for v in FILL])
+def test_fill_vector(vector: dict[str, Any]) -> None:
+    import hashlib
+
+    import xxhash
+
+    from p2pkv.fill import fill_block, fill_keys
+
+    keys = fill_keys(vector["count"], seed=vector["seed"],
+                     tokens_per_hash=vector["tokens_per_hash"])
+    assert [k.hex() for k in keys] == [b["key"] for b in vector["blocks"]]
+    for key, want in zip(keys, vector["blocks"], strict=True):
+        data = fill_block(key, vector["bytes_per_block"])
+        assert data[:32].hex() == want["first_bytes"]
+        assert xxhash.xxh3_64_intdigest(data) == want["xxh3_64"]
+        assert hashlib.sha256(data).hexdigest() == want["sha256"]
+        if "bytes" in want:
+            assert data.hex() == want["bytes"]

@@ -4,17 +4,21 @@ The frames are packed here with plain ``msgpack`` from hand-written wire maps, a
 expected decoded messages are written out from those maps, never by calling the p2pkv
 codec, so ``tests/test_protocol_vectors.py`` is a real cross-check of the decoder. The
 identity vectors build the canonical JSON by hand (``json.dumps(sort_keys=True,
-separators=(",", ":"))`` + SHA-256) rather than calling ``RunConfig``.
+separators=(",", ":"))`` + SHA-256) rather than calling ``RunConfig``. The block-key and
+fill vectors are computed here with plain ``xxhash`` and integer arithmetic from the text
+of SPEC §15 and Appendix A, never by calling ``p2pkv.keys`` or ``p2pkv.fill``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
 import msgpack
+import xxhash
 
 HERE = Path(__file__).resolve().parent
 
@@ -309,6 +313,112 @@ def identity_vectors() -> list[dict[str, Any]]:
     return cases
 
 
+ROOT_LABEL = b"p2pkv/block-key/root/v1"
+
+
+def extra_bytes(extras: list[dict[str, Any]]) -> bytes:
+    """SPEC §15.2: u32 count, then each extra key tagged (1 int, 2 str, 3 bytes)."""
+    out = struct.pack("<I", len(extras))
+    for extra in extras:
+        (kind, value), = extra.items()
+        if kind == "int":
+            out += b"\x01" + struct.pack("<q", value)
+        elif kind == "str":
+            data = value.encode("utf-8")
+            out += b"\x02" + struct.pack("<I", len(data)) + data
+        else:
+            data = bytes.fromhex(value)
+            out += b"\x03" + struct.pack("<I", len(data)) + data
+    return out
+
+
+def key_vectors() -> list[dict[str, Any]]:
+    cases: list[dict[str, Any]] = []
+
+    def add(name: str, seed: int, tph: int, tokens: list[int], *, group: int = 0,
+            extras: list[dict[str, Any]] | None = None, parent: str | None = None) -> None:
+        root = xxhash.xxh3_128(ROOT_LABEL, seed=seed).digest()
+        chain = bytes.fromhex(parent) if parent is not None else root
+        tail = extra_bytes(extras or [])
+        messages, hashes, keys = [], [], []
+        for start in range(0, len(tokens) - tph + 1, tph):
+            block = tokens[start:start + tph]
+            message = chain + struct.pack(f"<I{tph}I", tph, *block) + tail
+            chain = xxhash.xxh3_128(message, seed=seed).digest()
+            messages.append(message.hex())
+            hashes.append(chain.hex())
+            keys.append((chain + struct.pack(">I", group)).hex())
+        cases.append({"name": name, "seed": seed, "tokens_per_hash": tph, "token_ids": tokens,
+                      "extra_keys": extras or [], "group": group, "parent_hash": parent,
+                      "root": root.hex(), "messages": messages, "content_hashes": hashes,
+                      "keys": keys})
+
+    add("three_blocks_and_a_tail", 0, 16, list(range(53)))
+    add("max_seed_large_token_ids", 2**64 - 1, 4,
+        [0, 1, 2**32 - 1, 2**31, 151643, 7, 7, 7])
+    add("extra_keys_and_group", 1234, 16, list(range(1000, 1032)), group=5,
+        extras=[{"int": -7}, {"str": "lóra"}, {"bytes": "00ff"}])
+    add("empty_extra_values", 1, 2, [5, 6], extras=[{"int": 0}, {"str": ""}, {"bytes": ""}])
+    first = cases[0]
+    add("parent_hash_continues_a_chain", 0, 16, list(range(16, 53)),
+        parent=first["content_hashes"][0])
+    add("equal_blocks_at_different_positions", 9, 2, [3, 3, 3, 3, 3, 3])
+    add("tail_only_has_no_key", 0, 16, list(range(15)))
+    add("largest_group", 0, 1, [42], group=2**32 - 1)
+    return cases
+
+
+def splitmix_bytes(key: bytes, nbytes: int) -> bytes:
+    """Appendix A, word by word with Python integers."""
+    mask = 2**64 - 1
+    s = xxhash.xxh3_64_intdigest(key, seed=0)
+    out = bytearray()
+    j = 0
+    while len(out) < nbytes:
+        z = (s + (j + 1) * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+        out += z.to_bytes(8, "little")
+        j += 1
+    return bytes(out[:nbytes])
+
+
+def fill_vectors() -> list[dict[str, Any]]:
+    cases: list[dict[str, Any]] = []
+
+    def add(name: str, seed: int, tph: int, count: int, bpb: int, full: bool) -> None:
+        tokens = list(range(count * tph))
+        keys = [bytes.fromhex(k) for k in _keys_of(seed, tph, tokens)]
+        blocks = []
+        for key in keys:
+            data = splitmix_bytes(key, bpb)
+            entry: dict[str, Any] = {"key": key.hex(), "first_bytes": data[:32].hex(),
+                                     "xxh3_64": xxhash.xxh3_64_intdigest(data),
+                                     "sha256": hashlib.sha256(data).hexdigest()}
+            if full:
+                entry["bytes"] = data.hex()
+            blocks.append(entry)
+        cases.append({"name": name, "seed": seed, "tokens_per_hash": tph, "count": count,
+                      "bytes_per_block": bpb, "blocks": blocks})
+
+    add("tiny_blocks_in_full", 0, 16, 3, 40, True)
+    add("not_a_multiple_of_8", 7, 4, 2, 13, True)
+    add("seed_geometry_589824_bytes", 0, 16, 4, 589824, False)
+    return cases
+
+
+def _keys_of(seed: int, tph: int, tokens: list[int]) -> list[str]:
+    chain = xxhash.xxh3_128(ROOT_LABEL, seed=seed).digest()
+    out = []
+    for start in range(0, len(tokens) - tph + 1, tph):
+        message = chain + struct.pack(f"<I{tph}I", tph, *tokens[start:start + tph])
+        message += struct.pack("<I", 0)
+        chain = xxhash.xxh3_128(message, seed=seed).digest()
+        out.append((chain + b"\x00\x00\x00\x00").hex())
+    return out
+
+
 def main() -> None:
     (HERE / "messages.json").write_text(json.dumps(
         {"about": "frames (hex) -> decoded message; see protocol/SPEC.md section 14",
@@ -319,6 +429,12 @@ def main() -> None:
     (HERE / "identity.json").write_text(json.dumps(
         {"about": "run-config inputs -> canonical JSON, SHA-256, fingerprint, namespace",
          "vectors": identity_vectors()}, indent=1, ensure_ascii=False) + "\n")
+    (HERE / "keys.json").write_text(json.dumps(
+        {"about": "token ids -> block keys; see protocol/SPEC.md section 15",
+         "vectors": key_vectors()}, indent=1, ensure_ascii=False) + "\n")
+    (HERE / "fill.json").write_text(json.dumps(
+        {"about": "fill rule: keys and block bytes; see protocol/SPEC.md appendix A",
+         "vectors": fill_vectors()}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
