@@ -815,7 +815,7 @@ _EXT_FIX: Final = {
     "kv_memory_layout": "--kv-memory-layout",
     "model_revision": "--model-revision",
     "model_overrides": "--model-overrides",
-    "key_hash": "the engine's key_hash (key_hash_identity)",
+    "key_hash": "key_hash_identity(), in the engine integration",
 }
 
 
