@@ -9,12 +9,16 @@ import math
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from p2pkv import IdentityExtension as ReExported
-from p2pkv.errors import ConfigError
+from p2pkv.errors import ConfigError, ProtocolError
 from p2pkv.identity import (
     ABSENT,
+    EXTENSION_FIELDS,
     EXTENSION_REFUSAL_FIELDS,
     KV_MEMORY_LAYOUT_ALIASES,
     KV_MEMORY_LAYOUTS,
@@ -343,3 +347,28 @@ def test_welcome_carries_the_server_extension() -> None:
     (accepted,) = client_events
     assert isinstance(accepted, HandshakeAccepted)
     assert isinstance(accepted.remote, Welcome) and accepted.remote.ext == ext
+
+
+_EXT_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 2**64 - 1), st.binary(max_size=8),
+    st.text(max_size=300), st.sampled_from(["NHD", "lbhnc", "0123456789abcdef",
+                                            "xxhash:0123456789abcdef", " x", ""]),
+    st.lists(st.text(max_size=3), max_size=2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(ext=st.one_of(_EXT_VALUES, st.dictionaries(
+    st.sampled_from([*EXTENSION_FIELDS, "x-future"]), _EXT_VALUES, max_size=6)))
+def test_any_ext_map_decodes_or_is_a_protocol_error(ext: Any) -> None:
+    wire = {"t": "hello", "v": 1, "node": "n", "minor": 1, "rc": CONFIG.get_run_config(),
+            "fp": CONFIG.fingerprint, "geo": {"bpb": GEO.bpb, "seg": list(GEO.seg)},
+            "khash": {"algo": "xxh3-128", "seed": 0}, "caps": [], "ext": ext}
+    try:
+        msg = decode([msgpack.packb(wire, use_bin_type=True)])
+    except ProtocolError as exc:
+        assert exc.code in (Code.WRONG_TYPE, Code.OUT_OF_BOUNDS), exc
+        return
+    assert isinstance(msg, Hello)
+    assert msg.ext is None or not msg.ext.is_empty
+    if msg.ext is not None:
+        assert decode(encode(msg)) == msg
