@@ -572,15 +572,20 @@ KV_MEMORY_LAYOUTS: Final[dict[str, str]] = {
              "K+V] (vLLM BLNHC)",
     "BHLNC": "cross-layer rows, head-outermost: each block is one row [KV heads, layers, "
              "tokens, K+V] (vLLM BHLNC; p2pkv's V1 cross-layer layout)",
+    # vLLM's offloading spec reports these two names; a declaration folds them to NHD/HND.
+    "LBNHC": "vLLM's name for NHD (declared as NHD)",
+    "LBHNC": "vLLM's name for HND (declared as HND)",
 }
-"""Known ``kv_memory_layout`` names and what each means. Other names are allowed; they
-compare by exact spelling and show as unknown in a refusal's meaning."""
+"""Known ``kv_memory_layout`` names and what each means (vLLM's offloading
+``kv_cache_layout`` strings included). Other names are allowed; they compare by exact
+spelling and show as unknown in a refusal's meaning."""
 
 KV_MEMORY_LAYOUT_ALIASES: Final[dict[str, str]] = {"LBNHC": "NHD", "LBHNC": "HND"}
 """Other spellings of registry names (vLLM's legacy NHD/HND names are aliases of its
 LBNHC/LBHNC). A declared name that matches a registry name or alias, ignoring case, is
 written as the registry name, so ``lbhnc`` and ``HND`` are the same declaration."""
 
+# Aliases last, so that LBNHC/LBHNC fold to NHD/HND.
 _LAYOUT_BY_FOLDED: Final[dict[str, str]] = {
     **{name.upper(): name for name in KV_MEMORY_LAYOUTS},
     **{alias.upper(): name for alias, name in KV_MEMORY_LAYOUT_ALIASES.items()},

@@ -117,8 +117,10 @@ def test_registry_names_the_known_layouts() -> None:
     assert IdentityExtension is ReExported
     for name in ("NHD", "HND", "HND_K_THEN_V", "LHBNC", "BLHNC", "BLNHC", "BHLNC"):
         assert name in KV_MEMORY_LAYOUTS
-    # vLLM's offload kv_cache_layout strings are registry names or aliases of them.
+    # vLLM's offload kv_cache_layout strings are registry names, folded to NHD/HND.
     assert KV_MEMORY_LAYOUT_ALIASES == {"LBNHC": "NHD", "LBHNC": "HND"}
+    assert {"LBNHC", "LBHNC"} <= set(KV_MEMORY_LAYOUTS)
+    assert IdentityExtension(kv_memory_layout="LBNHC").kv_memory_layout == "NHD"
     assert "CPU" in KV_MEMORY_LAYOUTS["HND_K_THEN_V"]
     assert kv_memory_layout_meaning("lbhnc") == KV_MEMORY_LAYOUTS["HND"]
     assert "unknown" in kv_memory_layout_meaning("MyLayout")
