@@ -20,7 +20,7 @@ from p2pkv.errors import (
     StoreFullError,
     TransferFailed,
 )
-from p2pkv.identity import FieldDiff, RunConfig, diff
+from p2pkv.identity import FieldDiff, IdentityExtension, RunConfig, diff
 
 __version__ = "0.1.0"
 
@@ -42,6 +42,7 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "ConfigError",
     "FieldDiff",
+    "IdentityExtension",
     "P2PKVError",
     "PeerGone",
     "PeerIncompatible",

@@ -20,7 +20,7 @@ from typing import Any
 
 from p2pkv.errors import ConfigError, P2PKVError, PeerIncompatible, PeerTimeout
 from p2pkv.fill import MAX_FILL_BLOCKS, fill_block, fill_keys, first_mismatch
-from p2pkv.identity import ABSENT
+from p2pkv.identity import ABSENT, canonical_model_overrides, extension_diff
 from p2pkv.settings import OPTIONS, Settings, load_settings
 
 EXIT_OK = 0
@@ -89,7 +89,14 @@ def _settings(args: argparse.Namespace) -> Settings:
 def _identity(settings: Settings, root: str = "/kvcache") -> dict[str, Any]:
     layout = settings.layout()
     rc = settings.run_config(layout)
+    ext = settings.extension()
+    overrides = settings["model_overrides"]
     return {
+        "extension": ext.to_wire(),
+        "extension_digest": ext.digest,
+        "model_overrides_canonical": (None if overrides is None
+                                      else canonical_model_overrides(overrides)),
+        "identity_policy": settings["identity_policy"],
         "run_config": rc.get_run_config(),
         "fingerprint": rc.fingerprint,
         "namespace": rc.namespace(root),
@@ -112,6 +119,11 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
     print(f"layout:      {ident['layout']} ({len(ident['segments'])} segment(s), "
           f"{ident['bytes_per_block']} bytes/block)")
     print(f"geometry:    {ident['geometry']}")
+    ext = ident["extension"]
+    print("extension:   " + (json.dumps(ext, sort_keys=True) if ext else "(nothing declared)")
+          + f"  digest {ident['extension_digest']} (not part of the fingerprint)")
+    if ident["model_overrides_canonical"] is not None:
+        print(f"overrides:   {ident['model_overrides_canonical']}")
     return EXIT_OK
 
 
@@ -166,6 +178,7 @@ def node_config(settings: Settings, *, listen: str | None = None) -> Any:
             handshake_timeout=v["handshake_timeout"], lookup_timeout=v["lookup_timeout"],
             fetch_timeout=v["fetch_timeout"], heartbeat_timeout=v["heartbeat_timeout"],
             heartbeat_interval=min(1.0, v["heartbeat_timeout"] / 4), curve=curve,
+            identity_policy=v["identity_policy"],
         )
     except ConfigError as exc:
         if str(exc).startswith("listen"):
@@ -179,6 +192,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     layout = settings.layout()
     rc = settings.run_config(layout)
+    ext = settings.extension()
     config = node_config(settings)
     fill = settings["fill"]
     if fill > settings["pool_blocks"]:
@@ -197,7 +211,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     metrics = None
     try:
-        node = Node(rc, layout, pool_blocks=settings["pool_blocks"], config=config)
+        node = Node(rc, layout, pool_blocks=settings["pool_blocks"], config=config,
+                    extension=ext)
     except BaseException as exc:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -217,10 +232,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "namespace": rc.namespace("/kvcache"), "run_config": rc.get_run_config(),
             "layout": layout.name, "pool": node.store.stats().memory_kind,
             "metrics_port": metrics.port if metrics else None, "fill": fill,
+            "extension": ext.to_wire(), "identity_policy": settings["identity_policy"],
         }
         _emit(args, info, f"p2pkv-node listening on {node.address}\n"
               f"  fingerprint {rc.fingerprint}  namespace {info['namespace']}\n"
               f"  run config  {json.dumps(rc.get_run_config(), sort_keys=True)}\n"
+              f"  extension   {ext.describe()}, identity policy "
+              f"{settings['identity_policy']}\n"
               f"  layout {layout.name}, {layout.bytes_per_block} bytes/block, "
               f"pool {settings['pool_blocks']} blocks ({info['pool']})"
               + (f"\n  filled with {fill} blocks of known content (SPEC appendix A)"
@@ -326,6 +344,8 @@ def _handshake(node: Any, args: argparse.Namespace, fingerprint: str) -> Any:
             if remote:
                 print(f"remote node:        {remote.get('node')}")
                 print(f"remote fingerprint: {remote.get('fp')}")
+                if remote.get("ext", {}).get("engine"):
+                    print(f"remote engine:      {remote['ext']['engine']}")
             print(f"local fingerprint:  {fingerprint}")
             print(refusal_table(exc.reasons))
         return EXIT_REFUSED
@@ -349,23 +369,35 @@ def cmd_probe(args: argparse.Namespace) -> int:
     config = _client_config(settings, args.address)
     layout = settings.layout()
     rc = settings.run_config(layout)
+    ext = settings.extension()
     from p2pkv.node import Node
+    from p2pkv.protocol import Reason
 
-    with Node(rc, layout, pool_blocks=1, config=config) as node:
+    with Node(rc, layout, pool_blocks=1, config=config, extension=ext) as node:
         peer = _handshake(node, args, rc.fingerprint)
         if isinstance(peer, int):
             return peer
+        # Accepted, yet the extensions may differ: a field only one side declares (under
+        # the lenient policy) or another engine. Shown, never hidden.
+        notes = [Reason(0, f"ext.{d.field}", d.local, d.remote, d.meaning)
+                 for d in extension_diff(ext, peer.remote_extension, include_engine=True)]
         info = {"verdict": "compatible", "address": args.address,
                 "remote_node": peer.remote_node_id, "fingerprint": peer.remote_fingerprint,
                 "run_config": peer.remote_run_config,
-                "capabilities": sorted(peer.capabilities)}
+                "capabilities": sorted(peer.capabilities),
+                "extension": peer.remote_extension.to_wire(),
+                "extension_differences": [_reason_dict(r) for r in notes]}
         if args.json:
             print(json.dumps(info, sort_keys=True))
         else:
             print(f"COMPATIBLE with {args.address} ({peer.remote_node_id})")
             print(f"fingerprint:  {peer.remote_fingerprint}")
             print(f"run config:   {json.dumps(peer.remote_run_config, sort_keys=True)}")
+            print(f"extension:    {peer.remote_extension.describe()}")
             print(f"capabilities: {', '.join(sorted(peer.capabilities)) or '(none)'}")
+            if notes:
+                print("identity extension differences (accepted):")
+                print(refusal_table(notes))
         peer.close()
     return EXIT_OK
 
@@ -386,7 +418,8 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     size = layout.bytes_per_block
     from p2pkv.node import KeyOutcome, Node
 
-    with Node(rc, layout, pool_blocks=count, config=config) as node:
+    with Node(rc, layout, pool_blocks=count, config=config,
+              extension=settings.extension()) as node:
         peer = _handshake(node, args, rc.fingerprint)
         if isinstance(peer, int):
             return peer

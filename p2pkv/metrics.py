@@ -38,6 +38,13 @@ class NodeCollector:
         for reason, n in sorted(s.handshakes_refused.items()):
             hs.add_metric(["refused", reason], n)
         yield hs
+        undeclared = CounterMetricFamily(
+            "p2pkv_identity_undeclared",
+            "Handshakes accepted under identity_policy=lenient although only one side "
+            "declared this identity-extension field", labels=["field"])
+        for name, n in sorted(getattr(s, "identity_undeclared", {}).items()):
+            undeclared.add_metric([name], n)
+        yield undeclared
         for name, value, doc in (
             ("p2pkv_lookups", s.lookups_served, "Lookup requests served"),
             ("p2pkv_lookup_keys", s.lookup_keys_served, "Keys asked in served lookups"),

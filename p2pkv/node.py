@@ -52,7 +52,7 @@ from p2pkv.errors import (
     StoreFullError,
     TransferFailed,
 )
-from p2pkv.identity import FieldDiff, RunConfig, diff
+from p2pkv.identity import IDENTITY_POLICIES, FieldDiff, IdentityExtension, RunConfig, diff
 from p2pkv.keys import KEY_HASH_ALGORITHM, keys_well_formed
 from p2pkv.layout import Layout
 from p2pkv.pool import BlockPool
@@ -187,9 +187,15 @@ class NodeConfig:
     max_inflight_requests: int = 64
     curve: CurveKeys | None = None
     connect_allowlist: frozenset[str] | None = None
+    #: "strict": an identity-extension field only one side declares refuses the peer;
+    #: "lenient": it is accepted with a warning, counted in stats().identity_undeclared.
+    identity_policy: str = "strict"
 
     def __post_init__(self) -> None:
         validate_address(self.listen, what="listen")
+        if self.identity_policy not in IDENTITY_POLICIES:
+            raise ConfigError(f"identity_policy must be one of {', '.join(IDENTITY_POLICIES)}, "
+                              f"got {self.identity_policy!r}")
         positive = (
             "handshake_timeout", "lookup_timeout", "fetch_timeout", "fetch_idle_timeout",
             "abort_timeout", "close_timeout", "heartbeat_interval", "heartbeat_timeout",
@@ -225,6 +231,8 @@ class PeerHandle:
     remote_fingerprint: str
     capabilities: frozenset[str]
     _node: Node = field(repr=False, compare=False)
+    #: The peer's identity extension (empty for a peer that declares none, or speaks 1.0).
+    remote_extension: IdentityExtension = field(default_factory=IdentityExtension)
 
     def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> list[bool]:
         return self._node.lookup(self, keys, timeout=timeout)
@@ -260,6 +268,9 @@ class NodeStats:
     #: Cumulative (upper bound in seconds, count) pairs of fetch latency, +inf last.
     fetch_latency_buckets: tuple[tuple[float, int], ...]
     fetch_latency_sum: float
+    #: Handshakes accepted under identity_policy="lenient" although only one side
+    #: declared this identity-extension field, by field name.
+    identity_undeclared: dict[str, int] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- IO state
@@ -344,9 +355,14 @@ class Node:
         pool_bytes: int | None = None,
         config: NodeConfig | None = None,
         store: BlockStore | None = None,
+        extension: IdentityExtension | None = None,
     ) -> None:
         if not isinstance(run_config, RunConfig):
             raise ConfigError(f"run_config must be a RunConfig, got {type(run_config).__name__}")
+        if extension is not None and not isinstance(extension, IdentityExtension):
+            raise ConfigError(f"extension must be an IdentityExtension, got "
+                              f"{type(extension).__name__}")
+        self.extension = extension or IdentityExtension()
         self.config = config or NodeConfig()
         self.run_config = run_config
         self.layout = layout
@@ -390,6 +406,7 @@ class Node:
             khash=proto.KeyHash(algo=self.config.key_hash_algo, seed=self.config.key_hash_seed),
             caps=tuple(caps),
             limits=self._limits.advertised(window=self._window),
+            ext=None if self.extension.is_empty else self.extension,
         )
         # libzmq drops any frame above this before Python sees it.
         self._max_message = max(max(self._segments), MAX_HEAD_BYTES)
@@ -430,6 +447,7 @@ class Node:
         self._lock = threading.Lock()
         self._counters: collections.Counter[str] = collections.Counter()
         self._refusals: collections.Counter[str] = collections.Counter()
+        self._undeclared: collections.Counter[str] = collections.Counter()
         self._latency = [0] * len(_LATENCY_BUCKETS)
         self._latency_sum = 0.0
         self._thread = threading.Thread(target=self._run, name=f"p2pkv-io-{self.address}",
@@ -569,6 +587,7 @@ class Node:
                                                 itertools.accumulate(self._latency),
                                                 strict=True)),
                 fetch_latency_sum=self._latency_sum,
+                identity_undeclared=dict(self._undeclared),
             )
 
     def close(self, timeout: float | None = None) -> None:
@@ -749,7 +768,8 @@ class Node:
                                     curve=self.config.curve)
         now = time.monotonic()
         session = proto.Session(proto.Role.CLIENT, self.hello, deadlines=self._deadlines,
-                                limits=self._limits, now=now)
+                                limits=self._limits, now=now,
+                                identity_policy=self.config.identity_policy)
         conn = _Outbound(next(self._peer_ids), address, sock, monitor, session, fut, deadline)
         with self._lock:
             self._outbound[conn.peer_id] = conn
@@ -1025,8 +1045,10 @@ class Node:
                 assert isinstance(ev, proto.HandshakeAccepted)
                 remote = ev.remote
                 handle = PeerHandle(conn.peer_id, conn.address, remote.node, dict(remote.rc),
-                                    remote.fp, frozenset(ev.capabilities), self)
+                                    remote.fp, frozenset(ev.capabilities), self,
+                                    remote.ext or IdentityExtension())
                 conn.handle = handle
+                self._note_undeclared(conn.address, ev.warnings)
                 log.info("connected to %s (%s), capabilities %s", conn.address, remote.node,
                          sorted(ev.capabilities))
                 if not conn.connect_future.done():
@@ -1063,6 +1085,16 @@ class Node:
                 self._drop_outbound(conn, ProtocolError(ev.code, ev.msg))
                 return
 
+    def _note_undeclared(self, who: str, warnings: Sequence[proto.Reason]) -> None:
+        """Identity fields only one side declared, let through by the lenient policy."""
+        if not warnings:
+            return
+        with self._lock:
+            for reason in warnings:
+                self._undeclared[reason.field.removeprefix("ext.")] += 1
+        log.warning("accepted %s under identity_policy=lenient although only one side "
+                    "declares: %s", who, "; ".join(r.describe() for r in warnings))
+
     def _incompatible(self, address: str, ev: proto.HandshakeRefused) -> PeerIncompatible:
         who = f"{address} refused this node" if ev.by_remote else f"this node refused {address}"
         reasons = list(ev.reasons)
@@ -1080,7 +1112,8 @@ class Node:
         remote_info: dict[str, Any] = {}
         field_diff: list[FieldDiff] = []
         if remote is not None:
-            remote_info = {"node": remote.node, "fp": remote.fp, "rc": remote.rc}
+            remote_info = {"node": remote.node, "fp": remote.fp, "rc": remote.rc,
+                           "ext": remote.ext.to_wire() if remote.ext is not None else {}}
             if isinstance(remote.rc, dict):
                 field_diff = diff(self.hello.rc, remote.rc)
         exc = PeerIncompatible("\n".join(lines), reasons=reasons, diff=field_diff)
@@ -1170,7 +1203,8 @@ class Node:
                                                   f"peer limit reached ({self.config.max_peers})")])
                     continue
                 session = proto.Session(proto.Role.SERVER, self.hello, deadlines=self._deadlines,
-                                        limits=self._limits, now=now)
+                                        limits=self._limits, now=now,
+                                        identity_policy=self.config.identity_policy)
                 session.start(now)
                 peer = _Inbound(rid, session)
                 self._inbound[rid] = peer
@@ -1194,6 +1228,7 @@ class Node:
             if isinstance(ev, proto.HandshakeAccepted):
                 self._count("handshakes_accepted")
                 log.info("accepted peer %s (%s)", ev.remote.node, peer.rid.hex())
+                self._note_undeclared(f"peer {peer.rid.hex()}", ev.warnings)
             elif isinstance(ev, proto.HandshakeRefused):
                 with self._lock:
                     # One count per reason kind per refused handshake (every differing
@@ -1423,12 +1458,7 @@ def _request_error(address: str, ev: proto.RequestFailed) -> P2PKVError:
 
 
 def _own_view(local: proto.Hello, refuse: proto.Refuse) -> list[proto.Reason]:
-    if (refuse.node is None or refuse.rc is None or refuse.fp is None or refuse.geo is None
-            or refuse.khash is None):
-        return []
-    remote = proto.Welcome(refuse.node, local.minor, refuse.rc, refuse.fp, refuse.geo,
-                           refuse.khash, local.caps)
-    return list(proto.decide(local, remote).reasons)
+    return list(proto.restate(local, refuse))
 
 
 def _reason_name(code: int) -> str:

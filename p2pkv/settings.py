@@ -9,6 +9,7 @@ key ``tp``/``pool_blocks`` (top level, or under a ``[node]`` table). A bad value
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -17,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from p2pkv.errors import ConfigError
-from p2pkv.identity import RunConfig
+from p2pkv.identity import (
+    IDENTITY_POLICIES,
+    IdentityExtension,
+    RunConfig,
+    canonical_model_overrides,
+    model_overrides_digest,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -96,6 +103,19 @@ def _str_list(value: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _json_object(value: Any) -> dict[str, Any]:
+    """A JSON object given as text (flag, environment) or as a TOML table."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"must be a JSON object, got invalid JSON ({exc})") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"must be a JSON object, got {type(value).__name__} {value!r}")
+    canonical_model_overrides(value)  # every value must have a canonical form
+    return dict(value)
+
+
 @dataclass(frozen=True)
 class Option:
     name: str
@@ -121,6 +141,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("layers", _int(1, 4096), None, "number of layers"),
     Option("kv_heads", _int(1, 4096), None, "KV heads per rank"),
     Option("head_dim", _int(1, 65536), None, "head size (MLA: latent size)"),
+    Option("kv_kind", _choice("mha", "mla"), None,
+           "KV cache kind: mha (K and V per head) or mla (one latent per token)"),
     Option("block_tokens", _int(1, 65536), 16, "tokens per KV block"),
     Option("tokens_per_hash", _int(1, 65536), None,
            "tokens per block hash (default: --block-tokens)"),
@@ -132,6 +154,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("parallel_agnostic", _bool, True,
            "opt in to sharing across parallel layouts where the layout allows it"),
     Option("key_seed", _int(0, 2**64 - 1), 0, "seed of the block-key hash (peers must agree)"),
+    Option("kv_memory_layout", _str, None,
+           "identity extension: byte order of a block in the engine's memory (NHD, HND, ...)"),
+    Option("model_revision", _str, None, "identity extension: the weights revision"),
+    Option("model_overrides", _json_object, None,
+           "identity extension: JSON object of the overrides that change K/V values"),
+    Option("identity_policy", _choice(*IDENTITY_POLICIES), "strict",
+           "an identity field only one side declares: strict refuses, lenient warns"),
     Option("pool_blocks", _int(1, 1 << 30), 256, "blocks in the host pool"),
     Option("fill", _int(0, 1 << 24), 0,
            "serve: start holding N blocks of known content (protocol/SPEC.md appendix A)"),
@@ -180,10 +209,12 @@ class Settings:
                 base = (SEED_GEOMETRY if v["preset"] is None
                         else preset(v["preset"], tokens_per_block=block_tokens))
                 kv_heads = base.num_kv_heads
-            kv_kind = base.kv_kind
+            kv_kind = v["kv_kind"] or base.kv_kind
+            if kv_kind == "mla" and base.kv_kind != "mla":
+                kv_heads = 1  # one latent per token, whatever the base had
             if v["layout"] == "replicated" and kv_kind != "mla":
-                raise ConfigError("--layout replicated needs an MLA geometry (e.g. "
-                                  "--preset deepseek-v2-lite)")
+                raise ConfigError("--layout replicated needs an MLA geometry (--kv-kind mla, "
+                                  "or e.g. --preset deepseek-v2-lite)")
             if kv_kind == "mla" and v["kv_heads"] not in (None, 1):
                 raise ConfigError(f"--kv-heads: an MLA geometry has exactly 1 KV head, got "
                                   f"{v['kv_heads']}")
@@ -210,6 +241,22 @@ class Settings:
             raise
         except ValueError as exc:
             raise ConfigError(f"--layout: {exc}") from exc
+
+    def extension(self) -> IdentityExtension:
+        """The identity extension the options declare (empty when none is given)."""
+        v = self.values
+        overrides = v["model_overrides"]
+        for name in ("kv_memory_layout", "model_revision"):
+            if v[name] is not None:
+                try:
+                    IdentityExtension(**{name: v[name]})
+                except ValueError as exc:
+                    raise ConfigError(f"--{name.replace('_', '-')}: {exc}") from None
+        return IdentityExtension(
+            kv_memory_layout=v["kv_memory_layout"],
+            model_revision=v["model_revision"],
+            model_overrides=None if overrides is None else model_overrides_digest(overrides),
+        )
 
     def run_config(self, layout: Any | None = None) -> RunConfig:
         layout = layout or self.layout()

@@ -41,7 +41,8 @@ Example = tuple[str, Any]
 TAGS = ("hello", "welcome", "refuse", "lookup", "hits", "fetch", "credit", "block", "done",
         "abort", "abort_ack", "pong", "bye", "error")
 FIELDS = ("req", "keys", "window", "n", "idx", "sums", "hits", "outcomes", "nonce", "code",
-          "msg", "node", "minor", "rc", "fp", "geo", "khash", "caps", "limits", "reasons")
+          "msg", "node", "minor", "rc", "fp", "geo", "khash", "caps", "limits", "reasons",
+          "ext")
 # What a server may send (ping: its heartbeat, if an example is slow).
 SERVER_TYPES = frozenset({proto.Welcome, proto.Refuse, proto.Hits, proto.Block, proto.Done,
                           proto.AbortAck, proto.Pong, proto.Ping, proto.Bye, proto.Error})

@@ -15,7 +15,8 @@ Usage: ``python tests/nodeproc.py ROLE SPEC_JSON [ADDRESS]`` where ROLE is
 
 SPEC keys: layout (v1|v2|replicated), geometry ("seed", "mla-small" or a dict of
 Geometry fields), tp, blocks, pool (blocks), model, key_seed, agnostic (opt-in),
-config (a dict of NodeConfig keyword arguments), key_offset (index of the first key).
+config (a dict of NodeConfig keyword arguments), key_offset (index of the first key),
+ext (a dict of IdentityExtension fields).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from p2pkv.errors import P2PKVError, PeerIncompatible
-from p2pkv.identity import ABSENT, RunConfig
+from p2pkv.identity import ABSENT, IdentityExtension, RunConfig
 from p2pkv.keys import block_keys
 from p2pkv.layout import SEED_GEOMETRY, Geometry, make_layout
 from p2pkv.node import Node, NodeConfig
@@ -57,7 +58,9 @@ def make_node(spec: dict[str, Any], **config: Any) -> Node:
                            tp_size=spec.get("tp", 1), rank=spec.get("rank", 0),
                            dtype=g.dtype, kv_cache_groups=groups, **layout.identity_flags())
     cfg = NodeConfig(key_hash_seed=spec.get("key_seed", 0), **config)
-    return Node(rc, layout, pool_blocks=spec.get("pool", spec.get("blocks", 8) + 8), config=cfg)
+    ext = IdentityExtension(**spec["ext"]) if "ext" in spec else None
+    return Node(rc, layout, pool_blocks=spec.get("pool", spec.get("blocks", 8) + 8), config=cfg,
+                extension=ext)
 
 
 def keys_for(count: int, offset: int = 0) -> list[bytes]:
@@ -91,7 +94,8 @@ def serve(spec: dict[str, Any]) -> int:
         done.wait(spec.get("lifetime", 120))
         s = node.stats()
         say({"event": "stats", "blocks_sent": s.blocks_sent, "bytes_sent": s.bytes_sent,
-             "refused": s.handshakes_refused, "accepted": s.handshakes_accepted})
+             "refused": s.handshakes_refused, "accepted": s.handshakes_accepted,
+             "identity_undeclared": s.identity_undeclared})
     finally:
         node.close()
     return 0
@@ -106,7 +110,8 @@ def fetch(spec: dict[str, Any], address: str) -> int:
             say({"event": "refused", "reasons": [
                 {"field": r.field, "code": int(r.code),
                  "ours": "(absent)" if r.ours is ABSENT else r.ours,
-                 "theirs": "(absent)" if r.theirs is ABSENT else r.theirs}
+                 "theirs": "(absent)" if r.theirs is ABSENT else r.theirs,
+                 "meaning": r.meaning}
                 for r in exc.reasons], "used": node.store.stats().used})
             return 0
         keys = keys_for(spec["blocks"], spec.get("key_offset", 0))

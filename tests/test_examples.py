@@ -75,7 +75,8 @@ def examples() -> Iterator[Examples]:
 
 def test_there_are_examples() -> None:
     names = {p.name for p in EXAMPLES}
-    assert {"v1_vs_v2_refusal.py", "handshake_debug.py"} <= names, names
+    assert {"v1_vs_v2_refusal.py", "handshake_debug.py", "layout_extension_refusal.py"} <= names, \
+        names
 
 
 @pytest.mark.parametrize("name", [p.name for p in EXAMPLES])
@@ -91,6 +92,16 @@ def test_refusal_example_shows_the_compact_table(examples: Examples) -> None:
     assert "refused, as it must be:" in out
     assert "run_config.parallel_agnostic" in out
     assert "12 × 49152" in out  # geometry.segments, not cut off at the column width
+
+
+def test_layout_extension_example_refuses_equal_digests(examples: Examples) -> None:
+    code, out, _ = examples.result("layout_extension_refusal.py")
+    assert code == 0
+    assert "refused, as it must be" in out and "and from the HND node:" in out
+    assert out.count('ext.kv_memory_layout  "NHD"  "HND"') == 1
+    assert out.count('ext.kv_memory_layout  "HND"  "NHD"') == 1
+    assert "{'kv_memory_layout_mismatch': 1}" in out
+    assert "lenient policy: accepted" in out
 
 
 def test_handshake_debug_example_probes_twice(examples: Examples) -> None:

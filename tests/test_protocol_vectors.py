@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from p2pkv.errors import ProtocolError
-from p2pkv.identity import ABSENT
+from p2pkv.identity import ABSENT, IdentityExtension
 from p2pkv.protocol import Code, Geometry, KeyHash, Message, Reason, decode, encode
 
 VECTORS = Path(__file__).resolve().parent.parent / "protocol" / "vectors"
@@ -25,6 +25,8 @@ ERRORS = json.loads((VECTORS / "errors.json").read_text())["vectors"]
 def jsonable(value: Any) -> Any:
     if value is ABSENT:
         return {"absent": True}
+    if isinstance(value, IdentityExtension):
+        return value.to_wire()  # the wire map: declared fields only
     if isinstance(value, (bytes, bytearray, memoryview)):
         return {"bin": bytes(value).hex()}
     if isinstance(value, (list, tuple)):
@@ -78,6 +80,12 @@ def test_error_vectors_use_known_codes() -> None:
     known = {int(c) for c in Code}
     assert {v["code"] for v in ERRORS} <= known
     assert len({v["name"] for v in ERRORS}) == len(ERRORS)
+
+
+def test_hello_vectors_cover_both_protocol_minors() -> None:
+    hellos = [v["message"]["fields"] for v in MESSAGES if v["message"]["type"] == "hello"]
+    assert any(h["minor"] == 0 and h["ext"] is None for h in hellos)  # what 1.0 peers send
+    assert any(h["minor"] == 1 and h["ext"] for h in hellos)
 
 
 def test_frame0_larger_than_limit_is_too_large() -> None:

@@ -23,7 +23,7 @@ from p2pkv.protocol.codes import (
     Code,
     code_name,
 )
-from p2pkv.protocol.compat import Decision, decide, layout_label
+from p2pkv.protocol.compat import EXTENSION_CODES, Decision, decide, layout_label, restate
 from p2pkv.protocol.messages import (
     Abort,
     AbortAck,
@@ -79,6 +79,7 @@ from p2pkv.protocol.session import (
 
 __all__ = [
     "CAP_CHECKSUM_XXH3_64",
+    "EXTENSION_CODES",
     "PROTOCOL_MAJOR",
     "PROTOCOL_MINOR",
     "TRANSITIONS",
@@ -141,5 +142,6 @@ __all__ = [
     "encode_head",
     "frame_size",
     "layout_label",
+    "restate",
     "segments_for",
 ]

@@ -20,6 +20,7 @@ import msgpack
 import xxhash
 
 from p2pkv.errors import ProtocolError
+from p2pkv.identity import EXTENSION_FIELDS, IdentityExtension
 from p2pkv.keys import keys_well_formed
 from p2pkv.protocol.codes import (
     MAX_BLOCK_BYTES,
@@ -249,6 +250,30 @@ def _caps(m: dict[Any, Any]) -> tuple[str, ...]:
     return caps
 
 
+def _extension(value: object) -> IdentityExtension | None:
+    """The ``ext`` map (protocol 1.1): absent, nil or empty all mean "nothing declared".
+
+    Unknown keys are ignored like any minor-version addition; a known key must be a str
+    that :class:`~p2pkv.identity.IdentityExtension` accepts.
+    """
+    if value is None:
+        return None
+    ext = _map(value, "ext")
+    declared: dict[str, str] = {}
+    for name in EXTENSION_FIELDS:
+        if name in ext:
+            item = ext[name]
+            if type(item) is not str:
+                raise _wrong(f"ext.{name}", "a str", item)
+            declared[name] = item
+    if not declared:
+        return None
+    try:
+        return IdentityExtension(**declared)
+    except ValueError as exc:
+        raise _bounds("ext:", str(exc)[:300]) from None
+
+
 def _optional_positive(m: dict[Any, Any], name: str, hi: int) -> int | None:
     if m.get(name) is None:
         return None
@@ -280,6 +305,7 @@ def _d_greeting(cls: type[Greeting], m: dict[Any, Any], v: int) -> Greeting:
         caps=_caps(m),
         limits=_limits(m.get("limits")),
         v=v,
+        ext=_extension(m.get("ext")),
     )
 
 
@@ -318,6 +344,7 @@ def _d_refuse(m: dict[Any, Any], v: int) -> Message:
         fp=None if m.get("fp") is None else _fingerprint(m["fp"]),
         geo=None if m.get("geo") is None else _geometry(m["geo"]),
         khash=None if m.get("khash") is None else _key_hash(m["khash"]),
+        ext=_extension(m.get("ext")),
     )
 
 
@@ -640,6 +667,8 @@ def _e_greeting(msg: Greeting) -> dict[str, Any]:
             if value is not None
         }
         out["limits"] = lim
+    if msg.ext is not None and not msg.ext.is_empty:
+        out["ext"] = msg.ext.to_wire()
     return out
 
 
@@ -661,6 +690,8 @@ def _e_refuse(msg: Refuse) -> dict[str, Any]:
         out["geo"] = _e_geometry(msg.geo)
     if msg.khash is not None:
         out["khash"] = _e_key_hash(msg.khash)
+    if msg.ext is not None and not msg.ext.is_empty:
+        out["ext"] = msg.ext.to_wire()
     return out
 
 

@@ -50,8 +50,9 @@ __all__ = [
 
 PROTOCOL_MAJOR: Final = 1
 """Carried as ``"v"`` in every frame 0; a different major is refused."""
-PROTOCOL_MINOR: Final = 0
-"""Carried as ``"minor"`` in ``hello``/``welcome``; informational."""
+PROTOCOL_MINOR: Final = 1
+"""Carried as ``"minor"`` in ``hello``/``welcome``; informational. 1.1 added the identity
+extension (``ext``); a 1.0 peer sends ``minor`` 0 and no ``ext``."""
 
 U32_MAX: Final = 2**32 - 1
 U64_MAX: Final = 2**64 - 1
@@ -128,6 +129,16 @@ class Code(IntEnum):
     """The block-key hash seeds differ: keys would never match."""
     CAPABILITY_MISSING = 108
     """A capability this node requires was not offered by the peer."""
+    KV_MEMORY_LAYOUT_MISMATCH = 109
+    """Identity extension: the block byte order in the engines' memory differs."""
+    MODEL_REVISION_MISMATCH = 110
+    """Identity extension: the weights revisions differ (same model name)."""
+    MODEL_OVERRIDES_MISMATCH = 111
+    """Identity extension: the overrides that change the K/V values differ."""
+    ENGINE_KEY_HASH_MISMATCH = 112
+    """Identity extension: the engines' block-key hash function or seed differs."""
+    EXTENSION_UNDECLARED = 113
+    """Identity extension: a field only one side declares (strict identity policy)."""
 
     # 2xx: protocol errors.
     MALFORMED = 200

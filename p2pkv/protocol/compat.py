@@ -4,6 +4,11 @@
 refuse at once, each naming the field, both values and what the difference means, so
 whoever debugs a refused peer sees all of it in one log line. Both sides run the same
 function (the server on ``hello``, the client on ``welcome``).
+
+The identity extension (protocol 1.1) adds one reason per differing field. A field only
+one side declares refuses under the ``strict`` identity policy and becomes a warning
+under ``lenient`` (a 1.0 peer declares nothing, so this is also how 1.0 peers are
+treated); ``engine`` never refuses.
 """
 
 from __future__ import annotations
@@ -11,11 +16,29 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from p2pkv.identity import RunConfig, diff, fingerprint_of
+from p2pkv.identity import (
+    ABSENT,
+    IDENTITY_POLICIES,
+    IdentityExtension,
+    RunConfig,
+    diff,
+    extension_diff,
+    fingerprint_of,
+)
 from p2pkv.protocol.codes import Code
-from p2pkv.protocol.messages import Geometry, Greeting, Reason, Refuse
+from p2pkv.protocol.messages import Geometry, Greeting, Reason, Refuse, Welcome
 
-__all__ = ["Decision", "Reason", "decide", "layout_label"]
+__all__ = ["EXTENSION_CODES", "Decision", "Reason", "decide", "layout_label", "restate"]
+
+EXTENSION_CODES: dict[str, Code] = {
+    "kv_memory_layout": Code.KV_MEMORY_LAYOUT_MISMATCH,
+    "model_revision": Code.MODEL_REVISION_MISMATCH,
+    "model_overrides": Code.MODEL_OVERRIDES_MISMATCH,
+    "key_hash": Code.ENGINE_KEY_HASH_MISMATCH,
+}
+"""The refusal code of each extension field whose values differ; a field declared on
+one side only is ``EXTENSION_UNDECLARED``."""
+_NO_EXTENSION = IdentityExtension()
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,12 +46,15 @@ class Decision:
     """The outcome of :func:`decide`, seen from the local node.
 
     ``accepted`` is true exactly when ``reasons`` is empty; ``capabilities`` is the
-    negotiated set (the intersection of both offers).
+    negotiated set (the intersection of both offers). ``warnings`` are the extension
+    fields only one side declares that the ``lenient`` identity policy let through
+    (code ``EXTENSION_UNDECLARED``), for the node to log and count.
     """
 
     accepted: bool
     reasons: tuple[Reason, ...]
     capabilities: frozenset[str]
+    warnings: tuple[Reason, ...] = ()
 
     @property
     def code(self) -> int:
@@ -53,6 +79,7 @@ class Decision:
             fp=local.fp,
             geo=local.geo,
             khash=local.khash,
+            ext=local.ext,
         )
 
 
@@ -102,20 +129,46 @@ def _run_config_reasons(local: Greeting, remote: Greeting) -> list[Reason]:
     return out
 
 
+def _extension_reasons(local: Greeting, remote: Greeting) -> list[Reason]:
+    """One reason per refusal-relevant extension field that differs (SPEC 5, row 11)."""
+    out: list[Reason] = []
+    lext = local.ext or _NO_EXTENSION
+    rext = remote.ext or _NO_EXTENSION
+    for d in extension_diff(lext, rext):
+        meaning = d.meaning
+        one_sided = d.local is ABSENT or d.remote is ABSENT
+        if one_sided and ((remote.minor == 0 and d.remote is ABSENT)
+                          or (local.minor == 0 and d.local is ABSENT)):
+            meaning = (
+                f"the node without ext.{d.field} speaks protocol 1.0, which has no identity "
+                "extension, so nothing proves the KV caches interchangeable: upgrade it, or "
+                "accept it with identity_policy = \"lenient\""
+            )
+        code = Code.EXTENSION_UNDECLARED if one_sided else EXTENSION_CODES[d.field]
+        out.append(Reason(code, f"ext.{d.field}", d.local, d.remote, meaning))
+    return out
+
+
 def decide(
     local: Greeting,
     remote: Greeting,
     *,
     required: Iterable[str] = (),
+    identity_policy: str = "strict",
 ) -> Decision:
     """Compare the local greeting with the peer's; every difference becomes a reason.
 
     Checks, in this order: protocol major; the peer's run config is valid and hashes to
     the fingerprint it claims; fingerprints (plus one reason per differing run-config
     field); bytes per block; segment list; key-hash algorithm; key-hash seed; the
-    capabilities in ``required`` are offered by the peer. ``ours``/``theirs`` of every
+    capabilities in ``required`` are offered by the peer; each identity-extension field
+    (a field declared on one side only refuses under ``identity_policy="strict"`` and is
+    returned in ``Decision.warnings`` under ``"lenient"``). ``ours``/``theirs`` of every
     reason are the local and the remote value.
     """
+    if identity_policy not in IDENTITY_POLICIES:
+        raise ValueError(f"identity_policy must be one of {', '.join(IDENTITY_POLICIES)}, "
+                         f"got {identity_policy!r}")
     reasons: list[Reason] = []
     if local.v != remote.v:
         reasons.append(Reason(
@@ -153,9 +206,37 @@ def decide(
             Code.CAPABILITY_MISSING, "capabilities", cap, sorted(offered),
             f"this node requires capability {cap!r}, which the peer does not offer",
         ))
+    warnings: list[Reason] = []
+    for reason in _extension_reasons(local, remote):
+        lenient = identity_policy == "lenient" and reason.code == Code.EXTENSION_UNDECLARED
+        (warnings if lenient else reasons).append(reason)
     return Decision(
         accepted=not reasons,
         reasons=tuple(reasons),
         capabilities=frozenset(local.caps) & offered,
+        warnings=tuple(warnings),
     )
+
+
+def restate(local: Greeting, refuse: Refuse) -> tuple[Reason, ...]:
+    """The reasons of a peer's ``refuse``, seen from the local node.
+
+    The peer phrases its reasons from its side. When it said who it is, the decision is
+    taken again from ours (every difference, strict policy) and kept for the fields the
+    peer cited, so "ours"/"theirs" and the meanings read right here; a cited reason this
+    node cannot reproduce (a capability the peer requires, a field only a newer peer
+    knows) is kept as the peer sent it, values swapped.
+    """
+    theirs = [r.swapped() for r in refuse.reasons]
+    if (refuse.node is None or refuse.rc is None or refuse.fp is None or refuse.geo is None
+            or refuse.khash is None):
+        return tuple(theirs)
+    remote = Welcome(refuse.node, local.minor, refuse.rc, refuse.fp, refuse.geo,
+                     refuse.khash, local.caps, ext=refuse.ext)
+    if not refuse.reasons:  # a refusal without reasons (a violation): show every difference
+        return decide(local, remote).reasons
+    cited = {r.field for r in refuse.reasons}
+    mine = [r for r in decide(local, remote).reasons if r.field in cited]
+    seen = {r.field for r in mine}
+    return tuple([*mine, *(r for r in theirs if r.field not in seen)])
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeAlias, TypeVar
 
-from p2pkv.identity import ABSENT, RunConfig
+from p2pkv.identity import ABSENT, IdentityExtension, RunConfig
 from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
     PROTOCOL_MAJOR,
@@ -166,6 +166,8 @@ class Greeting:
 
     ``rc`` is the full run-config dict and ``fp`` its 16-hex fingerprint; ``v`` is the
     protocol major the sender speaks (kept so a mismatch can be refused with reasons).
+    ``ext`` is the identity extension (protocol 1.1); ``None`` when the sender declares
+    nothing, which is also how a 1.0 peer reads.
     """
 
     TAG: ClassVar[str] = ""
@@ -179,6 +181,7 @@ class Greeting:
     caps: tuple[str, ...] = (CAP_CHECKSUM_XXH3_64,)
     limits: AdvertisedLimits | None = None
     v: int = PROTOCOL_MAJOR
+    ext: IdentityExtension | None = None
 
     @classmethod
     def for_config(
@@ -190,8 +193,12 @@ class Greeting:
         *,
         caps: Sequence[str] = (CAP_CHECKSUM_XXH3_64,),
         limits: AdvertisedLimits | None = None,
+        ext: IdentityExtension | None = None,
     ) -> _G:
-        """The greeting of a node running ``config`` (``rc`` and ``fp`` derived from it)."""
+        """The greeting of a node running ``config`` (``rc`` and ``fp`` derived from it).
+
+        An ``ext`` that declares nothing is sent as no extension at all.
+        """
         return cls(
             node=node,
             minor=PROTOCOL_MINOR,
@@ -201,6 +208,7 @@ class Greeting:
             khash=khash,
             caps=tuple(caps),
             limits=limits,
+            ext=None if ext is None or ext.is_empty else ext,
         )
 
 
@@ -226,7 +234,7 @@ class Refuse:
     """Either side: the handshake is refused, with every reason. The sender then closes.
 
     The identity fields are optional; a node fills them so the refused peer can show
-    who refused it and compute its own diff.
+    who refused it and compute its own diff (``ext``: its identity extension, 1.1).
     """
 
     TAG: ClassVar[str] = "refuse"
@@ -239,6 +247,7 @@ class Refuse:
     fp: str | None = None
     geo: Geometry | None = None
     khash: KeyHash | None = None
+    ext: IdentityExtension | None = None
 
 
 @dataclass(frozen=True, slots=True)

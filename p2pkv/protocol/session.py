@@ -29,6 +29,7 @@ from enum import Enum
 from typing import Any, Final
 
 from p2pkv.errors import ConfigError, ProtocolError
+from p2pkv.identity import IDENTITY_POLICIES
 from p2pkv.keys import keys_well_formed
 from p2pkv.protocol.codec import MajorVersionMismatch, decode
 from p2pkv.protocol.codes import (
@@ -186,10 +187,15 @@ class Event:
 
 @dataclass(frozen=True, slots=True)
 class HandshakeAccepted(Event):
-    """Both sides agreed; ``capabilities`` is the negotiated set."""
+    """Both sides agreed; ``capabilities`` is the negotiated set.
+
+    ``warnings`` are identity-extension fields only one side declares, accepted because
+    the identity policy is ``lenient`` (the node logs and counts them).
+    """
 
     remote: Greeting
     capabilities: frozenset[str]
+    warnings: tuple[Reason, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,7 +411,12 @@ class Session:
         limits: Limits | None = None,
         now: float,
         required_caps: Iterable[str] = (),
+        identity_policy: str = "strict",
     ) -> None:
+        if identity_policy not in IDENTITY_POLICIES:
+            raise ConfigError(f"identity_policy must be one of {', '.join(IDENTITY_POLICIES)},"
+                              f" got {identity_policy!r}")
+        self._identity_policy = identity_policy
         self._role = Role(role)
         self._local = local_hello
         self._deadlines = deadlines if deadlines is not None else Deadlines()
@@ -493,7 +504,7 @@ class Session:
             local = self._local
             if type(local) is not Hello:
                 local = Hello(local.node, local.minor, local.rc, local.fp, local.geo,
-                              local.khash, local.caps, local.limits, local.v)
+                              local.khash, local.caps, local.limits, local.v, local.ext)
             return [local]
         return []
 
@@ -828,7 +839,8 @@ class Session:
         reply: Message
         if state in _HANDSHAKE_STATES:
             local = self._local
-            reply = Refuse(code, msg, (), local.node, local.rc, local.fp, local.geo, local.khash)
+            reply = Refuse(code, msg, (), local.node, local.rc, local.fp, local.geo,
+                           local.khash, local.ext)
         else:
             reply = Bye(code, msg)
         self._state = State.ERROR
@@ -838,7 +850,8 @@ class Session:
                 remote: Greeting | None) -> Output:
         code = int(reasons[0].code) if reasons else int(Code.UNEXPECTED)
         local = self._local
-        refuse = Refuse(code, msg, reasons, local.node, local.rc, local.fp, local.geo, local.khash)
+        refuse = Refuse(code, msg, reasons, local.node, local.rc, local.fp, local.geo,
+                        local.khash, local.ext)
         self._state = State.REFUSED
         return Output(events=(HandshakeRefused(reasons, False, code, msg, remote),),
                       replies=(refuse,))
@@ -852,22 +865,27 @@ class Session:
     # ------------------------------------------------------------------ handlers
 
     def _on_hello(self, msg: Hello, now: float) -> Output:
-        decision = decide(self._local, msg, required=self._required)
+        decision = decide(self._local, msg, required=self._required,
+                          identity_policy=self._identity_policy)
         if not decision.accepted:
             return self._refuse(decision.reasons, decision.summary(), msg)
         self._accept(msg, decision.capabilities)
         local = self._local
         welcome = Welcome(local.node, local.minor, local.rc, local.fp, local.geo, local.khash,
-                          tuple(sorted(decision.capabilities)), local.limits, local.v)
-        return Output(events=(HandshakeAccepted(msg, decision.capabilities),),
+                          tuple(sorted(decision.capabilities)), local.limits, local.v,
+                          local.ext)
+        return Output(events=(HandshakeAccepted(msg, decision.capabilities,
+                                                decision.warnings),),
                       replies=(welcome,))
 
     def _on_welcome(self, msg: Welcome, now: float) -> Output:
-        decision = decide(self._local, msg, required=self._required)
+        decision = decide(self._local, msg, required=self._required,
+                          identity_policy=self._identity_policy)
         if not decision.accepted:
             return self._refuse(decision.reasons, decision.summary(), msg)
         self._accept(msg, decision.capabilities)
-        return Output(events=(HandshakeAccepted(msg, decision.capabilities),))
+        return Output(events=(HandshakeAccepted(msg, decision.capabilities,
+                                                decision.warnings),))
 
     def _on_refuse(self, msg: Refuse, now: float) -> Output:
         events = self._fail_all(msg.code, f"refused by the peer: {msg.msg}")

@@ -53,15 +53,23 @@ BASE_RC = {
     "pp_size": 1, "pcp_size": 1, "dcp_size": 1, "dtype": "float16",
     "kv_cache_groups": [], "inference_engine": "vllm",
 }
+def sha16(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+# SPEC 1.4, model_overrides: the canonical text is written out by hand here.
+OVERRIDES_CANONICAL = ('{"kv_cache_dtype":"fp8_e4m3","rope_scaling":{"factor":8,'
+                       '"rope_type":"llama3"},"rope_theta":500000}')
+OVERRIDES_DIGEST = sha16(OVERRIDES_CANONICAL)
 V1_RC, V1_FP = rc_of(dict(BASE_RC))
 V2_RC, V2_FP = rc_of({**BASE_RC, "parallel_agnostic": False})
 CHECKSUM = "checksum-xxh3-64"
 
 
 def greeting(tag: str, node: str, rc: dict[str, Any], fp: str, seg: list[int],
-             **extra: Any) -> dict[str, Any]:
+             minor: int = 0, **extra: Any) -> dict[str, Any]:
     m: dict[str, Any] = {
-        "t": tag, "v": 1, "node": node, "minor": 0, "rc": rc, "fp": fp,
+        "t": tag, "v": 1, "node": node, "minor": minor, "rc": rc, "fp": fp,
         "geo": {"bpb": sum(seg), "seg": seg}, "khash": {"algo": "xxh3-128", "seed": 0},
         "caps": [CHECKSUM],
     }
@@ -71,6 +79,8 @@ def greeting(tag: str, node: str, rc: dict[str, Any], fp: str, seg: list[int],
 
 def expected(wire: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     fields = {k: v for k, v in wire.items() if k not in ("t", "v")}
+    if wire["t"] in ("hello", "welcome", "refuse"):
+        fields.setdefault("ext", None)  # protocol 1.1: no ext map = nothing declared
     fields.update(overrides)
     return {"type": wire["t"], "fields": jsonable(fields)}
 
@@ -114,6 +124,31 @@ def message_vectors() -> list[dict[str, Any]]:
     r_min = {"t": "refuse", "v": 1, "code": 103, "msg": "major"}
     add("refuse_minimal", r_min, expected(r_min, reasons=[], node=None, rc=None, fp=None,
                                           geo=None, khash=None))
+    # Protocol 1.1: the identity extension. The hellos above (minor 0, no ext) are what a
+    # 1.0 peer sends; these carry an ext map.
+    ext = {"kv_memory_layout": "NHD", "model_revision": "5f2b1c0", "model_overrides":
+           OVERRIDES_DIGEST, "key_hash": "sha256:" + sha16("vllm-none-hash"),
+           "engine": "vllm 0.32.0"}
+    h11 = greeting("hello", "node-a", V2_RC, V2_FP, [49152] * 12, minor=1, ext=ext)
+    add("hello_1_1_identity_extension", h11, expected(h11, limits=None, v=1))
+    h11b = greeting("hello", "node-a", V2_RC, V2_FP, [49152] * 12, minor=1,
+                    ext={"kv_memory_layout": "lbhnc", "x-future": [1]})
+    add("hello_ext_alias_folded_unknown_key_ignored", h11b,
+        expected(h11b, limits=None, v=1, ext={"kv_memory_layout": "HND"}))
+    h11c = greeting("hello", "node-a", V2_RC, V2_FP, [49152] * 12, minor=1, ext={})
+    add("hello_ext_empty_declares_nothing", h11c, expected(h11c, limits=None, v=1, ext=None))
+    ext_reasons = [
+        {"code": 109, "field": "ext.kv_memory_layout", "ours": "HND", "theirs": "NHD",
+         "meaning": "block bytes are ordered differently in memory"},
+        {"code": 113, "field": "ext.model_revision", "ours": "5f2b1c0",
+         "theirs": {"absent": True}, "meaning": "only one side declares the weights revision"},
+    ]
+    r_ext = {"t": "refuse", "v": 1, "code": 109, "msg": "refused", "reasons": ext_reasons,
+             "node": "node-b", "rc": V2_RC, "fp": V2_FP,
+             "geo": {"bpb": 589824, "seg": [49152] * 12},
+             "khash": {"algo": "xxh3-128", "seed": 0},
+             "ext": {"kv_memory_layout": "HND", "model_revision": "5f2b1c0"}}
+    add("refuse_hnd_refuses_nhd_equal_fingerprints", r_ext, expected(r_ext))
     lk = {"t": "lookup", "v": 1, "req": 7, "keys": [b"\x01" * 20, b"\xff" * 64]}
     add("lookup", lk, expected(lk))
     lk2 = {"t": "lookup", "v": 1, "req": 8, "keys": [b"k"], "priority": "high"}
@@ -226,6 +261,20 @@ def error_vectors() -> list[dict[str, Any]]:
     add("refuse_reason_missing_theirs",
         [m(t="refuse", v=1, code=100, msg="", reasons=[
             {"code": 100, "field": "f", "ours": 1, "meaning": ""}])], MISSING_FIELD)
+    hello11 = greeting("hello", "n", V1_RC, V1_FP, [4096], minor=1)
+    add("hello_ext_not_a_map", [pack({**hello11, "ext": ["NHD"]})], WRONG_TYPE)
+    add("hello_ext_field_int", [pack({**hello11, "ext": {"model_revision": 5}})], WRONG_TYPE)
+    add("hello_ext_field_nil", [pack({**hello11, "ext": {"engine": None}})], WRONG_TYPE)
+    add("hello_ext_empty_revision", [pack({**hello11, "ext": {"model_revision": ""}})],
+        OUT_OF_BOUNDS)
+    add("hello_ext_overrides_not_hex16",
+        [pack({**hello11, "ext": {"model_overrides": "ABCDEF0123456789"}})], OUT_OF_BOUNDS)
+    add("hello_ext_key_hash_without_algorithm",
+        [pack({**hello11, "ext": {"key_hash": "0123456789abcdef"}})], OUT_OF_BOUNDS)
+    add("hello_ext_layout_with_blank",
+        [pack({**hello11, "ext": {"kv_memory_layout": "N HD"}})], OUT_OF_BOUNDS)
+    add("refuse_ext_field_int",
+        [m(t="refuse", v=1, code=109, msg="", ext={"kv_memory_layout": 1})], WRONG_TYPE)
     add("bye_code_bool", [m(t="bye", v=1, code=False, msg="")], WRONG_TYPE)
     add("bye_msg_bin", [m(t="bye", v=1, code=300, msg=b"x")], WRONG_TYPE)
     return out
@@ -419,6 +468,67 @@ def _keys_of(seed: int, tph: int, tokens: list[int]) -> list[str]:
     return out
 
 
+def extension_vectors() -> dict[str, Any]:
+    """SPEC 1.4: model_overrides canonical form, key_hash, extension digest, layout names.
+
+    Every canonical text is written out by hand, never computed by p2pkv.
+    """
+    overrides = []
+
+    def over(name: str, given: dict[str, Any], canonical: str) -> None:
+        overrides.append({"name": name, "overrides": given, "canonical": canonical,
+                          "digest": sha16(canonical)})
+
+    over("llama3_rope_fp8_kv", {"rope_theta": 500000.0, "kv_cache_dtype": "fp8_e4m3",
+                                "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+         OVERRIDES_CANONICAL)
+    over("same_with_ints_nulls_and_order",
+         {"kv_cache_dtype": "fp8_e4m3", "hf_overrides": None, "rope_theta": 500000,
+          "rope_scaling": {"factor": 8, "low_freq_factor": None, "rope_type": "llama3"}},
+         OVERRIDES_CANONICAL)
+    over("no_overrides", {}, "{}")
+    over("fractional_and_huge_floats",
+         {"kv_scales": {"k_scale": 0.0123, "v_scale": 1e-05}, "rope_theta": 1e16},
+         '{"kv_scales":{"k_scale":0.0123,"v_scale":1e-05},"rope_theta":1e+16}')
+    over("lists_bools_non_ascii",
+         {"hf_overrides": {"name": "é", "layers": [1, 2.5, True, None]}},
+         '{"hf_overrides":{"layers":[1,2.5,true,null],"name":"\\u00e9"}}')
+    key_hashes = [
+        {"algo": "sha256", "seed_utf8": "vllm-none-hash",
+         "key_hash": "sha256:" + sha16("vllm-none-hash")},
+        {"algo": "xxhash", "seed_utf8": "0", "key_hash": "xxhash:" + sha16("0")},
+        {"algo": "xxhash", "seed_utf8": "1", "key_hash": "xxhash:" + sha16("1")},
+    ]
+    extensions = []
+
+    def ext(name: str, given: dict[str, str], canonical: str) -> None:
+        extensions.append({"name": name, "ext": given, "canonical": canonical,
+                           "digest": sha16(canonical)})
+
+    ext("nothing_declared", {}, "{}")
+    ext("layout_only", {"kv_memory_layout": "NHD"}, '{"kv_memory_layout":"NHD"}')
+    ext("engine_is_not_hashed", {"kv_memory_layout": "NHD", "engine": "vllm 0.32.0"},
+        '{"kv_memory_layout":"NHD"}')
+    ext("every_field",
+        {"model_revision": "5f2b1c0", "kv_memory_layout": "HND",
+         "key_hash": key_hashes[0]["key_hash"], "model_overrides": OVERRIDES_DIGEST,
+         "engine": "vllm 0.32.0"},
+        '{"key_hash":"' + key_hashes[0]["key_hash"] + '","kv_memory_layout":"HND",'
+        '"model_overrides":"' + OVERRIDES_DIGEST + '","model_revision":"5f2b1c0"}')
+    layouts = [
+        {"declared": "NHD", "canonical": "NHD"},
+        {"declared": "lbnhc", "canonical": "NHD"},
+        {"declared": "LBHNC", "canonical": "HND"},
+        {"declared": "hnd_k_then_v", "canonical": "HND_K_THEN_V"},
+        {"declared": "bhlnc", "canonical": "BHLNC"},
+        {"declared": "my-engine.v3", "canonical": "my-engine.v3"},
+    ]
+    return {"about": "identity extension: model_overrides canonical form and digest, "
+                     "key_hash, extension digest, kv_memory_layout names (SPEC 1.4)",
+            "model_overrides": overrides, "key_hash": key_hashes, "extension": extensions,
+            "kv_memory_layout": layouts}
+
+
 def main() -> None:
     (HERE / "messages.json").write_text(json.dumps(
         {"about": "frames (hex) -> decoded message; see protocol/SPEC.md section 14",
@@ -435,6 +545,8 @@ def main() -> None:
     (HERE / "fill.json").write_text(json.dumps(
         {"about": "fill rule: keys and block bytes; see protocol/SPEC.md appendix A",
          "vectors": fill_vectors()}, indent=1) + "\n")
+    (HERE / "extension.json").write_text(json.dumps(
+        extension_vectors(), indent=1, ensure_ascii=False) + "\n")
 
 
 if __name__ == "__main__":
