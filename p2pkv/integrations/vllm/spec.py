@@ -48,6 +48,8 @@ def _has_device_kv() -> bool:
 class P2PKVTieringSpec(TieringOffloadingSpec):
     """``TieringOffloadingSpec`` with a host-memory copy worker on CPU-only platforms."""
 
+    _worker: Any
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if _has_device_kv():
             return super().get_worker(kv_caches)

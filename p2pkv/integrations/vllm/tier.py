@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import re
 import threading
@@ -57,8 +58,13 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from p2pkv.errors import ConfigError, P2PKVError, PeerGone, PeerIncompatible
-from p2pkv.identity import RunConfig
-from p2pkv.integrations.vllm.identity import VLLMKeyHash, current_key_hash, run_config_from_spec
+from p2pkv.identity import IdentityExtension, RunConfig
+from p2pkv.integrations.vllm.identity import (
+    VLLMKeyHash,
+    current_key_hash,
+    extension_for,
+    run_config_from_spec,
+)
 from p2pkv.layout import EngineRowLayout
 from p2pkv.node import FetchResult, KeyOutcome, Node, NodeConfig, PeerHandle
 from p2pkv.transport import validate_address
@@ -66,7 +72,7 @@ from p2pkv.transport import validate_address
 # Under "vllm." so that vLLM's own log handler prints the tier's lines with the engine's.
 log = logging.getLogger("vllm.p2pkv")
 
-__all__ = ["P2PKVTier", "TIER_OPTIONS", "Metrics"]
+__all__ = ["TIER_OPTIONS", "Metrics", "P2PKVTier"]
 
 #: Tier-config keys taken by this tier (the node options keep their ``serve`` names;
 #: see docs/configuration.md). Identity options are absent on purpose: the identity is
@@ -75,6 +81,7 @@ TIER_OPTIONS: tuple[str, ...] = (
     "listen", "peers", "pool_blocks", "checksums", "parallel_agnostic",
     "handshake_timeout", "lookup_timeout", "fetch_timeout", "heartbeat_timeout",
     "curve_secret_key", "curve_authorized", "curve_server_key", "reconnect_interval",
+    "identity_policy", "kv_memory_layout", "model_revision", "model_overrides",
 )
 _DEFAULT_RECONNECT = 2.0
 #: Defaults that differ from ``serve``'s: a scheduler waits on lookups, so silence
@@ -189,15 +196,18 @@ class P2PKVTier(SecondaryTierManager):
         from p2pkv.cli import node_config
 
         self._node_config: NodeConfig = node_config(settings)
+        self._declared = {name: settings[name] for name in
+                          ("kv_memory_layout", "model_revision", "model_overrides")}
         self.run_config: RunConfig = run_config_from_spec(
             offloading_spec, parallel_agnostic=settings["parallel_agnostic"])
         self.layout = EngineRowLayout.of_bytes(self.block_size_bytes)
-        self._pool_blocks = int(params.get("pool_blocks") or primary_kv_view.shape[0])
+        self._pool_blocks = int(params.get("pool_blocks") or len(primary_kv_view))
         self._lookup_timeout = float(settings["lookup_timeout"])
         self._fetch_timeout = float(settings["fetch_timeout"])
         # The 2-D region as bytes: chunk c is rows[c * row : (c + 1) * row].
         self._rows = primary_kv_view.cast("B")
         self._key_hash: VLLMKeyHash | None = None
+        self.extension: IdentityExtension | None = None
         self._node: Node | None = None
         self._lock = threading.Lock()
         self._peers = {a: _Peer(a) for a in peers}
@@ -234,13 +244,16 @@ class P2PKVTier(SecondaryTierManager):
         # vLLM seeds its block hashes after building the scheduler (and this tier), so
         # the key hash is read on first use, when requests are already flowing.
         self._key_hash = current_key_hash()
+        self.extension = extension_for(self._offloading_spec, self._key_hash,
+                                       **self._declared)
+        # Keys are vLLM's own (SPEC 15.2): the name says so, and the seed travels only as
+        # the extension's digest, whose refusal says what to change.
         config = replace(self._node_config, key_hash_algo=self._key_hash.algo,
-                         key_hash_seed=self._key_hash.seed)
+                         key_hash_seed=0)
         self._node = Node(self.run_config, self.layout, pool_blocks=self._pool_blocks,
-                          config=config)
-        log.info("p2pkv tier node %s on %s: key hash %s (NONE_HASH digest %s)",
-                 self._node.node_id, self._node.address, self._key_hash.algo,
-                 self._key_hash.seed_digest)
+                          config=config, extension=self.extension)
+        log.info("p2pkv tier node %s on %s: %s", self._node.node_id, self._node.address,
+                 self.extension.describe())
         self._maintain_peers()
         return self._node
 
@@ -260,7 +273,7 @@ class P2PKVTier(SecondaryTierManager):
                     peer.next_attempt = now + self._reconnect
                     continue
                 peer.connecting = fut
-                fut.add_done_callback(lambda f, p=peer: self._connected(p, f))
+                fut.add_done_callback(functools.partial(self._connected, peer))
 
     def _connected(self, peer: _Peer, fut: Future[PeerHandle]) -> None:
         now = time.monotonic()
@@ -277,11 +290,11 @@ class P2PKVTier(SecondaryTierManager):
                         self._stats.increase_counter(Metrics.HANDSHAKES_REFUSED, 1,
                                                      ("outbound", f))
                     log.error("p2pkv tier: peer %s refused, nothing will be shared with it:\n%s",
-                              peer.address, _refusal_text(exc, self._key_hash))
+                              peer.address, _refusal_text(exc))
                 peer.refused = fields
                 peer.last_error = str(exc)
                 return
-            except BaseException as exc:  # noqa: BLE001 - unreachable, closed, timed out
+            except BaseException as exc:
                 peer.next_attempt = now + self._reconnect
                 if peer.last_error != str(exc):
                     log.warning("p2pkv tier: cannot reach peer %s: %s", peer.address, exc)
@@ -372,7 +385,7 @@ class P2PKVTier(SecondaryTierManager):
         with self._lock:
             handles = {p.address: p.handle for p in self._peers.values() if p.handle}
             for key, cid in zip(keys, chunk_ids, strict=True):
-                address = self._holders.pop(key, None)
+                address = self._holders.get(key)
                 if address is None or address not in handles:
                     job.failures["no_holder"] = job.failures.get("no_holder", 0) + 1
                     continue
@@ -392,8 +405,7 @@ class P2PKVTier(SecondaryTierManager):
                 continue
             with self._lock:
                 self._outstanding.add(fut)
-            fut.add_done_callback(lambda f, j=job, n=len(items), h=handle:
-                                  self._fetched(j, n, h, f))
+            fut.add_done_callback(functools.partial(self._fetched, job, len(items), handle))
         if not by_peer:
             self._load_done(job, 0, None, None)
 
@@ -403,7 +415,7 @@ class P2PKVTier(SecondaryTierManager):
             self._outstanding.discard(fut)
         try:
             result = fut.result()
-        except BaseException as exc:  # noqa: BLE001 - every failure fails only these keys
+        except BaseException as exc:
             if isinstance(exc, PeerGone):
                 self._lost(handle, exc)
             self._load_done(job, n, None, exc)
@@ -542,6 +554,7 @@ class P2PKVTier(SecondaryTierManager):
             "fingerprint": self.fingerprint,
             "address": self._node.address if self._node else None,
             "key_hash": self._key_hash.algo if self._key_hash else None,
+            "extension": self.extension.to_wire() if self.extension else None,
             "peers": peers,
             "handshakes_refused": refusals,
             "node": self._node.stats() if self._node else None,
@@ -587,16 +600,6 @@ class P2PKVTier(SecondaryTierManager):
         return stats
 
 
-def _refusal_text(exc: PeerIncompatible, key_hash: VLLMKeyHash | None) -> str:
-    lines = []
-    for r in exc.reasons:
-        meaning = r.meaning
-        if r.field == "key_hash.seed":
-            meaning = ("vLLM's block-hash seed (NONE_HASH) differs: set PYTHONHASHSEED to "
-                       "the same value in every engine, or use a cryptographic "
-                       "prefix_caching_hash_algo such as sha256")
-        elif r.field == "key_hash.algo":
-            meaning = ("vLLM's prefix_caching_hash_algo differs: use the same one in every "
-                       "engine")
-        lines.append(f"  {r.field}: local {r.ours!r} remote {r.theirs!r}: {meaning}")
-    return "\n".join(lines)
+def _refusal_text(exc: PeerIncompatible) -> str:
+    return "\n".join(f"  {r.field}: local {r.ours!r} remote {r.theirs!r}: {r.meaning}"
+                     for r in exc.reasons)
