@@ -89,7 +89,7 @@ def main() -> int:
     addr_a, addr_b, addr_c = free_address(), free_address(), free_address()
     raw_a, view_a = region()
     raw_b, view_b = region()
-    raw_c, view_c = region()
+    _raw_c, view_c = region()
     a = P2PKVTier(spec, view_a, "P2PKVTier", listen=addr_a, model_revision="r1")
     b = P2PKVTier(spec, view_b, "P2PKVTier", listen=addr_b, peers=[addr_a],
                   model_revision="r1", lookup_timeout=2.0)
