@@ -230,6 +230,7 @@ def test_tier_identity_equals_vllm_file_mapper() -> None:
     assert "peers must be a list" in bad["peers not a list"]
     assert "127.0.0.1:5601" in bad["bad peer address"]
     assert "lookup_timeout" in bad["negative timeout"]
+    assert "cannot be bound" in bad["listen taken"]
 
 
 def test_tier_driven_like_vllms_tiering_manager() -> None:

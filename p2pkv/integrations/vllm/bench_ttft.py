@@ -73,14 +73,15 @@ def _engine(model: str, config: dict[str, Any], max_len: int) -> None:
 
 
 class _Proc:
-    def __init__(self, model: str, config: dict[str, Any], max_len: int) -> None:
+    def __init__(self, model: str, config: dict[str, Any], max_len: int, log: str) -> None:
+        self.log = log
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get(
             "VLLM_CPU_KVCACHE_SPACE", "2"), "PYTHONHASHSEED": "0",
             "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, "--engine", json.dumps(config), "--model", model,
+            [sys.executable, "-m", "p2pkv.integrations.vllm.bench_ttft", "--engine", json.dumps(config), "--model", model,
              "--max-len", str(max_len)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"),  # noqa: SIM115
             text=True, env=env)
         self._expect("@ready")
 
@@ -89,7 +90,9 @@ class _Proc:
         for line in self.proc.stdout:
             if line.startswith(prefix):
                 return line[len(prefix):]
-        raise SystemExit(f"engine exited with {self.proc.wait()}")
+        with open(self.log) as fh:
+            tail = "".join(fh.readlines()[-30:])
+        raise SystemExit(f"engine exited with {self.proc.wait()}; its log ends:\n{tail}")
 
     def run(self, ids: list[int]) -> dict[str, Any]:
         assert self.proc.stdin is not None
@@ -117,10 +120,12 @@ def run(prompt_tokens: int, rounds: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_tiny_llama(os.path.join(tmp, "model"), BENCH_MODEL))
         a, b = _address(), _address()
-        producer = _Proc(model, _config(a, [], cpu_bytes), max_len)
+        producer = _Proc(model, _config(a, [], cpu_bytes), max_len,
+                         os.path.join(tmp, "producer.log"))
         try:
             produced = [producer.run(p) for p in shared]
-            consumer = _Proc(model, _config(b, [a], cpu_bytes), max_len)
+            consumer = _Proc(model, _config(b, [a], cpu_bytes), max_len,
+                             os.path.join(tmp, "consumer.log"))
             try:
                 hits, misses = [], []
                 for r in range(rounds):

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import logging
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -138,7 +139,28 @@ def _tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], flo
         message = re.sub(r" \(from --[a-z-]+\)$", "", str(exc))
         message = re.sub(r"--([a-z-]+)", lambda m: m.group(1).replace("-", "_"), message)
         raise ConfigError(f"P2PKVTier: {message}") from None
+    _check_bindable(settings["listen"])
     return settings, tuple(settings["peer"]), float(reconnect)
+
+
+def _check_bindable(listen: str) -> None:
+    """Fail at engine start, not at the first request, when ``listen`` is taken.
+
+    The node binds later (its identity needs vLLM's block-hash seed, known only once the
+    engine core runs); a test bind now catches a port in use or a foreign address."""
+    host, _, port = listen[len("tcp://"):].rpartition(":")
+    if port == "0":
+        return
+    host = host.strip("[]")
+    host = "0.0.0.0" if host in ("*", "") else host
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        family, _, _, _, address = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        raise ConfigError(f"P2PKVTier: listen {listen!r} cannot be bound: {exc}") from None
 
 
 @dataclass
@@ -209,6 +231,7 @@ class P2PKVTier(SecondaryTierManager):
         self._key_hash: VLLMKeyHash | None = None
         self.extension: IdentityExtension | None = None
         self._node: Node | None = None
+        self._failed: str | None = None
         self._lock = threading.Lock()
         self._peers = {a: _Peer(a) for a in peers}
         self._holders: collections.OrderedDict[bytes, str] = collections.OrderedDict()
@@ -236,22 +259,29 @@ class P2PKVTier(SecondaryTierManager):
         """The node, once started (after the engine initialised its block hashing)."""
         return self._node
 
-    def _ensure_node(self) -> Node:
-        if self._node is not None:
+    def _ensure_node(self) -> Node | None:
+        """The node, started on first use; None when it cannot run (the tier then
+        answers MISS and fails its jobs: the engine recomputes, it never stops)."""
+        if self._node is not None or self._failed is not None:
             return self._node
         if self._closed:
-            raise PeerGone("the p2pkv tier is shut down")
-        # vLLM seeds its block hashes after building the scheduler (and this tier), so
-        # the key hash is read on first use, when requests are already flowing.
-        self._key_hash = current_key_hash()
-        self.extension = extension_for(self._offloading_spec, self._key_hash,
-                                       **self._declared)
-        # Keys are vLLM's own (SPEC 15.2): the name says so, and the seed travels only as
-        # the extension's digest, whose refusal says what to change.
-        config = replace(self._node_config, key_hash_algo=self._key_hash.algo,
-                         key_hash_seed=0)
-        self._node = Node(self.run_config, self.layout, pool_blocks=self._pool_blocks,
-                          config=config, extension=self.extension)
+            return None
+        try:
+            # vLLM seeds its block hashes after building the scheduler (and this tier),
+            # so the key hash is read on first use, when requests are already flowing.
+            self._key_hash = current_key_hash()
+            self.extension = extension_for(self._offloading_spec, self._key_hash,
+                                           **self._declared)
+            # Keys are vLLM's own (SPEC 15.2): the name says so, and the seed travels
+            # only as the extension's digest, whose refusal says what to change.
+            config = replace(self._node_config, key_hash_algo=self._key_hash.algo,
+                             key_hash_seed=0)
+            self._node = Node(self.run_config, self.layout, pool_blocks=self._pool_blocks,
+                              config=config, extension=self.extension)
+        except Exception as exc:  # noqa: BLE001 - reported once; the engine keeps running
+            self._failed = f"{type(exc).__name__}: {exc}"
+            log.error("p2pkv tier disabled, its node could not start: %s", self._failed)
+            return None
         log.info("p2pkv tier node %s on %s: %s", self._node.node_id, self._node.address,
                  self.extension.describe())
         self._maintain_peers()
@@ -367,7 +397,8 @@ class P2PKVTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        self._ensure_node()
+        if self._ensure_node() is None:
+            return LookupResult.MISS
         found = self._lookup.lookup(key, req_context)
         if found is None:
             return LookupResult.RETRY
@@ -382,6 +413,10 @@ class P2PKVTier(SecondaryTierManager):
                              f"{len(chunk_ids)} chunks")
         by_peer: dict[str, list[tuple[OffloadKey, int]]] = {}
         job = _LoadJob(job_metadata.job_id, keys, pending=0)
+        if node is None:
+            job.failures["tier_disabled"] = len(keys)
+            self._load_done(job, 0, None, None)
+            return
         with self._lock:
             handles = {p.address: p.handle for p in self._peers.values() if p.handle}
             for key, cid in zip(keys, chunk_ids, strict=True):
@@ -462,6 +497,11 @@ class P2PKVTier(SecondaryTierManager):
         if len(keys) != len(chunk_ids):
             raise ValueError(f"store job {job_metadata.job_id}: {len(keys)} keys for "
                              f"{len(chunk_ids)} chunks")
+        if node is None:
+            with self._lock:
+                self._finished.append((JobResult(job_id=job_metadata.job_id, success=False,
+                                                 transfer_bytes=0), []))
+            return
         fut = self._stores.submit(self._store, node, job_metadata.job_id, keys, chunk_ids)
         with self._lock:
             self._outstanding.add(fut)
@@ -553,6 +593,7 @@ class P2PKVTier(SecondaryTierManager):
         return {
             "fingerprint": self.fingerprint,
             "address": self._node.address if self._node else None,
+            "disabled": self._failed,
             "key_hash": self._key_hash.algo if self._key_hash else None,
             "extension": self.extension.to_wire() if self.extension else None,
             "peers": peers,
