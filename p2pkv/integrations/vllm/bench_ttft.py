@@ -79,8 +79,8 @@ class _Proc:
             "VLLM_CPU_KVCACHE_SPACE", "2"), "PYTHONHASHSEED": "0",
             "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "p2pkv.integrations.vllm.bench_ttft", "--engine", json.dumps(config), "--model", model,
-             "--max-len", str(max_len)],
+            [sys.executable, "-m", "p2pkv.integrations.vllm.bench_ttft", "--engine",
+             json.dumps(config), "--model", model, "--max-len", str(max_len)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"),  # noqa: SIM115
             text=True, env=env)
         self._expect("@ready")

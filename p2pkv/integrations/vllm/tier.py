@@ -278,7 +278,7 @@ class P2PKVTier(SecondaryTierManager):
                              key_hash_seed=0)
             self._node = Node(self.run_config, self.layout, pool_blocks=self._pool_blocks,
                               config=config, extension=self.extension)
-        except Exception as exc:  # noqa: BLE001 - reported once; the engine keeps running
+        except Exception as exc:  # reported once; the engine keeps running
             self._failed = f"{type(exc).__name__}: {exc}"
             log.error("p2pkv tier disabled, its node could not start: %s", self._failed)
             return None
