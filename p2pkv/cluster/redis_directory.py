@@ -457,7 +457,8 @@ class RedisDirectory:
                         member=int.from_bytes(token, "big"), record=record, error=error,
                         blocks=int(counts.get(token, 0)), alive=exp >= now,
                         expires_in=(exp - now) / 1000.0))
-                out[p] = members
+                if members:
+                    out[p] = members
             return DirectoryView(out)
 
         view: DirectoryView = self._call("view", run)
