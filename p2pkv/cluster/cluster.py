@@ -459,9 +459,12 @@ class _PrefixJob:
     def _assign(self, pending: list[int]) -> None:
         groups: dict[Holder, list[int]] = {}
         expired = time.monotonic() >= self.deadline
-        for i in pending:
-            candidates = [h for h in self.found.holders[i]
-                          if h not in self.tried[i] and h not in self.dead]
+        choices = [(i, [h for h in self.found.holders[i]
+                        if h not in self.tried[i] and h not in self.dead]) for i in pending]
+        # Keys with the fewest holders first, then each key to its least loaded holder:
+        # the flexible keys even out what the constrained ones left.
+        choices.sort(key=lambda item: len(item[1]))
+        for i, candidates in choices:
             if expired or not candidates:
                 self._give_up(i, expired)
                 continue
@@ -470,6 +473,8 @@ class _PrefixJob:
             if self.tried[i]:
                 self.failovers += 1
             groups.setdefault(holder, []).append(i)
+        for idx in groups.values():
+            idx.sort()
         limit = self.node.config.max_keys_per_request
         for holder, idx in groups.items():
             for start in range(0, len(idx), limit):

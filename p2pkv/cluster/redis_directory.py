@@ -11,13 +11,17 @@ every key of one partition lives on one shard)::
     NS:{P}:nodes            HASH token -> node record (JSON)
     NS:{P}:addr             HASH token -> "node_id LF address" (what a lookup returns)
     NS:{P}:count            HASH token -> blocks announced
+    NS:{P}:owner            HASH token -> random nonce of the registration that owns it
     NS:{P}:sweep            STRING lock of the member that sweeps dead tokens out
 
 A registration gets a fresh token, so a node that lost its registration (its TTL ran
 out, Redis restarted) never revives old claims: it registers again and republishes
-its block set. A token whose expiry passed is dead: lookups skip it at once, announces
-for it are refused, and a live member of the partition sweeps its entries out of the
-blocks hash (``HSCAN``, a bounded batch per step) and then deletes its records.
+its block set. Heartbeats and claims carry the registration's random nonce as well:
+after a restart without persistence the counter starts over, and a node that has not
+noticed yet must not renew (or claim blocks under) a token now given to another node.
+A token whose expiry passed is dead: lookups skip it at once, announces for it are
+refused, and a live member of the partition sweeps its entries out of the blocks hash
+(``HSCAN``, a bounded batch per step) and then deletes its records.
 
 Every operation is one Lua script call (one round trip): a lookup of any number of keys
 (stopping at the first key with no live holder), a batch of announcements, a heartbeat.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -61,21 +66,24 @@ local function now_ms()
 end
 """
 
-# KEYS: live, nodes, addr, count. ARGV: token, ttl_ms, record, addr.
+# KEYS: live, nodes, addr, count, owner. ARGV: token, ttl_ms, record, addr, nonce.
 _REGISTER = _NOW + """
 local now = now_ms()
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[4])
 redis.call('HSET', KEYS[4], ARGV[1], 0)
+redis.call('HSET', KEYS[5], ARGV[1], ARGV[5])
 return now
 """
 
-# KEYS: live. ARGV: token, ttl_ms. 1 renewed, 0 the registration is gone or expired.
+# KEYS: live, owner. ARGV: token, ttl_ms, nonce. 1 renewed, 0 the registration is gone,
+# expired or owned by another registration.
 _HEARTBEAT = _NOW + """
 local now = now_ms()
 local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not s or tonumber(s) < now then return 0 end
+if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[3] then return 0 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 return 1
 """
@@ -126,18 +134,20 @@ end
 return {out, addrs}
 """.replace("CHUNK", str(_LOOKUP_CHUNK))
 
-# KEYS: blocks, live, count. ARGV: token, number of stored keys, stored keys...,
-# removed keys... Returns the change of the token's block count, or -1 (nothing
-# added) when the token is not live: the caller must register again.
+# KEYS: blocks, live, count, owner. ARGV: token, nonce, number of stored keys, stored
+# keys..., removed keys... Returns the change of the token's block count, or -1
+# (nothing changed) when the token is not live or not this registration's: the caller
+# must register again.
 _ANNOUNCE = _NOW + """
 local me = ARGV[1]
-local nadd = tonumber(ARGV[2])
+if redis.call('HGET', KEYS[4], me) ~= ARGV[2] then return -1 end
+local nadd = tonumber(ARGV[3])
 local delta = 0
 if nadd > 0 then
   local s = redis.call('ZSCORE', KEYS[2], me)
   if not s or tonumber(s) < now_ms() then return -1 end
 end
-for i = 3, 2 + nadd do
+for i = 4, 3 + nadd do
   local k = ARGV[i]
   local v = redis.call('HGET', KEYS[1], k)
   if not v then
@@ -154,7 +164,7 @@ for i = 3, 2 + nadd do
     end
   end
 end
-for i = 3 + nadd, #ARGV do
+for i = 4 + nadd, #ARGV do
   local k = ARGV[i]
   local v = redis.call('HGET', KEYS[1], k)
   if v then
@@ -179,7 +189,7 @@ end
 return delta
 """
 
-# KEYS: blocks, live, nodes, addr, count, sweep lock. ARGV: own token, cursor, count,
+# KEYS: blocks, live, nodes, addr, count, sweep lock, owner. ARGV: own token, cursor, count,
 # dead tokens... One HSCAN step that strips the dead tokens from the entries it visits;
 # at the end of the pass the dead tokens' records go too. Returns the next cursor, or
 # "" when another member holds the sweep lock.
@@ -212,6 +222,7 @@ if res[1] == '0' then
       redis.call('HDEL', KEYS[3], t)
       redis.call('HDEL', KEYS[4], t)
       redis.call('HDEL', KEYS[5], t)
+      redis.call('HDEL', KEYS[7], t)
     end
   end
   redis.call('DEL', KEYS[6])
@@ -230,10 +241,12 @@ def validate_redis_url(url: str) -> str:
 
 @dataclass(frozen=True)
 class Member:
-    """One registration of a node: its partition and the token its claims carry."""
+    """One registration of a node: its partition, the token its claims carry and the
+    nonce that proves the token is still this registration's."""
 
     partition: str
     token: bytes
+    nonce: bytes = field(default=b"", repr=False)
 
     @property
     def number(self) -> int:
@@ -315,13 +328,14 @@ class RedisDirectory:
         def run() -> Member:
             number = int(self._redis.incr(f"{self.namespace}:seq")) % (1 << 32) or 1
             token = number.to_bytes(_TOKEN_BYTES, "big")
+            nonce = os.urandom(16)
             self._register(
                 keys=[self._key(p, "live"), self._key(p, "nodes"), self._key(p, "addr"),
-                      self._key(p, "count")],
+                      self._key(p, "count"), self._key(p, "owner")],
                 args=[token, int(ttl * 1000), record.to_json(),
-                      f"{record.node_id}\n{record.address}"])
+                      f"{record.node_id}\n{record.address}", nonce])
             self._redis.sadd(f"{self.namespace}:partitions", p)
-            return Member(p, token)
+            return Member(p, token, nonce)
 
         member: Member = self._call("register", run)
         return member
@@ -330,8 +344,9 @@ class RedisDirectory:
         """Renew the registration; False when it is gone (expired, Redis restarted)."""
         def run() -> bool:
             pipe = self._redis.pipeline(transaction=False)
-            self._heartbeat(keys=[self._key(member.partition, "live")],
-                            args=[member.token, int(ttl * 1000)], client=pipe)
+            self._heartbeat(keys=[self._key(member.partition, "live"),
+                                  self._key(member.partition, "owner")],
+                            args=[member.token, int(ttl * 1000), member.nonce], client=pipe)
             # Listed again each time: a sweep may have dropped an emptied partition.
             pipe.sadd(f"{self.namespace}:partitions", member.partition)
             renewed, _ = pipe.execute()
@@ -345,14 +360,15 @@ class RedisDirectory:
         """Claim ``stored`` and withdraw ``removed`` (idempotent). False when the
         registration is gone (nothing was claimed; register again and republish)."""
         p = member.partition
-        keys = [self._key(p, "blocks"), self._key(p, "live"), self._key(p, "count")]
+        keys = [self._key(p, "blocks"), self._key(p, "live"), self._key(p, "count"),
+                self._key(p, "owner")]
         stored, removed = list(stored), list(removed)
         while stored or removed:
             add, stored = stored[:ANNOUNCE_BATCH], stored[ANNOUNCE_BATCH:]
             room = ANNOUNCE_BATCH - len(add)
             rem, removed = removed[:room], removed[room:]
             result = self._call("announce", lambda a=add, r=rem: self._announce(  # type: ignore[misc]
-                keys=keys, args=[member.token, len(a), *a, *r]))
+                keys=keys, args=[member.token, member.nonce, len(a), *a, *r]))
             if int(result) == -1:
                 return False
         return True
@@ -360,7 +376,8 @@ class RedisDirectory:
     def deregister(self, member: Member, held: Sequence[bytes]) -> None:
         """Withdraw ``held`` and the registration. Whatever a crash or a race leaves
         behind is swept by the partition's live members once the token is dead."""
-        self.announce(member, (), held)
+        if not self.announce(member, (), held):
+            return  # the token is no longer ours: nothing of it to withdraw
         p = member.partition
 
         def run() -> None:
@@ -368,7 +385,7 @@ class RedisDirectory:
             if count is not None and int(count) == 0:
                 pipe = self._redis.pipeline(transaction=True)
                 pipe.zrem(self._key(p, "live"), member.token)
-                for what in ("nodes", "addr", "count"):
+                for what in ("nodes", "addr", "count", "owner"):
                     pipe.hdel(self._key(p, what), member.token)
                 pipe.execute()
             else:  # leave it dead (score 0) for a sweep to clean up
@@ -397,7 +414,8 @@ class RedisDirectory:
         p = member.partition
         result = self._call("sweep", lambda: self._sweep(
             keys=[self._key(p, "blocks"), self._key(p, "live"), self._key(p, "nodes"),
-                  self._key(p, "addr"), self._key(p, "count"), self._key(p, "sweep")],
+                  self._key(p, "addr"), self._key(p, "count"), self._key(p, "sweep"),
+                  self._key(p, "owner")],
             args=[member.token, cursor, count, *dead]))
         if result in (b"", ""):
             return None
@@ -514,6 +532,7 @@ class RedisRegistration:
         self._lock = threading.Lock()
         self._pending: dict[bytes, bool] = {}
         self._collecting = False
+        self._flush_now = False
         self._member: Member | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -536,11 +555,14 @@ class RedisRegistration:
         with self._lock:
             if self._collecting:
                 self._pending[key] = visible
-                if len(self._pending) >= ANNOUNCE_BATCH:
+                if len(self._pending) >= ANNOUNCE_BATCH and not self._flush_now:
+                    self._flush_now = True
                     self._wake.set()
 
     def flush(self) -> None:
         """Ask the thread to publish queued changes now (it does so within a turn)."""
+        with self._lock:
+            self._flush_now = True
         self._wake.set()
 
     def close(self, timeout: float = 5.0, *, deregister: bool = True) -> None:
@@ -563,12 +585,17 @@ class RedisRegistration:
 
     def _run(self) -> None:
         next_heartbeat = 0.0
+        next_publish = 0.0
         while not self._stop.is_set():
+            # Cleared before the flags are read: a wake-up after this is never lost.
+            self._wake.clear()
             now = time.monotonic()
             try:
                 if self.member is None:
                     self._register()
-                    next_heartbeat = time.monotonic() + self.heartbeat_interval
+                    now = time.monotonic()
+                    next_heartbeat = now + self.heartbeat_interval
+                    next_publish = now + self.announce_interval
                 elif now >= next_heartbeat:
                     member = self.member
                     assert member is not None
@@ -576,12 +603,16 @@ class RedisRegistration:
                         self._lost("registration expired")
                         continue
                     next_heartbeat = now + self.heartbeat_interval
-                self._publish()
+                with self._lock:
+                    flush, self._flush_now = self._flush_now, False
+                if flush or now >= next_publish:
+                    self._publish()
+                    next_publish = time.monotonic() + self.announce_interval
                 self._sweep_step()
                 if self._outage_logged:
                     log.warning("directory %s reachable again", self.directory.url)
                     self._outage_logged = False
-                wait = min(self.announce_interval, max(0.0, next_heartbeat - time.monotonic()))
+                wait = max(0.0, min(next_publish, next_heartbeat) - time.monotonic())
                 if self._sweep is not None:
                     wait = 0.0
             except DirectoryError as exc:
@@ -595,7 +626,6 @@ class RedisRegistration:
                 self._lost("internal error")
                 wait = self.retry_interval
             self._wake.wait(wait)
-            self._wake.clear()
 
     def _lost(self, why: str) -> None:
         with self._lock:
@@ -616,10 +646,12 @@ class RedisRegistration:
         record = self._record()
         held = self._stored_keys()
         member = self.directory.register(record, self.ttl)
-        with self._lock:
-            self._member = member
         if not self.directory.announce(member, held):
             raise DirectoryError("registration vanished while publishing the block set")
+        # Registered only once the block set is out: whoever waits for the registration
+        # can look the blocks up.
+        with self._lock:
+            self._member = member
         log.info("registered in directory %s as member %d of partition %s (%d blocks)",
                  self.directory.url, member.number, member.partition, len(held))
         self._on_event("registered", 1)
