@@ -449,3 +449,15 @@ def test_serve_with_a_redis_directory_registers_and_reports_metrics(
     finally:
         serve.kill()
         lost.kill()
+
+
+def test_cluster_bench_rows_check_every_answer(redis_server: LocalRedis) -> None:
+    from p2pkv.cluster.bench import fanout_rows, scale_rows
+
+    rows = scale_rows(redis_server.url, members=8, entries=16_000, lookups=5)
+    rows += fanout_rows(redis_server.url, (1, 2), rounds=3)
+    metrics = {(r["case"], r["metric"]) for r in rows}
+    assert ("8 members, 16,000 entries (8,000 keys)", "Redis bytes per entry") in metrics
+    assert ("2 peer(s), 1,000-key prefix", "static lookup p50 ms") in metrics
+    assert ("2 peer(s), 1,000-key prefix", "redis lookup p99 ms") in metrics
+    assert all(r["ok"] == "yes" for r in rows), rows

@@ -482,6 +482,11 @@ class RedisDirectory:
         view: DirectoryView = self._call("view", run)
         return view
 
+    @property
+    def client(self) -> Any:
+        """The underlying ``redis.Redis`` client (for tools and the benchmark)."""
+        return self._redis
+
     def memory(self) -> int:
         """Redis ``used_memory`` in bytes (for the benchmark)."""
         return int(self._call("info", lambda: self._redis.info("memory"))["used_memory"])
