@@ -240,6 +240,10 @@ class Cluster:
         if self.directory is not None:
             try:
                 holders = self.directory.lookup(self.partition, keys, exclude=self.member)
+                # A claim of this node's under an older registration (not yet expired)
+                # is not a holder either.
+                me = self.node.address
+                holders = [tuple(h for h in found if h.address != me) for found in holders]
                 source = "redis"
             except DirectoryError as exc:
                 self._count("directory_errors", 1)
