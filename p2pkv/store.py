@@ -27,6 +27,11 @@ outside it, which is safe because a slot being written or read is pinned. A
 writer's views belong to the writer alone until commit/abort; a reader's views
 must not be written.
 
+Listeners (:meth:`BlockStore.add_listener`) hear every change of the visible set, in
+order: ``listener(key, True)`` when a block is committed, ``listener(key, False)`` when
+it is evicted or discarded. A directory of who holds what (``p2pkv.cluster``) is built
+on them.
+
 Keys are non-empty ``bytes`` of at most 64 bytes (block keys are 20). LRU order
 is updated by lookup hits, :meth:`BlockStore.acquire_read` and commits;
 :meth:`BlockStore.contains` is a pure query. ``hits``/``misses`` count
@@ -38,7 +43,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TypeAlias
@@ -58,12 +63,16 @@ __all__ = [
     "ChecksumMismatch",
     "StoreError",
     "StoreFullError",
+    "StoreListener",
     "StoreStats",
     "block_checksum",
 ]
 
 MAX_KEY_BYTES = 64
 BytesLike: TypeAlias = "bytes | bytearray | memoryview"
+#: ``listener(key, visible)``: ``visible`` is True when ``key`` was committed, False when
+#: it was evicted or discarded. See :meth:`BlockStore.add_listener`.
+StoreListener: TypeAlias = Callable[[bytes, bool], None]
 
 
 class StoreError(P2PKVError):
@@ -262,6 +271,7 @@ class BlockStore:
         self._misses = 0
         self._evictions = 0
         self._checksum_failures = 0
+        self._listeners: tuple[StoreListener, ...] = ()
 
     @property
     def pool(self) -> BlockPool:
@@ -324,6 +334,31 @@ class BlockStore:
                 bytes_per_block=self._pool.bytes_per_block,
             )
 
+    # -- listeners -----------------------------------------------------------
+
+    def add_listener(self, listener: StoreListener) -> None:
+        """Call ``listener(key, visible)`` on every commit (True), eviction and discard
+        (False) from now on.
+
+        Listeners run on the thread that changed the store, with the store's lock
+        held, so they see changes in exactly the order they happened (a key evicted
+        and stored again is never reported the other way round). They must be quick,
+        must not raise, and must not call back into the store: queue the change and
+        act on it elsewhere. Register first, then take :meth:`stored_keys`, to miss
+        nothing.
+        """
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+
+    def remove_listener(self, listener: StoreListener) -> None:
+        """Stop calling ``listener``; a no-op if it was not added."""
+        with self._lock:
+            self._listeners = tuple(x for x in self._listeners if x is not listener)
+
+    def _notify_locked(self, key: bytes, visible: bool) -> None:
+        for listener in self._listeners:
+            listener(key, visible)
+
     # -- writing -------------------------------------------------------------
 
     def begin_write(self, key: bytes) -> BlockWriter | None:
@@ -349,6 +384,8 @@ class BlockStore:
             if entry.readers == 0:
                 del self._entries[victim]
                 self._evictions += 1
+                if self._listeners:
+                    self._notify_locked(victim, False)
                 return entry.slot
         raise StoreFullError(
             f"all {self._pool.num_blocks} slots are pinned "
@@ -380,6 +417,8 @@ class BlockStore:
             else:
                 self._entries[writer.key] = _Entry(writer.slot, actual)
                 mismatch = False
+                if self._listeners:
+                    self._notify_locked(writer.key, True)
         if mismatch:
             assert expected_checksum is not None and actual is not None
             raise ChecksumMismatch(writer.key, expected_checksum, actual)
@@ -526,6 +565,8 @@ class BlockStore:
             entry = self._entries.pop(key, None)
             if entry is None:
                 return False
+            if self._listeners:
+                self._notify_locked(key, False)
             if entry.readers:
                 entry.discarded = True
                 self._discarded[entry.slot] = entry

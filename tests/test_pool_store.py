@@ -453,3 +453,37 @@ def test_batched_read_pins_hold_like_single_ones() -> None:
     assert store.stats().pinned == 0
     with pytest.raises(ValueError):
         store.acquire_read_many([b""])
+
+
+# -- listeners ------------------------------------------------------------------
+
+
+def test_listeners_hear_commits_evictions_and_discards_in_order() -> None:
+    store = make_store(2)
+    heard: list[tuple[bytes, bool]] = []
+    store.add_listener(lambda key, visible: heard.append((key, visible)))
+    store.put(b"a", payload(b"a"))
+    store.put(b"b", payload(b"b"))
+    store.put(b"c", payload(b"c"))  # evicts a (least recently used)
+    assert store.discard(b"b")
+    assert not store.discard(b"b")  # nothing visible changed: nothing heard
+    writer = store.begin_write(b"d")
+    assert writer is not None
+    writer.abort()  # never visible: nothing heard
+    assert heard == [(b"a", True), (b"b", True), (b"a", False), (b"c", True), (b"b", False)]
+
+
+def test_a_failed_checksum_is_never_heard_and_removed_listeners_go_quiet() -> None:
+    store = make_store(2)
+    heard: list[tuple[bytes, bool]] = []
+
+    def listener(key: bytes, visible: bool) -> None:
+        heard.append((key, visible))
+
+    store.add_listener(listener)
+    with pytest.raises(ChecksumMismatch):
+        store.put(b"x", payload(b"x"), expected_checksum=1)
+    store.remove_listener(listener)
+    store.remove_listener(listener)  # idempotent
+    store.put(b"y", payload(b"y"))
+    assert heard == []

@@ -1,0 +1,581 @@
+"""The cluster layer: find the longest prefix anyone compatible holds, and fetch it.
+
+A :class:`Cluster` sits above one :class:`~p2pkv.node.Node` and uses only its public
+API. Two directory backends answer "who holds these keys":
+
+* **static** (the default, no server): a list of peer addresses. A lookup fans out to
+  every peer in parallel under one deadline; peers that refuse the handshake or do not
+  answer in time are left out (and named in ``PrefixLookup.errors``).
+* **redis** (``directory="redis://HOST:PORT/DB"``): the node registers itself with a
+  TTL its heartbeat renews and publishes the keys its store commits and evicts, in
+  batches; a lookup is one round trip to Redis. Entries are partitioned by identity
+  (fingerprint plus identity-extension digest). While Redis is unreachable the node
+  keeps serving, lookups fall back to a fan-out over the peers it is connected to, and
+  it registers again (republishing its block set) once Redis is back.
+
+Either way the handshake stays the authority: a holder the directory names is still
+refused when its identity differs, and a stale entry only costs a ``MISSING`` answer,
+after which :meth:`Cluster.fetch_prefix` asks another holder.
+
+Threading: every public method is thread-safe. ``fetch_prefix`` blocks its caller;
+``fetch_prefix_async`` runs it on a small pool of worker threads.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from p2pkv.cluster.peers import PeerPool
+from p2pkv.cluster.records import (
+    DirectoryError,
+    Holder,
+    NodeRecord,
+    PrefixFetch,
+    PrefixLookup,
+    longest_prefix,
+    partition_key,
+)
+from p2pkv.cluster.redis_directory import (
+    Member,
+    RedisDirectory,
+    RedisRegistration,
+    validate_redis_url,
+)
+from p2pkv.errors import ConfigError, P2PKVError, PeerGone, PeerTimeout, ProtocolError
+from p2pkv.keys import keys_well_formed
+from p2pkv.node import FetchResult, KeyOutcome, Node, PeerHandle
+from p2pkv.protocol.codes import MAX_KEY_LEN
+
+__all__ = ["Cluster", "ClusterConfig", "ClusterStats"]
+
+log = logging.getLogger("p2pkv.cluster")
+
+# How long past its deadline fetch_prefix waits for a sub-fetch's future: the node
+# fails every future by its own deadline, this only guards against a bug there.
+_FUTURE_GRACE = 5.0
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Cluster-layer settings; times in seconds.
+
+    ``ttl``: how long a Redis registration lives without a heartbeat (a node that dies
+    without deregistering disappears after it). ``heartbeat``: renewal period (default
+    ``ttl / 3``). ``announce_interval``: how often committed and evicted keys are
+    published (in batches). ``redis_timeout``: socket timeout of every Redis call.
+    ``refusal_backoff``: how long a peer that refused the handshake is not asked again.
+    ``lookup_timeout``/``fetch_timeout``: defaults of the calls (None: the node's).
+    """
+
+    ttl: float = 10.0
+    heartbeat: float | None = None
+    announce_interval: float = 0.05
+    redis_timeout: float = 1.0
+    namespace: str = "p2pkv"
+    refusal_backoff: float = 30.0
+    lookup_timeout: float | None = None
+    fetch_timeout: float | None = None
+    fetch_workers: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("ttl", "announce_interval", "redis_timeout", "refusal_backoff"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name in ("heartbeat", "lookup_timeout", "fetch_timeout"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float)) or value <= 0):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.heartbeat is not None and self.heartbeat >= self.ttl:
+            raise ConfigError(f"heartbeat ({self.heartbeat}) must be shorter than ttl "
+                              f"({self.ttl})")
+        if type(self.fetch_workers) is not int or self.fetch_workers < 1:
+            raise ConfigError(f"fetch_workers must be a positive int, got {self.fetch_workers!r}")
+
+
+@dataclass(frozen=True)
+class ClusterStats:
+    """A snapshot of the cluster layer's counters.
+
+    ``lookups``/``lookup_keys``: prefix lookups and keys asked; ``hits``: keys found in
+    the prefixes; ``directory_errors``: Redis calls that failed (each lookup among them
+    fell back to the connected peers); ``stale_entries``: keys a listed holder answered
+    MISSING; ``failovers``: keys fetched again from another holder; ``registered``:
+    whether the node is registered in Redis now (always False for static).
+    """
+
+    backend: str
+    partition: str
+    registered: bool
+    member: int | None
+    lookups: int
+    lookup_keys: int
+    hits: int
+    directory_errors: int
+    fetches: int
+    fetched_blocks: int
+    stale_entries: int
+    failovers: int
+    registrations: int
+    registrations_lost: int
+    announced_stored: int
+    announced_removed: int
+    swept_members: int
+
+
+class Cluster:
+    """Longest-prefix lookups and striped, failing-over fetches over a directory.
+
+    ``directory``: None or ``"static"`` for the peer list, or a ``redis://`` URL.
+    ``peers``: addresses to fan out to (static) and to fall back on (redis).
+    ``extension``: the node's identity-extension digest (empty: none); it joins the
+    fingerprint in the partition key, so nodes whose extensions differ never see each
+    other's blocks. Lifecycle: construct (registers and starts announcing at once, in
+    the background) → use → :meth:`close` (withdraws the node's claims; does not close
+    the node).
+    """
+
+    def __init__(self, node: Node, *, directory: str | None = None,
+                 peers: Sequence[str] = (), extension: str = "",
+                 config: ClusterConfig | None = None) -> None:
+        self.node = node
+        self.config = config or ClusterConfig()
+        try:
+            self.partition = partition_key(node.fingerprint, extension)
+        except ValueError as exc:
+            raise ConfigError(f"identity extension: {exc}") from exc
+        self.extension = extension
+        self._peers = tuple(dict.fromkeys(peers))
+        self._pool = PeerPool(node, refusal_backoff=self.config.refusal_backoff)
+        self._lock = threading.Lock()
+        self._counters: collections.Counter[str] = collections.Counter()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False
+        self.directory: RedisDirectory | None = None
+        self._registration: RedisRegistration | None = None
+        if directory is None or directory == "static":
+            self.backend = "static"
+        else:
+            validate_redis_url(directory)
+            self.backend = "redis"
+            self.directory = RedisDirectory(directory, namespace=self.config.namespace,
+                                            socket_timeout=self.config.redis_timeout)
+            self._registration = RedisRegistration(
+                self.directory, lambda: NodeRecord.for_node(node, extension=extension),
+                node.store.stored_keys, ttl=self.config.ttl, heartbeat=self.config.heartbeat,
+                announce_interval=self.config.announce_interval, on_event=self._count)
+            # Listen first, then let the registration snapshot the store: nothing is missed.
+            node.store.add_listener(self._registration.changed)
+            self._registration.start()
+        for address in self._peers:  # connect in the background; lookups wait if needed
+            self._pool.handle_async(address)
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self, *, deregister: bool = True) -> None:
+        """Stop announcing and (``deregister``) withdraw this node's claims. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        if self._registration is not None:
+            self.node.store.remove_listener(self._registration.changed)
+            self._registration.close(deregister=deregister)
+        if self.directory is not None:
+            self.directory.close()
+
+    @property
+    def member(self) -> Member | None:
+        """This node's current Redis registration (None: static, or not registered now)."""
+        return self._registration.member if self._registration is not None else None
+
+    def wait_registered(self, timeout: float) -> bool:
+        """Wait until the node is registered in Redis (True) or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while self.member is None:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def flush(self) -> None:
+        """Publish the queued store changes now instead of at the next interval."""
+        if self._registration is not None:
+            self._registration.flush()
+
+    # -- lookups --------------------------------------------------------------------
+
+    def lookup_prefix(self, keys: Sequence[bytes], *,
+                      timeout: float | None = None) -> PrefixLookup:
+        """How many leading ``keys`` some compatible node holds, and who holds each.
+
+        One round trip to Redis, or one parallel fan-out to the peers, bounded by
+        ``timeout`` (default: the node's ``lookup_timeout``). Never raises for an
+        unreachable directory or peer: those are named in ``errors``.
+        """
+        keys = _check_keys(keys)
+        t0 = time.monotonic()
+        budget = timeout or self.config.lookup_timeout or self.node.config.lookup_timeout
+        deadline = t0 + budget
+        errors: dict[str, str] = {}
+        holders: list[tuple[Holder, ...]] | None = None
+        source = "peers"
+        if self.directory is not None:
+            try:
+                holders = self.directory.lookup(self.partition, keys, exclude=self.member)
+                # A claim of this node's under an older registration (not yet expired)
+                # is not a holder either.
+                me = self.node.address
+                holders = [tuple(h for h in found if h.address != me) for found in holders]
+                source = "redis"
+            except DirectoryError as exc:
+                self._count("directory_errors", 1)
+                errors["directory"] = str(exc)
+        if holders is None:
+            addresses = list(self._peers)
+            if self.directory is not None:
+                addresses += [h.address for h in self._pool.connected()]
+            holders = self._fan_out(list(dict.fromkeys(addresses)), keys, deadline, errors)
+        length = longest_prefix(holders)
+        result = PrefixLookup(keys=keys, length=length, holders=tuple(holders[:length]),
+                              source=source, seconds=time.monotonic() - t0, errors=errors)
+        with self._lock:
+            self._counters["lookups"] += 1
+            self._counters["lookup_keys"] += len(keys)
+            self._counters["hits"] += length
+        return result
+
+    def _fan_out(self, addresses: list[str], keys: tuple[bytes, ...], deadline: float,
+                 errors: dict[str, str]) -> list[tuple[Holder, ...]]:
+        per_key: list[list[Holder]] = [[] for _ in keys]
+        if not keys or not addresses:
+            return [()] * len(keys)
+        remaining = max(0.001, deadline - time.monotonic())
+        connecting: dict[Future[Any], str] = {
+            self._pool.handle_async(a, timeout=remaining): a
+            for a in addresses if a != self.node.address}
+        asking: dict[Future[Any], tuple[str, PeerHandle]] = {}
+        while connecting or asking:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            done, _ = concurrent.futures.wait(
+                [*connecting, *asking], timeout=remaining,
+                return_when=concurrent.futures.FIRST_COMPLETED)
+            for fut in done:
+                if fut in connecting:
+                    address = connecting.pop(fut)
+                    exc = fut.exception()
+                    if exc is not None:
+                        errors[address] = f"{type(exc).__name__}: {exc}"
+                        continue
+                    handle: PeerHandle = fut.result()
+                    try:
+                        asking[self.node.lookup_async(
+                            handle, keys, timeout=max(0.001, deadline - time.monotonic()))
+                        ] = (address, handle)
+                    except P2PKVError as exc2:
+                        errors[address] = f"{type(exc2).__name__}: {exc2}"
+                else:
+                    address, handle = asking.pop(fut)
+                    exc = fut.exception()
+                    if exc is not None:
+                        errors[address] = f"{type(exc).__name__}: {exc}"
+                        if isinstance(exc, (PeerGone, ProtocolError)):
+                            self._pool.drop(address, handle)
+                        continue
+                    holder = Holder(handle.remote_node_id, address)
+                    for i, hit in enumerate(fut.result()):
+                        if hit:
+                            per_key[i].append(holder)
+        for address in [*connecting.values(), *(a for a, _ in asking.values())]:
+            errors[address] = "PeerTimeout: no answer before the lookup deadline"
+        return [tuple(found) for found in per_key]
+
+    # -- fetches --------------------------------------------------------------------
+
+    def fetch_prefix_async(self, keys: Sequence[bytes],
+                           destinations: Sequence[Sequence[memoryview]] | None = None, *,
+                           timeout: float | None = None,
+                           lookup: PrefixLookup | None = None) -> Future[PrefixFetch]:
+        """:meth:`fetch_prefix` on a worker thread."""
+        with self._lock:
+            if self._closed:
+                raise PeerGone("cluster is closed")
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    self.config.fetch_workers, thread_name_prefix="p2pkv-cluster")
+            executor = self._executor
+        return executor.submit(self.fetch_prefix, keys, destinations, timeout=timeout,
+                               lookup=lookup)
+
+    def fetch_prefix(self, keys: Sequence[bytes],
+                     destinations: Sequence[Sequence[memoryview]] | None = None, *,
+                     timeout: float | None = None,
+                     lookup: PrefixLookup | None = None) -> PrefixFetch:
+        """Fetch the longest available prefix of ``keys``, striped across its holders.
+
+        Keys go to the least loaded holder that lists them, one fetch per holder, all in
+        parallel. A holder that dies, refuses the handshake or answers MISSING for a key
+        (a stale entry) is replaced by another holder of that key, until none is left or
+        ``timeout`` (default: the node's ``fetch_timeout``, lookup included) passes.
+        Per-key outcomes are those of :meth:`~p2pkv.node.Node.fetch`: MISSING when every
+        listed holder said so, FAILED (with the reason) otherwise.
+
+        ``destinations`` (one list of segment buffers per key of ``keys``, as for
+        :meth:`~p2pkv.node.Node.fetch_into`) lands blocks in caller-owned memory instead
+        of the node's store. ``lookup`` reuses an earlier :meth:`lookup_prefix` of the
+        same keys.
+        """
+        keys = _check_keys(keys)
+        if destinations is not None and len(destinations) != len(keys):
+            raise ValueError(f"destinations has {len(destinations)} entries for "
+                             f"{len(keys)} keys")
+        if lookup is not None and lookup.keys != keys:
+            raise ValueError("lookup was made for other keys")
+        t0 = time.monotonic()
+        budget = timeout or self.config.fetch_timeout or self.node.config.fetch_timeout
+        deadline = t0 + budget
+        found = lookup if lookup is not None else self.lookup_prefix(
+            keys, timeout=min(budget, self.config.lookup_timeout
+                              or self.node.config.lookup_timeout))
+        job = _PrefixJob(self, found, destinations, deadline)
+        outcome = job.run()
+        with self._lock:
+            self._counters["fetches"] += 1
+            self._counters["fetched_blocks"] += outcome.result.blocks
+            self._counters["stale_entries"] += outcome.stale
+            self._counters["failovers"] += outcome.failovers
+        return outcome
+
+    # -- stats ----------------------------------------------------------------------
+
+    def _count(self, what: str, n: int) -> None:
+        with self._lock:
+            self._counters[what] += n
+
+    def stats(self) -> ClusterStats:
+        member = self.member
+        with self._lock:
+            c = self._counters
+            return ClusterStats(
+                backend=self.backend, partition=self.partition,
+                registered=member is not None,
+                member=member.number if member is not None else None,
+                lookups=c["lookups"], lookup_keys=c["lookup_keys"], hits=c["hits"],
+                directory_errors=c["directory_errors"], fetches=c["fetches"],
+                fetched_blocks=c["fetched_blocks"], stale_entries=c["stale_entries"],
+                failovers=c["failovers"], registrations=c["registered"],
+                registrations_lost=c["lost"], announced_stored=c["stored"],
+                announced_removed=c["removed"], swept_members=c["swept"],
+            )
+
+
+def _check_keys(keys: Sequence[bytes]) -> tuple[bytes, ...]:
+    if isinstance(keys, (bytes, bytearray, str)):  # type: ignore[unreachable]
+        raise ValueError("keys must be a sequence of bytes keys, not a single key")
+    out = tuple(keys)
+    if not keys_well_formed(out, MAX_KEY_LEN):
+        for i, k in enumerate(out):
+            if type(k) is not bytes or not 1 <= len(k) <= MAX_KEY_LEN:
+                raise ValueError(f"keys[{i}] must be 1..{MAX_KEY_LEN} bytes, got {k!r:.40}")
+    return out
+
+
+class _PrefixJob:
+    """One :meth:`Cluster.fetch_prefix`: assigns keys to holders, reassigns on failure."""
+
+    def __init__(self, cluster: Cluster, found: PrefixLookup,
+                 destinations: Sequence[Sequence[memoryview]] | None,
+                 deadline: float) -> None:
+        self.cluster = cluster
+        self.node = cluster.node
+        self.found = found
+        self.keys = found.prefix
+        self.destinations = destinations
+        self.deadline = deadline
+        n = len(self.keys)
+        self.outcomes: list[KeyOutcome | None] = [None] * n
+        self.errors: dict[int, str] = {}
+        self.sources: list[Holder | None] = [None] * n
+        self.tried: list[set[Holder]] = [set() for _ in range(n)]
+        self.said_missing: list[int] = [0] * n
+        self.dead: set[Holder] = set()
+        self.load: collections.Counter[Holder] = collections.Counter()
+        self.stale = 0
+        self.failovers = 0
+        self.blocks = 0
+        self.nbytes = 0
+        self.active: dict[Future[FetchResult], tuple[Holder, list[int]]] = {}
+
+    def run(self) -> PrefixFetch:
+        t0 = time.monotonic()
+        pending = list(range(len(self.keys)))
+        while pending or self.active:
+            if pending:
+                self._assign(pending)
+                pending = []
+            if not self.active:
+                continue
+            timeout = max(0.0, self.deadline - time.monotonic()) + _FUTURE_GRACE
+            done, _ = concurrent.futures.wait(
+                list(self.active), timeout=timeout,
+                return_when=concurrent.futures.FIRST_COMPLETED)
+            if not done:  # pragma: no cover - the node fails its futures by their deadline
+                for holder, idx in self.active.values():
+                    for i in idx:
+                        self.outcomes[i] = KeyOutcome.FAILED
+                        self.errors[i] = f"{_who(holder)}: no answer by the deadline"
+                self.active.clear()
+                break
+            for fut in done:
+                pending.extend(self._settle(fut))
+            pending.sort()
+        for i, o in enumerate(self.outcomes):
+            if o is None:  # pragma: no cover - every key is settled above
+                self.outcomes[i] = KeyOutcome.FAILED
+                self.errors.setdefault(i, "not fetched")
+        result = FetchResult(
+            keys=self.keys, outcomes=tuple(o or KeyOutcome.FAILED for o in self.outcomes),
+            errors={i: e for i, e in self.errors.items()
+                    if self.outcomes[i] is KeyOutcome.FAILED},
+            blocks=self.blocks, nbytes=self.nbytes, seconds=time.monotonic() - t0)
+        return PrefixFetch(lookup=self.found, result=result, sources=tuple(self.sources),
+                           stale=self.stale, failovers=self.failovers)
+
+    def _assign(self, pending: list[int]) -> None:
+        groups: dict[Holder, list[int]] = {}
+        expired = time.monotonic() >= self.deadline
+        choices = [(i, [h for h in self.found.holders[i]
+                        if h not in self.tried[i] and h not in self.dead]) for i in pending]
+        # Keys with the fewest holders first, then each key to its least loaded holder:
+        # the flexible keys even out what the constrained ones left.
+        choices.sort(key=lambda item: len(item[1]))
+        for i, candidates in choices:
+            if expired or not candidates:
+                self._give_up(i, expired)
+                continue
+            holder = min(candidates, key=lambda h: self.load[h])
+            self.load[holder] += 1
+            if self.tried[i]:
+                self.failovers += 1
+            groups.setdefault(holder, []).append(i)
+        for idx in groups.values():
+            idx.sort()
+        limit = self.node.config.max_keys_per_request
+        for holder, idx in groups.items():
+            for start in range(0, len(idx), limit):
+                chunk = idx[start:start + limit]
+                self.active[self._fetch_from(holder, chunk)] = (holder, chunk)
+
+    def _give_up(self, i: int, expired: bool) -> None:
+        listed = len(self.found.holders[i])
+        if self.said_missing[i] == listed:
+            self.outcomes[i] = KeyOutcome.MISSING
+            return
+        self.outcomes[i] = KeyOutcome.FAILED
+        if expired:
+            self.errors[i] = "deadline passed before another holder could be asked"
+        else:
+            self.errors.setdefault(i, "every holder failed or refused")
+
+    def _fetch_from(self, holder: Holder, idx: list[int]) -> Future[FetchResult]:
+        out: Future[FetchResult] = Future()
+        keys = [self.keys[i] for i in idx]
+        dests = (None if self.destinations is None
+                 else [self.destinations[i] for i in idx])
+        remaining = max(0.001, self.deadline - time.monotonic())
+        handle_future = self.cluster._pool.handle_async(
+            holder.address, timeout=min(remaining, self.node.config.handshake_timeout))
+
+        def on_handle(f: Future[PeerHandle]) -> None:
+            # Runs on the node's IO thread (or here, when already connected): only
+            # queues the fetch, never waits.
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc)
+                return
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                out.set_exception(PeerTimeout("deadline passed while connecting"))
+                return
+            try:
+                inner = (self.node.fetch_async(f.result(), keys, timeout=left) if dests is None
+                         else self.node.fetch_into_async(f.result(), keys, dests, timeout=left))
+            except Exception as exc2:
+                out.set_exception(exc2)
+                return
+            inner.add_done_callback(lambda g: _relay(g, out))
+
+        handle_future.add_done_callback(on_handle)
+        return out
+
+    def _settle(self, fut: Future[FetchResult]) -> list[int]:
+        holder, idx = self.active.pop(fut)
+        self.load[holder] -= len(idx)
+        retry: list[int] = []
+        exc = fut.exception()
+        if exc is not None:
+            self.dead.add(holder)
+            if isinstance(exc, (PeerGone, ProtocolError)):
+                self.cluster._pool.drop(holder.address)
+            log.info("holder %s failed (%s: %s); failing over %d key(s)", _who(holder),
+                     type(exc).__name__, exc, len(idx))
+            for i in idx:
+                self.tried[i].add(holder)
+                self.errors[i] = f"{_who(holder)}: {type(exc).__name__}: {exc}"
+                retry.append(i)
+            return retry
+        result = fut.result()
+        self.blocks += result.blocks
+        self.nbytes += result.nbytes
+        for j, i in enumerate(idx):
+            outcome = result.outcomes[j]
+            if outcome is KeyOutcome.STORED:
+                self.outcomes[i] = KeyOutcome.STORED
+                self.sources[i] = holder
+                continue
+            self.tried[i].add(holder)
+            if outcome is KeyOutcome.MISSING:
+                self.stale += 1
+                self.said_missing[i] += 1
+                self.errors[i] = f"{_who(holder)}: missing (stale directory entry)"
+            else:
+                self.errors[i] = f"{_who(holder)}: {result.errors.get(j, 'failed')}"
+            retry.append(i)
+        return retry
+
+
+def _who(holder: Holder) -> str:
+    return f"{holder.node_id} at {holder.address}"
+
+
+def _relay(src: Future[FetchResult], dst: Future[FetchResult]) -> None:
+    exc = src.exception()
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if exc is not None:
+            dst.set_exception(exc)
+        else:
+            dst.set_result(src.result())
+
+
+def describe(stats: ClusterStats) -> dict[str, Any]:
+    """``stats`` as a JSON-ready dict (for ``serve --json`` and tools)."""
+    return dict(stats.__dict__)
