@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import msgpack
-import xxhash
 
+from p2pkv.checksum import block_checksum
 from p2pkv.errors import ProtocolError
-from p2pkv.keys import keys_well_formed
+from p2pkv.keys import find_bad_key
 from p2pkv.protocol.codes import (
     MAX_BLOCK_BYTES,
     MAX_BLOCKS_PER_MESSAGE,
@@ -170,14 +170,13 @@ def _array(value: object, name: str, lo: int, hi: int) -> tuple[Any, ...]:
 
 def _keys(m: dict[Any, Any]) -> tuple[bytes, ...]:
     keys = _array(_field(m, "keys"), "keys", 1, MAX_KEYS)
-    if keys_well_formed(keys, MAX_KEY_LEN):
+    bad = find_bad_key(keys, MAX_KEY_LEN)
+    if bad is None:
         return keys
-    for key in keys:
-        if type(key) is not bytes:
-            raise _wrong("keys[]", "bin", key)
-        if not 0 < len(key) <= MAX_KEY_LEN:
-            raise _bounds("keys[]", f"length must be in [1, {MAX_KEY_LEN}], got {len(key)}")
-    return keys
+    key = keys[bad[0]]
+    if bad[1] == "type":
+        raise _wrong("keys[]", "bin", key)
+    raise _bounds("keys[]", f"length must be in [1, {MAX_KEY_LEN}], got {len(key)}")
 
 
 def _plain(value: Any, name: str, depth: int, budget: list[int]) -> Any:
@@ -590,15 +589,6 @@ def decode(
                     f"{i % per_block}) is {got} bytes, segment size is {want}",
                 )
     return Block(msg.req, msg.idx, msg.sums, payload)
-
-
-def block_checksum(segments: Sequence[Frame]) -> int:
-    """xxh3-64 (seed 0) of one block's bytes, its segments hashed in order as one stream."""
-    h = xxhash.xxh3_64(seed=0)
-    for seg in segments:
-        h.update(seg)
-    value: int = h.intdigest()
-    return value
 
 
 def segments_for(block: Block, segments: Sequence[int]) -> tuple[int, ...]:

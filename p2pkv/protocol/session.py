@@ -29,7 +29,7 @@ from enum import Enum
 from typing import Any, Final
 
 from p2pkv.errors import ConfigError, ProtocolError
-from p2pkv.keys import keys_well_formed
+from p2pkv.keys import check_keys
 from p2pkv.protocol.codec import MajorVersionMismatch, decode
 from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
@@ -42,6 +42,7 @@ from p2pkv.protocol.codes import (
     Code,
 )
 from p2pkv.protocol.compat import decide
+from p2pkv.protocol.flow import FetchCredit
 from p2pkv.protocol.messages import (
     Abort,
     AbortAck,
@@ -371,14 +372,7 @@ def _check_keys(keys: Sequence[bytes], limit: int) -> tuple[bytes, ...]:
     out = tuple(keys)
     if not 1 <= len(out) <= limit:
         raise ValueError(f"keys: need 1..{limit} keys, got {len(out)}")
-    if keys_well_formed(out, MAX_KEY_LEN):
-        return out
-    for i, key in enumerate(out):
-        if type(key) is not bytes:
-            raise ValueError(f"keys[{i}] must be bytes, got {type(key).__name__}")
-        if not 1 <= len(key) <= MAX_KEY_LEN:
-            raise ValueError(f"keys[{i}] must be 1..{MAX_KEY_LEN} bytes, got {len(key)}")
-    return out
+    return check_keys(out, MAX_KEY_LEN)
 
 
 # ---------------------------------------------------------------------------- session
@@ -479,6 +473,14 @@ class Session:
         """Server: blocks of fetch ``req`` that may still be sent under the granted credit."""
         r = self._served(req, "fetch", "window_left")
         return r.granted - r.received
+
+    def fetch_credit(self, req: int) -> FetchCredit | None:
+        """Client: the credit state of running fetch ``req`` (``None`` when ``req`` is not
+        a running fetch): what :class:`~p2pkv.protocol.flow.CreditBudget` decides on."""
+        r = self._requests.get(req)
+        if r is None or r.kind != "fetch" or self._role is not Role.CLIENT:
+            return None
+        return FetchCredit(req, r.granted, r.received, len(r.keys))
 
     # ------------------------------------------------------------------ lifecycle
 
