@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from p2pkv.errors import ConfigError, P2PKVError, PeerIncompatible, PeerTimeout
-from p2pkv.identity import ABSENT
+from p2pkv.reports import reason_dict, refusal_table, remote_identity
+from p2pkv.reports import show as _show  # noqa: F401  (its old name here, for scripts)
 from p2pkv.settings import OPTIONS, Settings, load_settings
 
 EXIT_OK = 0
@@ -229,46 +230,6 @@ def _emit(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
     print(json.dumps(obj, sort_keys=True) if args.json else text, flush=True)
 
 
-def _show(value: Any) -> str:
-    """One compact cell: ``(absent)``, ``12 × 49152`` for a list of equal ints,
-    ``[2 × 4096, 512]`` for runs in a list of ints, JSON otherwise."""
-    if value is ABSENT or (isinstance(value, dict) and value == {"absent": True}):
-        return "(absent)"
-    if (isinstance(value, (list, tuple)) and len(value) > 1
-            and all(type(v) is int for v in value)):
-        runs: list[list[int]] = []
-        for v in value:
-            if runs and runs[-1][1] == v:
-                runs[-1][0] += 1
-            else:
-                runs.append([1, v])
-        parts = [f"{n} × {v}" if n > 1 else str(v) for n, v in runs]
-        return parts[0] if len(parts) == 1 else "[" + ", ".join(parts) + "]"
-    return json.dumps(value, sort_keys=True, default=str)
-
-
-_CELL_WIDTH = 40
-
-
-def refusal_table(reasons: Sequence[Any]) -> str:
-    """A fixed-width table of refusal reasons: field, ours, theirs, meaning.
-
-    Field names are never cut; a value longer than its column is cut and ends with
-    ``…``, so a cut is visible.
-    """
-    rows = [("FIELD", "LOCAL", "REMOTE", "MEANING")]
-    for r in reasons:
-        rows.append((r.field, _show(r.ours), _show(r.theirs), r.meaning))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    widths[1:] = [min(_CELL_WIDTH, w) for w in widths[1:]]
-    lines = []
-    for row in rows:
-        cells = [(row[i] if len(row[i]) <= widths[i] else row[i][: widths[i] - 1] + "…")
-                 .ljust(widths[i]) for i in range(3)]
-        lines.append("  ".join([*cells, row[3]]).rstrip())
-    return "\n".join(lines)
-
-
 def cmd_probe(args: argparse.Namespace) -> int:
     from p2pkv.transport import validate_address
 
@@ -291,15 +252,15 @@ def cmd_probe(args: argparse.Namespace) -> int:
         try:
             peer = node.connect(args.address)
         except PeerIncompatible as exc:
-            reasons = [_reason_dict(r) for r in exc.reasons]
+            reasons = [reason_dict(r) for r in exc.reasons]
             if args.json:
                 print(json.dumps({"verdict": "refused", "address": args.address,
                                   "local_fingerprint": rc.fingerprint,
-                                  "remote": _remote_identity(exc), "reasons": reasons},
+                                  "remote": remote_identity(exc), "reasons": reasons},
                                  sort_keys=True, default=str))
             else:
                 print(f"REFUSED by handshake with {args.address}")
-                remote = _remote_identity(exc)
+                remote = remote_identity(exc)
                 if remote:
                     print(f"remote node:        {remote.get('node')}")
                     print(f"remote fingerprint: {remote.get('fp')}")
@@ -328,19 +289,6 @@ def cmd_probe(args: argparse.Namespace) -> int:
             print(f"capabilities: {', '.join(sorted(peer.capabilities)) or '(none)'}")
         peer.close()
     return EXIT_OK
-
-
-def _reason_dict(reason: Any) -> dict[str, Any]:
-    return {"code": int(reason.code), "field": reason.field,
-            "local": None if reason.ours is ABSENT else reason.ours,
-            "local_absent": reason.ours is ABSENT,
-            "remote": None if reason.theirs is ABSENT else reason.theirs,
-            "remote_absent": reason.theirs is ABSENT, "meaning": reason.meaning}
-
-
-def _remote_identity(exc: PeerIncompatible) -> dict[str, Any]:
-    remote = getattr(exc, "remote", None)
-    return dict(remote) if isinstance(remote, dict) else {}
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:

@@ -25,6 +25,8 @@ from typing import IO, Any
 
 import numpy as np
 
+from p2pkv.reports import cell, plain
+
 MODEL = "p2pkv/demo-seed"
 _DEADLINE_S = 60.0
 
@@ -95,8 +97,8 @@ def role_consumer(address: str, blocks: int, layout_name: str) -> int:
             peer = node.connect(address)
         except PeerIncompatible as exc:
             _say({"event": "refused", "fingerprint": node.fingerprint,
-                  "reasons": [{"field": r.field, "local": _plain(r.ours),
-                               "remote": _plain(r.theirs), "meaning": r.meaning}
+                  "reasons": [{"field": r.field, "local": plain(r.ours),
+                               "remote": plain(r.theirs), "meaning": r.meaning}
                               for r in exc.reasons]})
             return 0
         keys = demo_keys(blocks)
@@ -122,19 +124,6 @@ def role_consumer(address: str, blocks: int, layout_name: str) -> int:
         return 0 if bad == 0 else 1
     finally:
         node.close()
-
-
-def _plain(value: Any) -> Any:
-    from p2pkv.identity import ABSENT
-
-    return "(absent)" if value is ABSENT else value
-
-
-def _cell(value: Any) -> str:
-    """A reason value as the refusal table shows it (``12 × 49152``, ``(absent)``)."""
-    from p2pkv.cli import _show
-
-    return "(absent)" if value == "(absent)" else _show(value)
 
 
 class _Child:
@@ -247,8 +236,8 @@ def run_demo(*, blocks: int = 256, as_json: bool = False) -> int:
     if inc.get("event") == "refused":
         print("consumer  V1 cross-layer: REFUSED at handshake (no block byte exchanged):")
         for r in inc["reasons"]:
-            print(f"  - {r['field']}: local {_cell(r['local'])} vs remote "
-                  f"{_cell(r['remote'])}\n      {r['meaning']}")
+            print(f"  - {r['field']}: local {cell(r['local'])} vs remote "
+                  f"{cell(r['remote'])}\n      {r['meaning']}")
     else:
         print(f"consumer  V1 cross-layer: NOT refused: {inc}")
     prod = summary.get("producer", {})
