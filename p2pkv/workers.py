@@ -8,7 +8,8 @@ its stdin tells it to stop.
 * Parent side: :class:`JsonLineProcess` starts the child, reads its stdout and stderr on
   two daemon threads, and hands out the JSON lines with a deadline on every wait.
 * Child side: :func:`say` writes one line, :func:`serve_commands` answers commands until
-  stdin closes, :func:`wait_for_stdin_eof` waits (bounded) for the stop signal.
+  stdin closes, :func:`stdin_closed` / :func:`wait_for_stdin_eof` watch for the stop
+  signal.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = [
     "WorkerTimeout",
     "say",
     "serve_commands",
+    "stdin_closed",
     "stdin_commands",
     "wait_for_stdin_eof",
 ]
@@ -173,9 +175,9 @@ def serve_commands(handlers: Mapping[str, Callable[[dict[str, Any]], dict[str, A
         say({"ok": True, **reply})
 
 
-def wait_for_stdin_eof(timeout: float) -> bool:
-    """Wait until stdin closes (the parent's stop signal), at most ``timeout`` seconds.
-    True when it closed."""
+def stdin_closed() -> threading.Event:
+    """An event set once stdin closes (the parent's stop signal); a daemon thread reads
+    stdin to its end, so call this after the last line was read from it."""
     done = threading.Event()
 
     def read_to_eof() -> None:
@@ -183,4 +185,9 @@ def wait_for_stdin_eof(timeout: float) -> bool:
         done.set()
 
     threading.Thread(target=read_to_eof, daemon=True).start()
-    return done.wait(timeout)
+    return done
+
+
+def wait_for_stdin_eof(timeout: float) -> bool:
+    """Wait until stdin closes, at most ``timeout`` seconds. True when it closed."""
+    return stdin_closed().wait(timeout)

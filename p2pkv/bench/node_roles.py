@@ -21,7 +21,7 @@ from p2pkv.bench.data import (
     timed_lookups,
 )
 from p2pkv.layout import Geometry, make_layout
-from p2pkv.workers import say, serve_commands
+from p2pkv.workers import say, serve_commands, stdin_closed
 
 
 def geometry_from(spec: dict[str, Any]) -> Geometry:
@@ -228,13 +228,7 @@ def role_soak_client(spec: dict[str, Any]) -> int:
         say({"event": "ready", "pid": os.getpid()})
         if sys.stdin.readline().strip() != "go":
             return 0
-        stop = threading.Event()
-
-        def wait_eof() -> None:
-            sys.stdin.read()
-            stop.set()
-
-        threading.Thread(target=wait_eof, daemon=True).start()
+        stop = stdin_closed()
         next_report = time.monotonic() + 1.0
         while not stop.is_set():
             try:
