@@ -20,6 +20,7 @@ failure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -130,10 +131,8 @@ class Engine:
             except (OSError, subprocess.TimeoutExpired):
                 pass
         with_children = self.proc.poll() is None
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # engine-core and worker children too
-        except ProcessLookupError:
-            pass
         if with_children:
             self.proc.wait(30)
 

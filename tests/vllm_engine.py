@@ -20,7 +20,6 @@ import sys
 import time
 from typing import Any
 
-
 #: Every answer line starts with this, so stray output on stdout is never mistaken for one.
 MARK = "@p2pkv "
 

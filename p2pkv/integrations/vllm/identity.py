@@ -107,6 +107,6 @@ def _hash_function_name(none_hash: bytes) -> str:
         try:
             if bytes(get_hash_fn_by_name(name)(seed)) == none_hash:
                 return name
-        except Exception:  # noqa: BLE001 - a function this vLLM build lacks
+        except Exception:  # a function this vLLM build lacks
             continue
     return "unknown"

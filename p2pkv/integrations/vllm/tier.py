@@ -26,11 +26,11 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import logging
-import re
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
@@ -43,8 +43,6 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
-    OffloadingCounterMetadata,
-    OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
     OffloadingSpec,
     OffloadKey,
@@ -56,82 +54,23 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from p2pkv.errors import ConfigError, P2PKVError, PeerGone, PeerIncompatible
+from p2pkv.errors import P2PKVError, PeerGone, PeerIncompatible
 from p2pkv.identity import RunConfig
 from p2pkv.integrations.vllm.identity import VLLMKeyHash, current_key_hash, run_config_from_spec
+from p2pkv.integrations.vllm.metrics import Metrics, metric_definitions
+from p2pkv.integrations.vllm.options import TIER_DEFAULTS, TIER_OPTIONS, tier_settings
 from p2pkv.layout import EngineRowLayout
 from p2pkv.node import FetchResult, KeyOutcome, Node, NodeConfig, PeerHandle
-from p2pkv.transport import validate_address
 
 # Under "vllm." so that vLLM's own log handler prints the tier's lines with the engine's.
 log = logging.getLogger("vllm.p2pkv")
 
-__all__ = ["P2PKVTier", "TIER_OPTIONS", "Metrics"]
+__all__ = ["TIER_DEFAULTS", "TIER_OPTIONS", "Metrics", "P2PKVTier"]
 
-#: Tier-config keys taken by this tier (the node options keep their ``serve`` names;
-#: see docs/configuration.md). Identity options are absent on purpose: the identity is
-#: vLLM's own, read from the offloading spec.
-TIER_OPTIONS: tuple[str, ...] = (
-    "listen", "peers", "pool_blocks", "checksums", "parallel_agnostic",
-    "handshake_timeout", "lookup_timeout", "fetch_timeout", "heartbeat_timeout",
-    "curve_secret_key", "curve_authorized", "curve_server_key", "reconnect_interval",
-)
-_DEFAULT_RECONNECT = 2.0
-#: Defaults that differ from ``serve``'s: a scheduler waits on lookups, so silence
-#: becomes a miss sooner; a load that takes longer than recomputing is not worth waiting.
-TIER_DEFAULTS: Mapping[str, Any] = {"lookup_timeout": 1.0, "fetch_timeout": 10.0}
 #: After a refusal the configuration of one side must change; try again rarely.
 _REFUSED_RETRY = 30.0
 #: Holder entries kept for keys answered but not loaded yet.
 _MAX_HOLDERS = 1 << 20
-
-
-class Metrics:
-    """Names of the Prometheus metrics the tier adds to vLLM's own output."""
-
-    LOOKUP_KEYS = "vllm:p2pkv_lookup_keys"
-    LOOKUP_HITS = "vllm:p2pkv_lookup_hits"
-    LOADED_BLOCKS = "vllm:p2pkv_loaded_blocks"
-    LOADED_BYTES = "vllm:p2pkv_loaded_bytes"
-    LOAD_FAILURES = "vllm:p2pkv_load_failures"
-    STORED_BLOCKS = "vllm:p2pkv_stored_blocks"
-    STORED_BYTES = "vllm:p2pkv_stored_bytes"
-    HANDSHAKES_REFUSED = "vllm:p2pkv_handshakes_refused"
-    PEERS = "vllm:p2pkv_peers"
-
-
-def _tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], float]:
-    """Validate the tier's config params with the launcher's parsers."""
-    from p2pkv.settings import load_settings
-
-    unknown = sorted(set(params) - set(TIER_OPTIONS) - {"locality"})
-    if unknown:
-        raise ConfigError(
-            f"P2PKVTier: unknown option(s) {unknown}; valid: {sorted(TIER_OPTIONS)} (the "
-            "identity comes from vLLM's offloading spec, not from tier options)")
-    flags = dict(TIER_DEFAULTS)
-    flags.update({k: v for k, v in params.items()
-                  if k not in ("peers", "reconnect_interval", "locality")})
-    peers = params.get("peers", ())
-    if isinstance(peers, str) or not isinstance(peers, Sequence):
-        raise ConfigError(f"P2PKVTier: peers must be a list of tcp://HOST:PORT addresses, "
-                          f"got {peers!r}")
-    flags["peer"] = list(peers)
-    reconnect = params.get("reconnect_interval", _DEFAULT_RECONNECT)
-    if isinstance(reconnect, bool) or not isinstance(reconnect, (int, float)) or reconnect <= 0:
-        raise ConfigError(f"P2PKVTier: reconnect_interval must be a positive number of "
-                          f"seconds, got {reconnect!r}")
-    try:
-        settings = load_settings(flags, environ={})
-        for address in settings["peer"]:
-            validate_address(address, what="peers entry")
-        validate_address(settings["listen"], what="listen")
-    except ConfigError as exc:
-        # Name the tier option, not the launcher flag it shares a parser with.
-        message = re.sub(r" \(from --[a-z-]+\)$", "", str(exc))
-        message = re.sub(r"--([a-z-]+)", lambda m: m.group(1).replace("-", "_"), message)
-        raise ConfigError(f"P2PKVTier: {message}") from None
-    return settings, tuple(settings["peer"]), float(reconnect)
 
 
 @dataclass
@@ -185,14 +124,14 @@ class P2PKVTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type,
                          backpressure_detector=backpressure_detector)
         self.locality = Locality.REMOTE
-        settings, peers, self._reconnect = _tier_settings(params)
+        settings, peers, self._reconnect = tier_settings(params)
         from p2pkv.cli import node_config
 
         self._node_config: NodeConfig = node_config(settings)
         self.run_config: RunConfig = run_config_from_spec(
             offloading_spec, parallel_agnostic=settings["parallel_agnostic"])
         self.layout = EngineRowLayout.of_bytes(self.block_size_bytes)
-        self._pool_blocks = int(params.get("pool_blocks") or primary_kv_view.shape[0])
+        self._pool_blocks = int(params.get("pool_blocks") or len(primary_kv_view))
         self._lookup_timeout = float(settings["lookup_timeout"])
         self._fetch_timeout = float(settings["fetch_timeout"])
         # The 2-D region as bytes: chunk c is rows[c * row : (c + 1) * row].
@@ -260,7 +199,7 @@ class P2PKVTier(SecondaryTierManager):
                     peer.next_attempt = now + self._reconnect
                     continue
                 peer.connecting = fut
-                fut.add_done_callback(lambda f, p=peer: self._connected(p, f))
+                fut.add_done_callback(functools.partial(self._connected, peer))
 
     def _connected(self, peer: _Peer, fut: Future[PeerHandle]) -> None:
         now = time.monotonic()
@@ -281,7 +220,7 @@ class P2PKVTier(SecondaryTierManager):
                 peer.refused = fields
                 peer.last_error = str(exc)
                 return
-            except BaseException as exc:  # noqa: BLE001 - unreachable, closed, timed out
+            except BaseException as exc:  # unreachable, closed, timed out
                 peer.next_attempt = now + self._reconnect
                 if peer.last_error != str(exc):
                     log.warning("p2pkv tier: cannot reach peer %s: %s", peer.address, exc)
@@ -392,8 +331,7 @@ class P2PKVTier(SecondaryTierManager):
                 continue
             with self._lock:
                 self._outstanding.add(fut)
-            fut.add_done_callback(lambda f, j=job, n=len(items), h=handle:
-                                  self._fetched(j, n, h, f))
+            fut.add_done_callback(functools.partial(self._fetched, job, len(items), handle))
         if not by_peer:
             self._load_done(job, 0, None, None)
 
@@ -403,7 +341,7 @@ class P2PKVTier(SecondaryTierManager):
             self._outstanding.discard(fut)
         try:
             result = fut.result()
-        except BaseException as exc:  # noqa: BLE001 - every failure fails only these keys
+        except BaseException as exc:  # every failure fails only these keys
             if isinstance(exc, PeerGone):
                 self._lost(handle, exc)
             self._load_done(job, n, None, exc)
@@ -550,27 +488,7 @@ class P2PKVTier(SecondaryTierManager):
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]
                                  ) -> dict[str, OffloadingMetricMetadata]:
-        return {
-            Metrics.LOOKUP_KEYS: OffloadingCounterMetadata(
-                "Chunk keys this engine asked p2pkv peers about."),
-            Metrics.LOOKUP_HITS: OffloadingCounterMetadata(
-                "Chunk keys a p2pkv peer said it holds."),
-            Metrics.LOADED_BLOCKS: OffloadingCounterMetadata(
-                "Chunks fetched from p2pkv peers into the primary region, verified."),
-            Metrics.LOADED_BYTES: OffloadingCounterMetadata(
-                "Bytes fetched from p2pkv peers into the primary region."),
-            Metrics.LOAD_FAILURES: OffloadingCounterMetadata(
-                "Chunks a load could not bring (vLLM recomputes them), by reason.",
-                labelnames=("reason",)),
-            Metrics.STORED_BLOCKS: OffloadingCounterMetadata(
-                "Chunks copied into this engine's p2pkv pool to serve to peers."),
-            Metrics.STORED_BYTES: OffloadingCounterMetadata(
-                "Bytes copied into this engine's p2pkv pool."),
-            Metrics.HANDSHAKES_REFUSED: OffloadingCounterMetadata(
-                "p2pkv handshakes refused: outbound by differing field, inbound (peers "
-                "this engine refused) by reason.", labelnames=("side", "reason")),
-            Metrics.PEERS: OffloadingGaugeMetadata("Compatible p2pkv peers connected."),
-        }
+        return metric_definitions()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         inbound = dict(self._node.stats().handshakes_refused) if self._node else {}
