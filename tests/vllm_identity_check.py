@@ -10,6 +10,7 @@ errors the tier raises for bad tier options.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 from dataclasses import replace
 from typing import Any
@@ -76,12 +77,16 @@ def main() -> int:
 
     spec = TieringOffloadingSpec(base)
     row = spec.kv_bytes_per_chunk
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
     bad: dict[str, dict[str, Any]] = {
         "unknown option": {"lisen": "tcp://127.0.0.1:0"},
         "identity option": {"model": "other"},
         "peers not a list": {"peers": "tcp://127.0.0.1:1"},
         "bad peer address": {"peers": ["127.0.0.1:5601"]},
         "negative timeout": {"lookup_timeout": -1},
+        "listen taken": {"listen": f"tcp://127.0.0.1:{taken.getsockname()[1]}"},
     }
     for name, params in bad.items():
         region = memoryview(bytearray(4 * row)).cast("B", shape=[4, row])

@@ -3,19 +3,29 @@
 The run config reproduces ``FileMapper.from_offloading_spec`` field by field (the same
 opt-in vLLM's own P2P tier uses: parallel-agnostic sharing, one file per offload chunk),
 so the fingerprint a p2pkv tier advertises is the digest vLLM computes for the same
-spec. The block-key hash is vLLM's: its name (``vllm-<prefix_caching_hash_algo>``) and a
-seed derived from ``NONE_HASH``, the value every block-hash chain starts from. Two engines
-whose ``NONE_HASH`` differ (another hash function, or another ``PYTHONHASHSEED``) would
-never compute a common key, so the handshake refuses them and says why.
+spec. What that digest lets through is declared in the identity extension:
+
+- ``kv_memory_layout``: the byte order of a block in the engine's KV cache (vLLM's CPU
+  backend stores all K of a block before its V: ``HND_K_THEN_V``; on GPUs the spec's
+  ``kv_cache_layout``);
+- ``key_hash``: vLLM's prefix-caching hash function and a digest of the seed its block
+  hashes start from (``get_none_hash_seed()``: ``PYTHONHASHSEED``, a fixed default, or a
+  random per-process value). Engines whose seeds differ never compute a common key, so
+  the handshake refuses them and says to set ``PYTHONHASHSEED`` equal everywhere;
+- ``model_revision`` and ``model_overrides``: vLLM does not hand them to a tier, so the
+  operator declares them in the tier config (the same on every engine);
+- ``engine``: ``vllm <version>``, informational.
+
+Block keys are vLLM's offload keys, carried opaquely under ``khash.algo =
+"vllm-<hash function>"`` (SPEC 15.2); the seed travels only as the extension's digest.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from p2pkv.identity import RunConfig
+from p2pkv.identity import IdentityExtension, RunConfig, key_hash_identity, model_overrides_digest
 
 #: Prefix of the ``khash.algo`` a vLLM engine advertises (``vllm-sha256``, ...).
 KEY_HASH_PREFIX = "vllm-"
@@ -57,27 +67,23 @@ def run_config_from_spec(spec: Any, *, parallel_agnostic: bool = True) -> RunCon
 
 @dataclass(frozen=True)
 class VLLMKeyHash:
-    """vLLM's block-hash identity: the hash function and the chain's start value."""
+    """vLLM's block-hash identity: the hash function and the seed of the chain."""
 
     #: ``prefix_caching_hash_algo`` (``sha256``, ``sha256_cbor``, ``xxhash``, ...).
     function: str
-    #: ``NONE_HASH``: the hash of the seed, where every block-hash chain starts.
-    none_hash: bytes
+    #: ``get_none_hash_seed()``: what ``NONE_HASH``, every chain's start, is hashed from.
+    seed: str
 
     @property
     def algo(self) -> str:
-        """The ``khash.algo`` name advertised at the handshake."""
+        """The ``khash.algo`` name advertised at the handshake (SPEC 15.2)."""
         return KEY_HASH_PREFIX + self.function
 
     @property
-    def seed(self) -> int:
-        """A u64 derived from ``NONE_HASH`` (the ``khash.seed`` advertised)."""
-        return int.from_bytes(hashlib.sha256(self.none_hash).digest()[:8], "big")
-
-    @property
-    def seed_digest(self) -> str:
-        """A short, printable digest of ``NONE_HASH`` (never the seed itself)."""
-        return hashlib.sha256(self.none_hash).hexdigest()[:16]
+    def identity(self) -> str:
+        """The extension's ``key_hash``: the function and a digest of the seed (the
+        seed itself never leaves the process)."""
+        return key_hash_identity(self.function, self.seed)
 
 
 def current_key_hash() -> VLLMKeyHash:
@@ -90,7 +96,7 @@ def current_key_hash() -> VLLMKeyHash:
         raise RuntimeError("vLLM has not initialised NONE_HASH yet (init_none_hash has not "
                            "run); the key hash is only known once the engine core started")
     return VLLMKeyHash(function=_hash_function_name(bytes(none_hash)),
-                       none_hash=bytes(none_hash))
+                       seed=kv_cache_utils.get_none_hash_seed())
 
 
 def _hash_function_name(none_hash: bytes) -> str:
@@ -107,6 +113,41 @@ def _hash_function_name(none_hash: bytes) -> str:
         try:
             if bytes(get_hash_fn_by_name(name)(seed)) == none_hash:
                 return name
-        except Exception:  # a function this vLLM build lacks
+        except Exception:
             continue
     return "unknown"
+
+
+def memory_layout(spec: Any) -> str | None:
+    """How this engine orders a block's bytes in its KV cache (an extension name)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        # The CPU attention backend reports an HND layout, but its kernels keep all K of a
+        # (block, head) before its V: not interchangeable with a GPU engine's HND.
+        return "HND_K_THEN_V"
+    layout = spec.config.kv_cache_layout
+    if layout is None:
+        try:
+            from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+            layout = get_kv_cache_layout()
+        except Exception:
+            return None
+    return str(layout)
+
+
+def extension_for(spec: Any, key_hash: VLLMKeyHash, *, kv_memory_layout: str | None = None,
+                  model_revision: str | None = None,
+                  model_overrides: dict[str, Any] | None = None) -> IdentityExtension:
+    """The identity extension of a vLLM engine; explicit values win over detection."""
+    import vllm
+
+    return IdentityExtension(
+        kv_memory_layout=kv_memory_layout or memory_layout(spec),
+        model_revision=model_revision,
+        model_overrides=(None if model_overrides is None
+                         else model_overrides_digest(model_overrides)),
+        key_hash=key_hash.identity,
+        engine=f"vllm {vllm.__version__}",
+    )

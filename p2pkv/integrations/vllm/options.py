@@ -7,6 +7,7 @@ Imports nothing from vLLM, so a bad tier option is explained the same way everyw
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ TIER_OPTIONS: tuple[str, ...] = (
     "listen", "peers", "pool_blocks", "checksums", "parallel_agnostic",
     "handshake_timeout", "lookup_timeout", "fetch_timeout", "heartbeat_timeout",
     "curve_secret_key", "curve_authorized", "curve_server_key", "reconnect_interval",
+    "identity_policy", "kv_memory_layout", "model_revision", "model_overrides",
 )
 _DEFAULT_RECONNECT = 2.0
 #: Defaults that differ from ``serve``'s: a scheduler waits on lookups, so silence
@@ -60,4 +62,25 @@ def tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], floa
         message = re.sub(r" \(from --[a-z-]+\)$", "", str(exc))
         message = re.sub(r"--([a-z-]+)", lambda m: m.group(1).replace("-", "_"), message)
         raise ConfigError(f"P2PKVTier: {message}") from None
+    _check_bindable(settings["listen"])
     return settings, tuple(settings["peer"]), float(reconnect)
+
+
+def _check_bindable(listen: str) -> None:
+    """Fail at engine start, not at the first request, when ``listen`` is taken.
+
+    The node binds later (its identity needs vLLM's block-hash seed, known only once the
+    engine core runs); a test bind now catches a port in use or a foreign address."""
+    host, _, port = listen[len("tcp://"):].rpartition(":")
+    if port == "0":
+        return
+    host = host.strip("[]")
+    host = "0.0.0.0" if host in ("*", "") else host
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        family, _, _, _, address = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        raise ConfigError(f"P2PKVTier: listen {listen!r} cannot be bound: {exc}") from None

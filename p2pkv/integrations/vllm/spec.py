@@ -48,8 +48,6 @@ def _has_device_kv() -> bool:
 class P2PKVTieringSpec(TieringOffloadingSpec):
     """``TieringOffloadingSpec`` with a host-memory copy worker on CPU-only platforms."""
 
-    # Set to None by vLLM's CPUOffloadingSpec; on CPU-only platforms it holds a
-    # CPUCopyWorker, which vLLM's annotation (its own CUDA worker) does not cover.
     _worker: Any
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -54,11 +54,17 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from p2pkv.errors import P2PKVError, PeerGone, PeerIncompatible
-from p2pkv.identity import RunConfig
-from p2pkv.integrations.vllm.identity import VLLMKeyHash, current_key_hash, run_config_from_spec
+from p2pkv.errors import P2PKVError, PeerGone
+from p2pkv.identity import IdentityExtension, RunConfig
+from p2pkv.integrations.vllm.identity import (
+    VLLMKeyHash,
+    current_key_hash,
+    extension_for,
+    run_config_from_spec,
+)
 from p2pkv.integrations.vllm.metrics import Metrics, metric_definitions
 from p2pkv.integrations.vllm.options import TIER_DEFAULTS, TIER_OPTIONS, tier_settings
+from p2pkv.integrations.vllm.peers import Peers
 from p2pkv.layout import EngineRowLayout
 from p2pkv.node import FetchResult, KeyOutcome, Node, NodeConfig, PeerHandle
 
@@ -66,22 +72,6 @@ from p2pkv.node import FetchResult, KeyOutcome, Node, NodeConfig, PeerHandle
 log = logging.getLogger("vllm.p2pkv")
 
 __all__ = ["TIER_DEFAULTS", "TIER_OPTIONS", "Metrics", "P2PKVTier"]
-
-#: After a refusal the configuration of one side must change; try again rarely.
-_REFUSED_RETRY = 30.0
-#: Holder entries kept for keys answered but not loaded yet.
-_MAX_HOLDERS = 1 << 20
-
-
-@dataclass
-class _Peer:
-    address: str
-    handle: PeerHandle | None = None
-    connecting: Future[PeerHandle] | None = None
-    next_attempt: float = 0.0
-    last_error: str | None = None
-    refused: tuple[str, ...] = ()
-
 
 @dataclass
 class _LoadJob:
@@ -124,23 +114,27 @@ class P2PKVTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type,
                          backpressure_detector=backpressure_detector)
         self.locality = Locality.REMOTE
-        settings, peers, self._reconnect = tier_settings(params)
+        settings, peers, reconnect = tier_settings(params)
         from p2pkv.cli import node_config
 
         self._node_config: NodeConfig = node_config(settings)
+        self._declared = {name: settings[name] for name in
+                          ("kv_memory_layout", "model_revision", "model_overrides")}
         self.run_config: RunConfig = run_config_from_spec(
             offloading_spec, parallel_agnostic=settings["parallel_agnostic"])
         self.layout = EngineRowLayout.of_bytes(self.block_size_bytes)
         self._pool_blocks = int(params.get("pool_blocks") or len(primary_kv_view))
-        self._lookup_timeout = float(settings["lookup_timeout"])
         self._fetch_timeout = float(settings["fetch_timeout"])
         # The 2-D region as bytes: chunk c is rows[c * row : (c + 1) * row].
         self._rows = primary_kv_view.cast("B")
         self._key_hash: VLLMKeyHash | None = None
+        self.extension: IdentityExtension | None = None
         self._node: Node | None = None
+        self._failed: str | None = None
         self._lock = threading.Lock()
-        self._peers = {a: _Peer(a) for a in peers}
-        self._holders: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        self._peers = Peers(peers, reconnect=reconnect,
+                            lookup_timeout=float(settings["lookup_timeout"]),
+                            lock=self._lock, count=self._count)
         self._lookup = _PeerLookup(self, tier_type)
         self._finished: collections.deque[tuple[JobResult, list[OffloadKey]]] = \
             collections.deque()
@@ -148,7 +142,6 @@ class P2PKVTier(SecondaryTierManager):
         self._outstanding: set[Future[Any]] = set()
         self._stores = concurrent.futures.ThreadPoolExecutor(1, "p2pkv-vllm-store")
         self._stats = OffloadingConnectorStats()
-        self._refusals: collections.Counter[str] = collections.Counter()
         self._inbound_refusals: dict[str, int] = {}
         self._closed = False
         log.info("p2pkv tier: fingerprint %s, %d-byte chunks, peers %s",
@@ -165,126 +158,44 @@ class P2PKVTier(SecondaryTierManager):
         """The node, once started (after the engine initialised its block hashing)."""
         return self._node
 
-    def _ensure_node(self) -> Node:
-        if self._node is not None:
+    def _ensure_node(self) -> Node | None:
+        """The node, started on first use; None when it cannot run (the tier then
+        answers MISS and fails its jobs: the engine recomputes, it never stops)."""
+        if self._node is not None or self._failed is not None:
             return self._node
         if self._closed:
-            raise PeerGone("the p2pkv tier is shut down")
-        # vLLM seeds its block hashes after building the scheduler (and this tier), so
-        # the key hash is read on first use, when requests are already flowing.
-        self._key_hash = current_key_hash()
-        config = replace(self._node_config, key_hash_algo=self._key_hash.algo,
-                         key_hash_seed=self._key_hash.seed)
-        self._node = Node(self.run_config, self.layout, pool_blocks=self._pool_blocks,
-                          config=config)
-        log.info("p2pkv tier node %s on %s: key hash %s (NONE_HASH digest %s)",
-                 self._node.node_id, self._node.address, self._key_hash.algo,
-                 self._key_hash.seed_digest)
-        self._maintain_peers()
+            return None
+        try:
+            # vLLM seeds its block hashes after building the scheduler (and this tier),
+            # so the key hash is read on first use, when requests are already flowing.
+            self._key_hash = current_key_hash()
+            self.extension = extension_for(self._offloading_spec, self._key_hash,
+                                           **self._declared)
+            # Keys are vLLM's own (SPEC 15.2): the name says so, and the seed travels
+            # only as the extension's digest, whose refusal says what to change.
+            config = replace(self._node_config, key_hash_algo=self._key_hash.algo,
+                             key_hash_seed=0)
+            self._node = Node(self.run_config, self.layout, pool_blocks=self._pool_blocks,
+                              config=config, extension=self.extension)
+        except Exception as exc:  # reported once; the engine keeps running
+            self._failed = f"{type(exc).__name__}: {exc}"
+            log.error("p2pkv tier disabled, its node could not start: %s", self._failed)
+            return None
+        log.info("p2pkv tier node %s on %s: %s", self._node.node_id, self._node.address,
+                 self.extension.describe())
+        self._peers.maintain(self._node)
         return self._node
 
-    def _maintain_peers(self) -> None:
-        node = self._node
-        if node is None:
-            return
-        now = time.monotonic()
-        with self._lock:
-            due = [p for p in self._peers.values()
-                   if p.handle is None and p.connecting is None and now >= p.next_attempt]
-            for peer in due:
-                try:
-                    fut = node.connect_async(peer.address)
-                except P2PKVError as exc:
-                    peer.last_error = str(exc)
-                    peer.next_attempt = now + self._reconnect
-                    continue
-                peer.connecting = fut
-                fut.add_done_callback(functools.partial(self._connected, peer))
-
-    def _connected(self, peer: _Peer, fut: Future[PeerHandle]) -> None:
-        now = time.monotonic()
-        with self._lock:
-            peer.connecting = None
-            try:
-                peer.handle = fut.result()
-            except PeerIncompatible as exc:
-                peer.next_attempt = now + _REFUSED_RETRY
-                fields = tuple(r.field for r in exc.reasons)
-                if fields != peer.refused:
-                    for f in fields:
-                        self._refusals[f] += 1
-                        self._stats.increase_counter(Metrics.HANDSHAKES_REFUSED, 1,
-                                                     ("outbound", f))
-                    log.error("p2pkv tier: peer %s refused, nothing will be shared with it:\n%s",
-                              peer.address, _refusal_text(exc, self._key_hash))
-                peer.refused = fields
-                peer.last_error = str(exc)
-                return
-            except BaseException as exc:  # unreachable, closed, timed out
-                peer.next_attempt = now + self._reconnect
-                if peer.last_error != str(exc):
-                    log.warning("p2pkv tier: cannot reach peer %s: %s", peer.address, exc)
-                peer.last_error = str(exc)
-                return
-            peer.refused = ()
-            peer.last_error = None
-            log.info("p2pkv tier: connected to %s (%s)", peer.address, peer.handle.remote_node_id)
-
-    def _lost(self, handle: PeerHandle, exc: BaseException) -> None:
-        with self._lock:
-            for peer in self._peers.values():
-                if peer.handle is handle:
-                    peer.handle = None
-                    peer.next_attempt = time.monotonic() + self._reconnect
-                    peer.last_error = str(exc)
-                    log.warning("p2pkv tier: lost peer %s: %s", peer.address, exc)
-
-    # ------------------------------------------------------------------ lookups
+    def _count(self, name: str, n: int, labels: tuple[str, ...]) -> None:
+        """Increment one of this tier's metrics (the caller holds the lock)."""
+        self._stats.increase_counter(name, n, labels)
 
     def _ask_peers(self, keys: list[OffloadKey]) -> list[bool]:
-        """Runs on the lookup thread: one lookup per connected peer, in parallel, one
-        deadline for all. Silence, errors and refusals are misses."""
+        """Runs on the lookup thread (see :meth:`Peers.ask`)."""
         node = self._node
         if node is None or not keys:
             return [False] * len(keys)
-        deadline = time.monotonic() + self._lookup_timeout
-        with self._lock:
-            connecting = [p.connecting for p in self._peers.values() if p.connecting]
-        if connecting:  # a peer still shaking hands gets the same deadline
-            concurrent.futures.wait(connecting, timeout=self._lookup_timeout)
-        with self._lock:
-            handles = [p.handle for p in self._peers.values() if p.handle is not None]
-        asks: list[tuple[PeerHandle, Future[list[bool]]]] = []
-        for handle in handles:
-            try:
-                asks.append((handle, node.lookup_async(
-                    handle, keys, timeout=max(0.001, deadline - time.monotonic()))))
-            except P2PKVError as exc:
-                self._lost(handle, exc)
-        found = [False] * len(keys)
-        holders: dict[bytes, str] = {}
-        for handle, fut in asks:
-            try:
-                answer = fut.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
-            except PeerGone as exc:
-                self._lost(handle, exc)
-                continue
-            except (P2PKVError, concurrent.futures.TimeoutError) as exc:
-                log.debug("p2pkv tier: lookup at %s failed: %s", handle.address, exc)
-                continue
-            for i, hit in enumerate(answer):
-                if hit and not found[i]:
-                    found[i] = True
-                    holders[keys[i]] = handle.address
-        with self._lock:
-            for key, address in holders.items():
-                self._holders[key] = address
-                self._holders.move_to_end(key)
-            while len(self._holders) > _MAX_HOLDERS:
-                self._holders.popitem(last=False)
-            self._stats.increase_counter(Metrics.LOOKUP_KEYS, len(keys))
-            self._stats.increase_counter(Metrics.LOOKUP_HITS, sum(found))
-        return found
+        return self._peers.ask(node, keys)
 
     # ------------------------------------------------------------------ SecondaryTierManager
 
@@ -293,7 +204,8 @@ class P2PKVTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        self._ensure_node()
+        if self._ensure_node() is None:
+            return LookupResult.MISS
         found = self._lookup.lookup(key, req_context)
         if found is None:
             return LookupResult.RETRY
@@ -308,11 +220,14 @@ class P2PKVTier(SecondaryTierManager):
                              f"{len(chunk_ids)} chunks")
         by_peer: dict[str, list[tuple[OffloadKey, int]]] = {}
         job = _LoadJob(job_metadata.job_id, keys, pending=0)
+        if node is None:
+            job.failures["tier_disabled"] = len(keys)
+            self._load_done(job, 0, None, None)
+            return
+        handles, holders = self._peers.route(keys)
         with self._lock:
-            handles = {p.address: p.handle for p in self._peers.values() if p.handle}
-            for key, cid in zip(keys, chunk_ids, strict=True):
-                address = self._holders.pop(key, None)
-                if address is None or address not in handles:
+            for key, cid, address in zip(keys, chunk_ids, holders, strict=True):
+                if address is None:
                     job.failures["no_holder"] = job.failures.get("no_holder", 0) + 1
                     continue
                 by_peer.setdefault(address, []).append((key, int(cid)))
@@ -326,7 +241,7 @@ class P2PKVTier(SecondaryTierManager):
                 fut = node.fetch_into_async(handle, [k for k, _ in items], dests,
                                             timeout=self._fetch_timeout)
             except P2PKVError as exc:
-                self._lost(handle, exc)
+                self._peers.lost(handle, exc)
                 self._load_done(job, len(items), None, exc)
                 continue
             with self._lock:
@@ -341,9 +256,9 @@ class P2PKVTier(SecondaryTierManager):
             self._outstanding.discard(fut)
         try:
             result = fut.result()
-        except BaseException as exc:  # every failure fails only these keys
+        except BaseException as exc:
             if isinstance(exc, PeerGone):
-                self._lost(handle, exc)
+                self._peers.lost(handle, exc)
             self._load_done(job, n, None, exc)
             return
         self._load_done(job, n, result, None)
@@ -388,6 +303,11 @@ class P2PKVTier(SecondaryTierManager):
         if len(keys) != len(chunk_ids):
             raise ValueError(f"store job {job_metadata.job_id}: {len(keys)} keys for "
                              f"{len(chunk_ids)} chunks")
+        if node is None:
+            with self._lock:
+                self._finished.append((JobResult(job_id=job_metadata.job_id, success=False,
+                                                 transfer_bytes=0), []))
+            return
         fut = self._stores.submit(self._store, node, job_metadata.job_id, keys, chunk_ids)
         with self._lock:
             self._outstanding.add(fut)
@@ -439,7 +359,8 @@ class P2PKVTier(SecondaryTierManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._lookup.flush()
-        self._maintain_peers()
+        if self._node is not None:
+            self._peers.maintain(self._node)
 
     def drain_jobs(self) -> None:
         """Wait until no load or store touches the primary region. Loads are bounded by
@@ -472,14 +393,13 @@ class P2PKVTier(SecondaryTierManager):
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for logs and tests: peers, refusals by field, node counters."""
-        with self._lock:
-            peers = {a: {"connected": p.handle is not None, "refused": list(p.refused),
-                         "last_error": p.last_error} for a, p in self._peers.items()}
-            refusals = dict(self._refusals)
+        peers, refusals = self._peers.report()
         return {
             "fingerprint": self.fingerprint,
             "address": self._node.address if self._node else None,
+            "disabled": self._failed,
             "key_hash": self._key_hash.algo if self._key_hash else None,
+            "extension": self.extension.to_wire() if self.extension else None,
             "peers": peers,
             "handshakes_refused": refusals,
             "node": self._node.stats() if self._node else None,
@@ -492,9 +412,9 @@ class P2PKVTier(SecondaryTierManager):
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         inbound = dict(self._node.stats().handshakes_refused) if self._node else {}
+        connected = self._peers.connected()
         with self._lock:
             stats, self._stats = self._stats, OffloadingConnectorStats()
-            connected = sum(1 for p in self._peers.values() if p.handle is not None)
             for reason, count in inbound.items():
                 delta = count - self._inbound_refusals.get(reason, 0)
                 if delta > 0:
@@ -504,17 +424,3 @@ class P2PKVTier(SecondaryTierManager):
         stats.set_gauge(Metrics.PEERS, connected)
         return stats
 
-
-def _refusal_text(exc: PeerIncompatible, key_hash: VLLMKeyHash | None) -> str:
-    lines = []
-    for r in exc.reasons:
-        meaning = r.meaning
-        if r.field == "key_hash.seed":
-            meaning = ("vLLM's block-hash seed (NONE_HASH) differs: set PYTHONHASHSEED to "
-                       "the same value in every engine, or use a cryptographic "
-                       "prefix_caching_hash_algo such as sha256")
-        elif r.field == "key_hash.algo":
-            meaning = ("vLLM's prefix_caching_hash_algo differs: use the same one in every "
-                       "engine")
-        lines.append(f"  {r.field}: local {r.ours!r} remote {r.theirs!r}: {meaning}")
-    return "\n".join(lines)

@@ -1,0 +1,159 @@
+"""Drive two P2PKVTier objects the way vLLM's tiering manager does (used by test_vllm.py).
+
+Run with the vLLM environment's Python. No engine: two tiers over scratch primary
+regions in this process, built from vLLM's own ``TieringOffloadingSpec``, each with its
+own p2pkv node on 127.0.0.1. It plays the scheduler's calls (on_new_request, lookup until
+it stops answering RETRY, on_schedule_end, submit_store/submit_load,
+get_finished_jobs) and prints one JSON line per check for the test to assert on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("PYTHONHASHSEED", "0")
+
+
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def main() -> int:
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    from p2pkv.integrations.vllm import P2PKVTier
+
+    init_none_hash(sha256)  # what the engine core does once its scheduler exists
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(64, ("model.layers.0.self_attn.attn",), 0),),
+        worker_kv_bytes_per_block=8192, enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": 1 << 20}, engine_id="tier-check",
+        model=OffloadingModelConfig(name="org/m", dtype="float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=64, blocks_per_chunk=2),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=False),
+    )
+    spec = TieringOffloadingSpec(config)
+    row = spec.kv_bytes_per_chunk
+    chunks = 8
+
+    def region() -> tuple[bytearray, memoryview]:
+        raw = bytearray(chunks * row)
+        return raw, memoryview(raw).cast("B", shape=[chunks, row])
+
+    def wait_finished(tier: P2PKVTier, job_id: int, timeout: float = 30.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for result in tier.get_finished_jobs():
+                if result.job_id == job_id:
+                    return result
+            time.sleep(0.01)
+        raise AssertionError(f"job {job_id} did not finish within {timeout}s")
+
+    def look(tier: P2PKVTier, keys: list[bytes], req: ReqContext) -> list[str]:
+        """Ask until no key answers RETRY, ending each round as a scheduler step does."""
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            answers = [tier.lookup(k, req) for k in keys]
+            if LookupResult.RETRY not in answers:
+                return [a.name for a in answers]
+            tier.on_schedule_end(ScheduleEndContext((), ()))
+            time.sleep(0.01)
+        raise AssertionError("lookups kept answering RETRY")
+
+    def report(check: str, **fields: Any) -> None:
+        print(json.dumps({"check": check, **fields}), flush=True)
+
+    addr_a, addr_b, addr_c = free_address(), free_address(), free_address()
+    raw_a, view_a = region()
+    raw_b, view_b = region()
+    _raw_c, view_c = region()
+    a = P2PKVTier(spec, view_a, "P2PKVTier", listen=addr_a, model_revision="r1")
+    b = P2PKVTier(spec, view_b, "P2PKVTier", listen=addr_b, peers=[addr_a],
+                  model_revision="r1", lookup_timeout=2.0)
+    c = P2PKVTier(spec, view_c, "P2PKVTier", listen=addr_c, peers=[addr_a],
+                  model_revision="r2", lookup_timeout=2.0)
+    try:
+        # A stores four chunks out of its primary region (random bytes per chunk).
+        rng = np.random.default_rng(0)
+        keys = [bytes([i]) * 32 + (0).to_bytes(4, "big") for i in range(1, 5)]
+        for cid in range(4):
+            raw_a[cid * row:(cid + 1) * row] = rng.bytes(row)
+        req_a = ReqContext(req_id="a")
+        a.on_new_request(req_a)
+        a.submit_store(TransferJob(1, keys, np.arange(4), False, req_a))
+        stored = wait_finished(a, 1)
+        # The store job ended: vLLM may now reuse those primary slots. Overwrite them;
+        # what A serves must be what it stored, not the region's new content.
+        original = bytes(raw_a[:4 * row])
+        raw_a[:4 * row] = bytes(4 * row)
+        report("store", success=stored.success, stats=a.stats()["node"].store.used)
+
+        req_b = ReqContext(req_id="b")
+        b.on_new_request(req_b)
+        absent = b"\x77" * 32 + (0).to_bytes(4, "big")
+        answers = look(b, [*keys, absent], req_b)
+        report("lookup", answers=answers)
+
+        # B loads the four chunks into primary slots 4..7 (not the same slots as A).
+        b.submit_load(TransferJob(2, keys, np.arange(4, 8), True, req_b))
+        loaded = wait_finished(b, 2)
+        report("load", success=loaded.success, successful_keys=loaded.successful_keys,
+               equal=bytes(raw_b[4 * row:8 * row]) == original,
+               transfer_bytes=loaded.transfer_bytes)
+
+        # A load of a key nobody said it holds fails that key only.
+        b.submit_load(TransferJob(3, [keys[0], absent], np.array([0, 1]), True, req_b))
+        partial = wait_finished(b, 3)
+        report("partial", success=partial.success,
+               successful=[k.hex()[:8] for k in partial.successful_keys or ()],
+               equal=bytes(raw_b[:row]) == original[:row])
+        b.on_request_finished(req_b)
+
+        # C declares another model revision: refused on both sides, reasons in stats().
+        req_c = ReqContext(req_id="c")
+        c.on_new_request(req_c)
+        answers_c = look(c, keys, req_c)
+        deadline = time.monotonic() + 10
+        while not c.stats()["handshakes_refused"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stats_c = c.stats()
+        metrics_c = c.get_stats()
+        metrics_a = a.get_stats()
+        report("refused", answers=answers_c, refusals=stats_c["handshakes_refused"],
+               peer=stats_c["peers"][addr_a],
+               metrics=sorted(str(k) for k in metrics_c.reduce()),
+               server_metrics=sorted(str(k) for k in metrics_a.reduce()))
+        report("metrics", b=sorted(f"{k}={v}" for k, v in b.get_stats().reduce().items()))
+    finally:
+        for tier in (c, b, a):
+            tier.drain_jobs()
+            tier.shutdown()
+    report("shutdown", has_pending=[t.has_pending_work() for t in (a, b, c)])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
