@@ -2,7 +2,9 @@
 configured addresses, kept up, and lookups fanned out to all of them with one deadline.
 
 Thread-safe: every method takes the lock the tier shares with it (the same lock guards
-the tier's metrics, which the ``count`` callback increments).
+the tier's metrics, which the ``count`` callback increments), and no future's callback is
+registered while that lock is held: a future that is already done runs its callback at
+once, on the registering thread, and that callback takes the lock too.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class Peers:
     def maintain(self, node: Node) -> None:
         """Start a connection to every peer that has none and is due for an attempt."""
         now = time.monotonic()
+        started: list[tuple[Peer, Future[PeerHandle]]] = []
         with self._lock:
             due = [p for p in self._peers.values()
                    if p.handle is None and p.connecting is None and now >= p.next_attempt]
@@ -78,7 +81,9 @@ class Peers:
                     peer.next_attempt = now + self._reconnect
                     continue
                 peer.connecting = fut
-                fut.add_done_callback(functools.partial(self._connected, peer))
+                started.append((peer, fut))
+        for peer, fut in started:
+            fut.add_done_callback(functools.partial(self._connected, peer))
 
     def _connected(self, peer: Peer, fut: Future[PeerHandle]) -> None:
         now = time.monotonic()
