@@ -12,8 +12,8 @@ from __future__ import annotations
 
 def main() -> None:
     from p2pkv import Node, PeerIncompatible, RunConfig
-    from p2pkv.cli import refusal_table
     from p2pkv.layout import Geometry, make_layout
+    from p2pkv.reports import refusal_table
 
     mla = Geometry(num_layers=4, num_kv_heads=1, head_size=96, kv_kind="mla")
     replicated = make_layout("replicated", mla)

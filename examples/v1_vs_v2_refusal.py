@@ -12,8 +12,8 @@ from __future__ import annotations
 
 def main() -> None:
     from p2pkv import Node, PeerIncompatible, RunConfig
-    from p2pkv.cli import refusal_table
     from p2pkv.layout import SEED_GEOMETRY, make_layout
+    from p2pkv.reports import refusal_table
 
     v1 = make_layout("v1", SEED_GEOMETRY)
     v2 = make_layout("v2", SEED_GEOMETRY)

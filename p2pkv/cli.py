@@ -20,7 +20,9 @@ from typing import Any
 
 from p2pkv.errors import ConfigError, P2PKVError, PeerIncompatible, PeerTimeout
 from p2pkv.fill import MAX_FILL_BLOCKS, fill_block, fill_keys, first_mismatch
-from p2pkv.identity import ABSENT, canonical_model_overrides, extension_diff
+from p2pkv.identity import canonical_model_overrides, extension_diff
+from p2pkv.reports import reason_dict, refusal_table, remote_identity
+from p2pkv.reports import show as _show  # noqa: F401  (its old name here, for scripts)
 from p2pkv.settings import OPTIONS, Settings, load_settings
 
 EXIT_OK = 0
@@ -294,46 +296,6 @@ def _emit(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
     print(json.dumps(obj, sort_keys=True) if args.json else text, flush=True)
 
 
-def _show(value: Any) -> str:
-    """One compact cell: ``(absent)``, ``12 × 49152`` for a list of equal ints,
-    ``[2 × 4096, 512]`` for runs in a list of ints, JSON otherwise."""
-    if value is ABSENT or (isinstance(value, dict) and value == {"absent": True}):
-        return "(absent)"
-    if (isinstance(value, (list, tuple)) and len(value) > 1
-            and all(type(v) is int for v in value)):
-        runs: list[list[int]] = []
-        for v in value:
-            if runs and runs[-1][1] == v:
-                runs[-1][0] += 1
-            else:
-                runs.append([1, v])
-        parts = [f"{n} × {v}" if n > 1 else str(v) for n, v in runs]
-        return parts[0] if len(parts) == 1 else "[" + ", ".join(parts) + "]"
-    return json.dumps(value, sort_keys=True, default=str)
-
-
-_CELL_WIDTH = 40
-
-
-def refusal_table(reasons: Sequence[Any]) -> str:
-    """A fixed-width table of refusal reasons: field, ours, theirs, meaning.
-
-    Field names are never cut; a value longer than its column is cut and ends with
-    ``…``, so a cut is visible.
-    """
-    rows = [("FIELD", "LOCAL", "REMOTE", "MEANING")]
-    for r in reasons:
-        rows.append((r.field, _show(r.ours), _show(r.theirs), r.meaning))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    widths[1:] = [min(_CELL_WIDTH, w) for w in widths[1:]]
-    lines = []
-    for row in rows:
-        cells = [(row[i] if len(row[i]) <= widths[i] else row[i][: widths[i] - 1] + "…")
-                 .ljust(widths[i]) for i in range(3)]
-        lines.append("  ".join([*cells, row[3]]).rstrip())
-    return "\n".join(lines)
-
-
 def _client_config(settings: Settings, address: str) -> Any:
     """The node configuration of a command that only connects out (probe, fetch)."""
     from p2pkv.transport import validate_address
@@ -355,15 +317,15 @@ def _handshake(node: Any, args: argparse.Namespace, fingerprint: str) -> Any:
     try:
         return node.connect(args.address)
     except PeerIncompatible as exc:
-        reasons = [_reason_dict(r) for r in exc.reasons]
+        reasons = [reason_dict(r) for r in exc.reasons]
         if args.json:
             print(json.dumps({"verdict": "refused", "address": args.address,
                               "local_fingerprint": fingerprint,
-                              "remote": _remote_identity(exc), "reasons": reasons},
+                              "remote": remote_identity(exc), "reasons": reasons},
                              sort_keys=True, default=str))
         else:
             print(f"REFUSED by handshake with {args.address}")
-            remote = _remote_identity(exc)
+            remote = remote_identity(exc)
             if remote:
                 print(f"remote node:        {remote.get('node')}")
                 print(f"remote fingerprint: {remote.get('fp')}")
@@ -409,7 +371,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
                 "run_config": peer.remote_run_config,
                 "capabilities": sorted(peer.capabilities),
                 "extension": peer.remote_extension.to_wire(),
-                "extension_differences": [_reason_dict(r) for r in notes]}
+                "extension_differences": [reason_dict(r) for r in notes]}
         if args.json:
             print(json.dumps(info, sort_keys=True))
         else:
@@ -478,19 +440,6 @@ def cmd_fetch(args: argparse.Namespace) -> int:
         if len(problems) > 20:
             print(f"  ... and {len(problems) - 20} more")
     return EXIT_OK if not problems else EXIT_MISMATCH
-
-
-def _reason_dict(reason: Any) -> dict[str, Any]:
-    return {"code": int(reason.code), "field": reason.field,
-            "local": None if reason.ours is ABSENT else reason.ours,
-            "local_absent": reason.ours is ABSENT,
-            "remote": None if reason.theirs is ABSENT else reason.theirs,
-            "remote_absent": reason.theirs is ABSENT, "meaning": reason.meaning}
-
-
-def _remote_identity(exc: PeerIncompatible) -> dict[str, Any]:
-    remote = getattr(exc, "remote", None)
-    return dict(remote) if isinstance(remote, dict) else {}
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:

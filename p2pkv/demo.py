@@ -15,15 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from typing import IO, Any
 
 import numpy as np
+
+from p2pkv.reports import cell, plain
+from p2pkv.workers import JsonLineProcess, WorkerExited, say, wait_for_stdin_eof
 
 MODEL = "p2pkv/demo-seed"
 _DEADLINE_S = 60.0
@@ -57,29 +58,18 @@ def _node(layout_name: str, pool_blocks: int) -> Any:
     return Node(rc, layout, pool_blocks=pool_blocks, config=NodeConfig())
 
 
-def _say(obj: dict[str, Any]) -> None:
-    print(json.dumps(obj, sort_keys=True, default=str), flush=True)
-
-
 def role_producer(blocks: int) -> int:
     node = _node("v2", blocks + 8)
     try:
         size = node.layout.bytes_per_block
         for key in demo_keys(blocks):
             node.put(key, block_bytes(key, size))
-        _say({"event": "ready", "address": node.address, "fingerprint": node.fingerprint,
+        say({"event": "ready", "address": node.address, "fingerprint": node.fingerprint,
               "blocks": blocks})
         # Serve until the parent closes our stdin (or the deadline passes).
-        done = threading.Event()
-
-        def wait_for_eof() -> None:
-            sys.stdin.read()
-            done.set()
-
-        threading.Thread(target=wait_for_eof, daemon=True).start()
-        done.wait(_DEADLINE_S)
+        wait_for_stdin_eof(_DEADLINE_S)
         stats = node.stats()
-        _say({"event": "served", "blocks_sent": stats.blocks_sent,
+        say({"event": "served", "blocks_sent": stats.blocks_sent,
               "bytes_sent": stats.bytes_sent, "refused": stats.handshakes_refused})
     finally:
         node.close()
@@ -94,14 +84,14 @@ def role_consumer(address: str, blocks: int, layout_name: str) -> int:
         try:
             peer = node.connect(address)
         except PeerIncompatible as exc:
-            _say({"event": "refused", "fingerprint": node.fingerprint,
-                  "reasons": [{"field": r.field, "local": _plain(r.ours),
-                               "remote": _plain(r.theirs), "meaning": r.meaning}
+            say({"event": "refused", "fingerprint": node.fingerprint,
+                  "reasons": [{"field": r.field, "local": plain(r.ours),
+                               "remote": plain(r.theirs), "meaning": r.meaning}
                               for r in exc.reasons]})
             return 0
         keys = demo_keys(blocks)
         hits = peer.lookup(keys)
-        _say({"event": "lookup", "hits": sum(hits), "keys": len(keys)})
+        say({"event": "lookup", "hits": sum(hits), "keys": len(keys)})
         size = node.layout.bytes_per_block
         chunk = 16
         moved = 0
@@ -109,14 +99,14 @@ def role_consumer(address: str, blocks: int, layout_name: str) -> int:
         for start in range(0, len(keys), chunk):
             result = peer.fetch(keys[start:start + chunk])
             if result.failed or result.missing:
-                _say({"event": "error", "failed": len(result.failed),
+                say({"event": "error", "failed": len(result.failed),
                       "missing": len(result.missing), "errors": result.errors})
                 return 1
             moved += result.blocks
-            _say({"event": "progress", "blocks": moved, "total": len(keys)})
+            say({"event": "progress", "blocks": moved, "total": len(keys)})
         seconds = time.perf_counter() - t0
         bad = sum(1 for k in keys if node.get(k) != block_bytes(k, size))
-        _say({"event": "fetched", "blocks": moved, "bytes": moved * size, "seconds": seconds,
+        say({"event": "fetched", "blocks": moved, "bytes": moved * size, "seconds": seconds,
               "gbps": moved * size / seconds / 1e9 if seconds else 0.0, "corrupt": bad})
         peer.close()
         return 0 if bad == 0 else 1
@@ -124,48 +114,19 @@ def role_consumer(address: str, blocks: int, layout_name: str) -> int:
         node.close()
 
 
-def _plain(value: Any) -> Any:
-    from p2pkv.identity import ABSENT
-
-    return "(absent)" if value is ABSENT else value
-
-
-def _cell(value: Any) -> str:
-    """A reason value as the refusal table shows it (``12 × 49152``, ``(absent)``)."""
-    from p2pkv.cli import _show
-
-    return "(absent)" if value == "(absent)" else _show(value)
+def _child(*args: str) -> JsonLineProcess:
+    """A role process; its stdout JSON lines are read by a thread into a queue."""
+    return JsonLineProcess([sys.executable, "-m", "p2pkv.demo", *args],
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-class _Child:
-    """A role process whose stdout JSON lines are read by a thread into a queue."""
-
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "p2pkv.demo", *args], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def events(self, deadline: float) -> Iterator[dict[str, Any]]:
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError("demo process did not answer in time") from None
-            if line is None:
-                return
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                continue
+def _events(child: JsonLineProcess, deadline: float) -> Iterator[dict[str, Any]]:
+    """The child's events until it exits; :class:`TimeoutError` past ``deadline``."""
+    while True:
+        try:
+            yield child.next(max(0.0, deadline - time.monotonic()))
+        except WorkerExited:
+            return
 
 
 def _bar(done: int, total: int, out: IO[str]) -> None:
@@ -187,48 +148,44 @@ def run_demo(*, blocks: int = 256, as_json: bool = False) -> int:
         return 2
     out = sys.stdout
     deadline = time.monotonic() + _DEADLINE_S
-    procs: list[subprocess.Popen[str]] = []
+    children: list[JsonLineProcess] = []
     summary: dict[str, Any] = {}
     try:
-        producer = _Child("producer", "--blocks", str(blocks))
-        procs.append(producer.proc)
-        ready = next(producer.events(deadline))
+        producer = _child("producer", "--blocks", str(blocks))
+        children.append(producer)
+        ready = next(_events(producer, deadline))
         address = ready["address"]
         if not as_json:
             print(f"producer  V2 per-layer, seed geometry, {blocks} blocks on {address}")
             print(f"          fingerprint {ready['fingerprint']}")
-        good = _Child("consumer", address, "--blocks", str(blocks), "--layout", "v2")
-        bad = _Child("consumer", address, "--blocks", str(blocks), "--layout", "v1")
-        procs += [good.proc, bad.proc]
-        for event in good.events(deadline):
+        good = _child("consumer", address, "--blocks", str(blocks), "--layout", "v2")
+        bad = _child("consumer", address, "--blocks", str(blocks), "--layout", "v1")
+        children += [good, bad]
+        for event in _events(good, deadline):
             if event["event"] == "progress" and not as_json:
                 _bar(event["blocks"], event["total"], out)
             elif event["event"] in ("fetched", "error"):
                 summary["compatible"] = event
-        for event in bad.events(deadline):
+        for event in _events(bad, deadline):
             if event["event"] in ("refused", "lookup", "fetched"):
                 summary["incompatible"] = event
-        assert producer.proc.stdin is not None
-        producer.proc.stdin.close()
-        for event in producer.events(deadline):
+        producer.close_stdin()
+        for event in _events(producer, deadline):
             if event["event"] == "served":
                 summary["producer"] = event
-        codes = [p.wait(max(0.1, deadline - time.monotonic())) for p in procs]
+        codes = [c.wait(max(0.1, deadline - time.monotonic())) for c in children]
     except (TimeoutError, StopIteration, KeyError, subprocess.TimeoutExpired) as exc:
-        for p in procs:
-            p.kill()
+        for c in children:
+            c.kill()
         print(f"p2pkv-node demo: failed: {exc!r}", file=sys.stderr)
-        for p in procs:
-            p.wait(5)
-            err = p.stderr.read() if p.stderr else ""
+        for c in children:
+            err = c.stderr_tail(2000)
             if err:
-                print(err[-2000:], file=sys.stderr)
+                print(err, file=sys.stderr)
         return 1
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
+        for c in children:
+            c.kill()
     ok = (codes == [0, 0, 0]
           and summary.get("compatible", {}).get("event") == "fetched"
           and summary["compatible"].get("corrupt") == 0
@@ -247,8 +204,8 @@ def run_demo(*, blocks: int = 256, as_json: bool = False) -> int:
     if inc.get("event") == "refused":
         print("consumer  V1 cross-layer: REFUSED at handshake (no block byte exchanged):")
         for r in inc["reasons"]:
-            print(f"  - {r['field']}: local {_cell(r['local'])} vs remote "
-                  f"{_cell(r['remote'])}\n      {r['meaning']}")
+            print(f"  - {r['field']}: local {cell(r['local'])} vs remote "
+                  f"{cell(r['remote'])}\n      {r['meaning']}")
     else:
         print(f"consumer  V1 cross-layer: NOT refused: {inc}")
     prod = summary.get("producer", {})

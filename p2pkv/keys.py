@@ -48,7 +48,9 @@ __all__ = [
     "KEY_HASH_ALGORITHM",
     "ExtraKey",
     "block_keys",
+    "check_keys",
     "content_hash",
+    "find_bad_key",
     "full_blocks",
     "keys_well_formed",
     "make_block_key",
@@ -77,6 +79,34 @@ def keys_well_formed(keys: Sequence[object], max_len: int) -> bool:
         return False
     lengths = set(map(len, keys))  # type: ignore[arg-type]
     return min(lengths) >= 1 and max(lengths) <= max_len
+
+
+def find_bad_key(keys: Sequence[object], max_len: int) -> tuple[int, str] | None:
+    """``None`` when every key is ``bytes`` of 1..``max_len`` bytes; otherwise the index
+    of the first bad key and what is wrong with it (``"type"`` or ``"length"``).
+
+    The one key check of the package: the node's API, the session, the codec and the
+    store each phrase the error their own way (a ``ValueError`` or a wire error code).
+    """
+    if keys_well_formed(keys, max_len):
+        return None
+    for i, key in enumerate(keys):
+        if type(key) is not bytes:
+            return i, "type"
+        if not 1 <= len(key) <= max_len:
+            return i, "length"
+    return None  # pragma: no cover - keys_well_formed said otherwise
+
+
+def check_keys(keys: Sequence[object], max_len: int, *, what: str = "keys") -> tuple[bytes, ...]:
+    """``keys`` as a tuple; ``ValueError`` naming the first key that is not ``bytes`` of
+    1..``max_len`` bytes."""
+    out = tuple(keys)
+    bad = find_bad_key(out, max_len)
+    if bad is not None:
+        i = bad[0]
+        raise ValueError(f"{what}[{i}] must be bytes of length 1..{max_len}, got {out[i]!r:.60}")
+    return out  # type: ignore[return-value]
 
 _ROOT_LABEL = b"p2pkv/block-key/root/v1"
 _U32 = struct.Struct("<I")

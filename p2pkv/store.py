@@ -48,10 +48,9 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TypeAlias
 
-import xxhash
-
+from p2pkv.checksum import BytesLike, block_checksum
 from p2pkv.errors import P2PKVError, StoreFullError
-from p2pkv.keys import keys_well_formed
+from p2pkv.keys import check_keys, keys_well_formed
 from p2pkv.pool import BlockPool, MemoryKind
 
 __all__ = [
@@ -69,7 +68,6 @@ __all__ = [
 ]
 
 MAX_KEY_BYTES = 64
-BytesLike: TypeAlias = "bytes | bytearray | memoryview"
 #: ``listener(key, visible)``: ``visible`` is True when ``key`` was committed, False when
 #: it was evicted or discarded. See :meth:`BlockStore.add_listener`.
 StoreListener: TypeAlias = Callable[[bytes, bool], None]
@@ -100,23 +98,8 @@ class ChecksumMismatch(StoreError):
         self.actual = actual
 
 
-def block_checksum(views: Iterable[BytesLike]) -> int:
-    """xxh3-64 (seed 0) of a block's segments hashed in order, streaming.
-
-    Equal to ``xxh3_64(b"".join(views))`` without building the joined bytes.
-    """
-    h = xxhash.xxh3_64(seed=0)
-    for view in views:
-        h.update(view)
-    return h.intdigest()
-
-
 def _check_key(key: object) -> bytes:
-    if not isinstance(key, bytes):
-        raise ValueError(f"block store keys are bytes, got {type(key).__name__}")
-    if not 0 < len(key) <= MAX_KEY_BYTES:
-        raise ValueError(f"block store keys are 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
-    return key
+    return check_keys((key,), MAX_KEY_BYTES, what="block store keys")[0]
 
 
 @dataclass(frozen=True)
@@ -286,8 +269,7 @@ class BlockStore:
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         """Which ``keys`` are stored. Counts hits/misses; hits become most recent."""
         if not keys_well_formed(keys, MAX_KEY_BYTES):
-            for key in keys:
-                _check_key(key)
+            check_keys(keys, MAX_KEY_BYTES, what="block store keys")
         with self._lock:
             entries = self._entries
             result = list(map(entries.__contains__, keys))
@@ -495,8 +477,7 @@ class BlockStore:
     def acquire_read_many(self, keys: Sequence[bytes]) -> list[BlockReader | None]:
         """:meth:`acquire_read` for each key, under one lock (the sender's batches)."""
         if not keys_well_formed(keys, MAX_KEY_BYTES):
-            for key in keys:
-                _check_key(key)
+            check_keys(keys, MAX_KEY_BYTES, what="block store keys")
         pinned: list[tuple[bytes, _Entry] | None] = []
         with self._lock:
             entries = self._entries

@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 import time
 from typing import Any
 
 import numpy as np
 
+from p2pkv import workers
 from p2pkv.errors import P2PKVError, PeerIncompatible
-from p2pkv.identity import ABSENT, IdentityExtension, RunConfig
+from p2pkv.identity import IdentityExtension, RunConfig
 from p2pkv.keys import block_keys
 from p2pkv.layout import SEED_GEOMETRY, Geometry, make_layout
 from p2pkv.node import Node, NodeConfig
+from p2pkv.reports import plain
 
 MLA_SMALL = Geometry(num_layers=4, num_kv_heads=1, head_size=96, kv_kind="mla")
 
@@ -74,7 +75,7 @@ def content(key: bytes, size: int) -> bytes:
 
 
 def say(obj: dict[str, Any]) -> None:
-    print(json.dumps(obj, sort_keys=True, default=repr), flush=True)
+    workers.say(obj, default=repr)
 
 
 def serve(spec: dict[str, Any]) -> int:
@@ -84,14 +85,7 @@ def serve(spec: dict[str, Any]) -> int:
         for key in keys_for(spec["blocks"], spec.get("key_offset", 0)):
             node.put(key, content(key, size))
         say({"event": "ready", "address": node.address, "fingerprint": node.fingerprint})
-        done = threading.Event()
-
-        def wait_for_eof() -> None:
-            sys.stdin.read()
-            done.set()
-
-        threading.Thread(target=wait_for_eof, daemon=True).start()
-        done.wait(spec.get("lifetime", 120))
+        workers.wait_for_stdin_eof(spec.get("lifetime", 120))
         s = node.stats()
         say({"event": "stats", "blocks_sent": s.blocks_sent, "bytes_sent": s.bytes_sent,
              "refused": s.handshakes_refused, "accepted": s.handshakes_accepted,
@@ -108,10 +102,8 @@ def fetch(spec: dict[str, Any], address: str) -> int:
             peer = node.connect(address)
         except PeerIncompatible as exc:
             say({"event": "refused", "reasons": [
-                {"field": r.field, "code": int(r.code),
-                 "ours": "(absent)" if r.ours is ABSENT else r.ours,
-                 "theirs": "(absent)" if r.theirs is ABSENT else r.theirs,
-                 "meaning": r.meaning}
+                {"field": r.field, "code": int(r.code), "ours": plain(r.ours),
+                 "theirs": plain(r.theirs), "meaning": r.meaning}
                 for r in exc.reasons], "used": node.store.stats().used})
             return 0
         keys = keys_for(spec["blocks"], spec.get("key_offset", 0))

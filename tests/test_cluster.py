@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,6 +32,7 @@ from p2pkv.cluster import (
 from p2pkv.cluster.redis_server import LocalRedis, find_redis_server, free_port
 from p2pkv.errors import ConfigError
 from p2pkv.node import KeyOutcome
+from p2pkv.workers import JsonLineProcess
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -78,14 +77,10 @@ class ClusterProcess(NodeProcess):
 
     def __init__(self, spec: dict[str, Any]) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(TESTS)}
-        self.proc = subprocess.Popen(
+        self._child = JsonLineProcess(
             [sys.executable, str(TESTS / "clusterproc.py"), json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=env, cwd=ROOT)
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._stderr: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        threading.Thread(target=self._pump_err, daemon=True).start()
+            env=env, cwd=ROOT, stderr_lines=400)
+        self.proc = self._child.proc
         self.ready: dict[str, Any] = {}
 
     def send(self, **command: Any) -> dict[str, Any]:

@@ -24,8 +24,8 @@ from p2pkv.cluster.redis_directory import (
     Member,
     MemberView,
     RedisDirectory,
-    RedisRegistration,
 )
+from p2pkv.cluster.registration import RedisRegistration
 
 __all__ = [
     "Cluster",

@@ -47,9 +47,9 @@ from p2pkv.cluster.records import (
 from p2pkv.cluster.redis_directory import (
     Member,
     RedisDirectory,
-    RedisRegistration,
     validate_redis_url,
 )
+from p2pkv.cluster.registration import RedisRegistration
 from p2pkv.errors import ConfigError, P2PKVError, PeerGone, PeerTimeout, ProtocolError
 from p2pkv.keys import keys_well_formed
 from p2pkv.node import FetchResult, KeyOutcome, Node, PeerHandle

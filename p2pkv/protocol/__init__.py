@@ -1,7 +1,8 @@
 """The pure p2pkv protocol core: messages, codec, compatibility decision, session.
 
-Nothing here does IO or imports zmq, torch, threading or socket; the ZeroMQ node
-(``p2pkv.node``) drives it. The normative description is ``protocol/SPEC.md``.
+Nothing here does IO or imports zmq, torch, threading or socket; the node's runtime
+(``p2pkv.runtime``) drives it. ``flow`` holds the flow-control decisions (the per-peer
+credit budget, send batching). The normative description is ``protocol/SPEC.md``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ from p2pkv.protocol.codes import (
     code_name,
 )
 from p2pkv.protocol.compat import EXTENSION_CODES, Decision, decide, layout_label, restate
+from p2pkv.protocol.flow import (
+    BATCH_BYTES,
+    CreditBudget,
+    FetchCredit,
+    batch_limit,
+    next_batch,
+    window_blocks,
+)
 from p2pkv.protocol.messages import (
     Abort,
     AbortAck,
@@ -78,6 +87,7 @@ from p2pkv.protocol.session import (
 )
 
 __all__ = [
+    "BATCH_BYTES",
     "CAP_CHECKSUM_XXH3_64",
     "EXTENSION_CODES",
     "PROTOCOL_MAJOR",
@@ -94,6 +104,7 @@ __all__ = [
     "Bye",
     "Code",
     "Credit",
+    "CreditBudget",
     "CreditGranted",
     "Deadlines",
     "Decision",
@@ -102,6 +113,7 @@ __all__ = [
     "ErrorReceived",
     "Event",
     "Fetch",
+    "FetchCredit",
     "FetchFinished",
     "FetchRequested",
     "Frame",
@@ -133,6 +145,7 @@ __all__ = [
     "Session",
     "State",
     "Welcome",
+    "batch_limit",
     "block_checksum",
     "code_name",
     "decide",
@@ -142,6 +155,8 @@ __all__ = [
     "encode_head",
     "frame_size",
     "layout_label",
+    "next_batch",
     "restate",
     "segments_for",
+    "window_blocks",
 ]

@@ -12,31 +12,22 @@ a small hand-written validator in a dispatch dict; no reflection over dataclass 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import msgpack
-import xxhash
 
+import p2pkv.protocol.fields as f
+from p2pkv.checksum import block_checksum
 from p2pkv.errors import ProtocolError
-from p2pkv.identity import EXTENSION_FIELDS, IdentityExtension
-from p2pkv.keys import keys_well_formed
 from p2pkv.protocol.codes import (
-    MAX_BLOCK_BYTES,
     MAX_BLOCKS_PER_MESSAGE,
-    MAX_CAP_LEN,
-    MAX_CAPS,
-    MAX_CODE,
     MAX_HEAD_BYTES,
-    MAX_KEY_HASH_ALGO_LEN,
-    MAX_KEY_LEN,
     MAX_KEYS,
     MAX_MAP_LEN,
     MAX_NODE_ID_LEN,
     MAX_PAYLOAD_FRAMES,
     MAX_REASONS,
-    MAX_RUN_CONFIG_DEPTH,
     MAX_RUN_CONFIG_ITEMS,
     MAX_SEGMENTS,
     MAX_STR_LEN,
@@ -50,7 +41,6 @@ from p2pkv.protocol.codes import (
 from p2pkv.protocol.messages import (
     Abort,
     AbortAck,
-    AdvertisedLimits,
     Block,
     Bye,
     Credit,
@@ -98,214 +88,21 @@ class MajorVersionMismatch(ProtocolError):
         self.remote_major = remote_major
 
 
-# ---------------------------------------------------------------------------- helpers
-
-_MSGPACK_NAMES: Final[dict[type, str]] = {
-    type(None): "nil", bool: "bool", int: "int", float: "float", str: "str",
-    bytes: "bin", tuple: "array", list: "array", dict: "map",
-}
-
-
-def _kind(value: object) -> str:
-    return _MSGPACK_NAMES.get(type(value), "ext")
-
-
-def _missing(name: str) -> ProtocolError:
-    return ProtocolError(Code.MISSING_FIELD, f"missing field {name!r}")
-
-
-def _wrong(name: str, expected: str, value: object) -> ProtocolError:
-    return ProtocolError(Code.WRONG_TYPE, f"{name} must be {expected}, got {_kind(value)}")
-
-
-def _bounds(name: str, detail: str) -> ProtocolError:
-    return ProtocolError(Code.OUT_OF_BOUNDS, f"{name} {detail}")
-
-
-def _field(m: dict[Any, Any], name: str) -> Any:
-    try:
-        return m[name]
-    except KeyError:
-        raise _missing(name) from None
-
-
-def _int(m: dict[Any, Any], name: str, lo: int, hi: int) -> int:
-    x = _field(m, name)
-    if type(x) is not int:
-        raise _wrong(name, "an int", x)
-    if x < lo or x > hi:
-        raise _bounds(name, f"must be in [{lo}, {hi}], got {x}")
-    return x
-
-
-def _u64(m: dict[Any, Any], name: str) -> int:
-    return _int(m, name, 0, U64_MAX)
-
-
-def _code(m: dict[Any, Any]) -> int:
-    return _int(m, "code", 0, MAX_CODE)
-
-
-def _str(m: dict[Any, Any], name: str, lo: int, hi: int) -> str:
-    x = _field(m, name)
-    if type(x) is not str:
-        raise _wrong(name, "a str", x)
-    if len(x) < lo or len(x) > hi:
-        raise _bounds(name, f"length must be in [{lo}, {hi}], got {len(x)}")
-    return x
-
-
-def _map(value: object, name: str) -> dict[Any, Any]:
-    if type(value) is not dict:
-        raise _wrong(name, "a map", value)
-    return value
-
-
-def _array(value: object, name: str, lo: int, hi: int) -> tuple[Any, ...]:
-    if type(value) is not tuple:
-        raise _wrong(name, "an array", value)
-    if len(value) < lo or len(value) > hi:
-        raise _bounds(name, f"must have {lo}..{hi} entries, got {len(value)}")
-    return value
-
-
-def _keys(m: dict[Any, Any]) -> tuple[bytes, ...]:
-    keys = _array(_field(m, "keys"), "keys", 1, MAX_KEYS)
-    if keys_well_formed(keys, MAX_KEY_LEN):
-        return keys
-    for key in keys:
-        if type(key) is not bytes:
-            raise _wrong("keys[]", "bin", key)
-        if not 0 < len(key) <= MAX_KEY_LEN:
-            raise _bounds("keys[]", f"length must be in [1, {MAX_KEY_LEN}], got {len(key)}")
-    return keys
-
-
-def _plain(value: Any, name: str, depth: int, budget: list[int]) -> Any:
-    """A JSON-valued msgpack value with arrays as lists; bounded depth and size."""
-    budget[0] -= 1
-    if budget[0] < 0:
-        raise _bounds(name, f"has more than {MAX_RUN_CONFIG_ITEMS} values")
-    kind = type(value)
-    if kind is str or kind is int or kind is bool or kind is float or value is None:
-        return value
-    if kind is tuple or kind is dict:
-        if depth >= MAX_RUN_CONFIG_DEPTH:
-            raise _bounds(name, f"is nested deeper than {MAX_RUN_CONFIG_DEPTH} levels")
-        if kind is tuple:
-            return [_plain(v, name, depth + 1, budget) for v in value]
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            if type(k) is not str:
-                raise _wrong(f"{name} map key", "a str", k)
-            out[k] = _plain(v, name, depth + 1, budget)
-        return out
-    raise _wrong(name, "nil, bool, int, float, str, array or map", value)
-
-
-def _run_config(value: object) -> dict[str, Any]:
-    rc = _map(value, "rc")
-    out: dict[str, Any] = _plain(rc, "rc", 0, [MAX_RUN_CONFIG_ITEMS])
-    return out
-
-
-_HEX16: Final = re.compile(r"[0-9a-f]{16}")
-
-
-def _fingerprint(value: object) -> str:
-    if type(value) is not str:
-        raise _wrong("fp", "a str", value)
-    if _HEX16.fullmatch(value) is None:
-        raise _bounds("fp", f"must be 16 lowercase hex digits, got {value[:32]!r}")
-    return value
-
-
-def _geometry(value: object) -> Geometry:
-    geo = _map(value, "geo")
-    bpb = _int(geo, "bpb", 1, MAX_BLOCK_BYTES)
-    seg = _array(_field(geo, "seg"), "seg", 1, MAX_SEGMENTS)
-    for s in seg:
-        if type(s) is not int:
-            raise _wrong("seg[]", "an int", s)
-        if s < 1 or s > MAX_BLOCK_BYTES:
-            raise _bounds("seg[]", f"must be in [1, {MAX_BLOCK_BYTES}], got {s}")
-    total = sum(seg)
-    if total != bpb:
-        raise _bounds("seg", f"sums to {total} bytes, not bpb={bpb}")
-    return Geometry(bpb, seg)
-
-
-def _key_hash(value: object) -> KeyHash:
-    khash = _map(value, "khash")
-    return KeyHash(_str(khash, "algo", 1, MAX_KEY_HASH_ALGO_LEN), _u64(khash, "seed"))
-
-
-def _caps(m: dict[Any, Any]) -> tuple[str, ...]:
-    caps = _array(_field(m, "caps"), "caps", 0, MAX_CAPS)
-    for cap in caps:
-        if type(cap) is not str:
-            raise _wrong("caps[]", "a str", cap)
-        if not 0 < len(cap) <= MAX_CAP_LEN:
-            raise _bounds("caps[]", f"length must be in [1, {MAX_CAP_LEN}], got {len(cap)}")
-    return caps
-
-
-def _extension(value: object) -> IdentityExtension | None:
-    """The ``ext`` map (protocol 1.1): absent, nil or empty all mean "nothing declared".
-
-    Unknown keys are ignored like any minor-version addition; a known key must be a str
-    that :class:`~p2pkv.identity.IdentityExtension` accepts.
-    """
-    if value is None:
-        return None
-    ext = _map(value, "ext")
-    declared: dict[str, str] = {}
-    for name in EXTENSION_FIELDS:
-        if name in ext:
-            item = ext[name]
-            if type(item) is not str:
-                raise _wrong(f"ext.{name}", "a str", item)
-            declared[name] = item
-    if not declared:
-        return None
-    try:
-        return IdentityExtension(**declared)
-    except ValueError as exc:
-        raise _bounds("ext:", str(exc)[:300]) from None
-
-
-def _optional_positive(m: dict[Any, Any], name: str, hi: int) -> int | None:
-    if m.get(name) is None:
-        return None
-    return _int(m, name, 1, hi)
-
-
-def _limits(value: object) -> AdvertisedLimits | None:
-    if value is None:
-        return None
-    lim = _map(value, "limits")
-    return AdvertisedLimits(
-        max_keys=_optional_positive(lim, "max_keys", MAX_KEYS),
-        window=_optional_positive(lim, "window", MAX_WINDOW),
-        in_flight=_optional_positive(lim, "in_flight", U32_MAX),
-    )
-
-
 # ---------------------------------------------------------------------------- decoders
 
 
 def _d_greeting(cls: type[Greeting], m: dict[Any, Any], v: int) -> Greeting:
     return cls(
-        node=_str(m, "node", 1, MAX_NODE_ID_LEN),
-        minor=_int(m, "minor", 0, U32_MAX),
-        rc=_run_config(_field(m, "rc")),
-        fp=_fingerprint(_field(m, "fp")),
-        geo=_geometry(_field(m, "geo")),
-        khash=_key_hash(_field(m, "khash")),
-        caps=_caps(m),
-        limits=_limits(m.get("limits")),
+        node=f.string(m, "node", 1, MAX_NODE_ID_LEN),
+        minor=f.integer(m, "minor", 0, U32_MAX),
+        rc=f.run_config(f.field(m, "rc")),
+        fp=f.fingerprint(f.field(m, "fp")),
+        geo=f.geometry(f.field(m, "geo")),
+        khash=f.key_hash(f.field(m, "khash")),
+        caps=f.caps(m),
+        limits=f.limits(m.get("limits")),
         v=v,
-        ext=_extension(m.get("ext")),
+        ext=f.extension(m.get("ext")),
     )
 
 
@@ -318,58 +115,58 @@ def _d_welcome(m: dict[Any, Any], v: int) -> Message:
 
 
 def _reason(value: object) -> Reason:
-    r = _map(value, "reasons[]")
+    r = f.mapping(value, "reasons[]")
     for name in ("ours", "theirs"):
         if name not in r:
-            raise _missing(f"reasons[].{name}")
+            raise f.missing(f"reasons[].{name}")
     return Reason(
-        code=_code(r),
-        field=_str(r, "field", 0, MAX_STR_LEN),
-        ours=value_from_wire(_plain(r["ours"], "reasons[].ours", 0, [MAX_RUN_CONFIG_ITEMS])),
+        code=f.code(r),
+        field=f.string(r, "field", 0, MAX_STR_LEN),
+        ours=value_from_wire(f.plain(r["ours"], "reasons[].ours", 0, [MAX_RUN_CONFIG_ITEMS])),
         theirs=value_from_wire(
-            _plain(r["theirs"], "reasons[].theirs", 0, [MAX_RUN_CONFIG_ITEMS])
+            f.plain(r["theirs"], "reasons[].theirs", 0, [MAX_RUN_CONFIG_ITEMS])
         ),
-        meaning=_str(r, "meaning", 0, MAX_STR_LEN),
+        meaning=f.string(r, "meaning", 0, MAX_STR_LEN),
     )
 
 
 def _d_refuse(m: dict[Any, Any], v: int) -> Message:
-    reasons = _array(m.get("reasons", ()), "reasons", 0, MAX_REASONS)
+    reasons = f.array(m.get("reasons", ()), "reasons", 0, MAX_REASONS)
     return Refuse(
-        code=_code(m),
-        msg=_str(m, "msg", 0, MAX_STR_LEN),
+        code=f.code(m),
+        msg=f.string(m, "msg", 0, MAX_STR_LEN),
         reasons=tuple(_reason(r) for r in reasons),
-        node=None if m.get("node") is None else _str(m, "node", 1, MAX_NODE_ID_LEN),
-        rc=None if m.get("rc") is None else _run_config(m["rc"]),
-        fp=None if m.get("fp") is None else _fingerprint(m["fp"]),
-        geo=None if m.get("geo") is None else _geometry(m["geo"]),
-        khash=None if m.get("khash") is None else _key_hash(m["khash"]),
-        ext=_extension(m.get("ext")),
+        node=None if m.get("node") is None else f.string(m, "node", 1, MAX_NODE_ID_LEN),
+        rc=None if m.get("rc") is None else f.run_config(m["rc"]),
+        fp=None if m.get("fp") is None else f.fingerprint(m["fp"]),
+        geo=None if m.get("geo") is None else f.geometry(m["geo"]),
+        khash=None if m.get("khash") is None else f.key_hash(m["khash"]),
+        ext=f.extension(m.get("ext")),
     )
 
 
 def _d_lookup(m: dict[Any, Any], v: int) -> Message:
-    return Lookup(_u64(m, "req"), _keys(m))
+    return Lookup(f.u64(m, "req"), f.keys(m))
 
 
 _BOOL_ONLY: Final = frozenset({bool})
 
 
 def _d_hits(m: dict[Any, Any], v: int) -> Message:
-    hits = _array(_field(m, "hits"), "hits", 0, MAX_KEYS)
+    hits = f.array(f.field(m, "hits"), "hits", 0, MAX_KEYS)
     if not set(map(type, hits)) <= _BOOL_ONLY:  # C-level pass; walk only to name the culprit
         for h in hits:
             if type(h) is not bool:
-                raise _wrong("hits[]", "a bool", h)
-    return Hits(_u64(m, "req"), hits)
+                raise f.wrong("hits[]", "a bool", h)
+    return Hits(f.u64(m, "req"), hits)
 
 
 def _d_fetch(m: dict[Any, Any], v: int) -> Message:
-    return Fetch(_u64(m, "req"), _keys(m), _int(m, "window", 1, MAX_WINDOW))
+    return Fetch(f.u64(m, "req"), f.keys(m), f.integer(m, "window", 1, MAX_WINDOW))
 
 
 def _d_credit(m: dict[Any, Any], v: int) -> Message:
-    return Credit(_u64(m, "req"), _int(m, "n", 1, MAX_WINDOW))
+    return Credit(f.u64(m, "req"), f.integer(m, "n", 1, MAX_WINDOW))
 
 
 def _d_block(m: dict[Any, Any], v: int) -> Message:
@@ -396,53 +193,53 @@ def _d_block(m: dict[Any, Any], v: int) -> Message:
 
 def _d_block_checked(m: dict[Any, Any]) -> Message:
     """The slow path of :func:`_d_block`: same rules, names the first broken one."""
-    req = _u64(m, "req")
-    idx = _array(_field(m, "idx"), "idx", 1, MAX_BLOCKS_PER_MESSAGE)
+    req = f.u64(m, "req")
+    idx = f.array(f.field(m, "idx"), "idx", 1, MAX_BLOCKS_PER_MESSAGE)
     for i in idx:
         if type(i) is not int:
-            raise _wrong("idx[]", "an int", i)
+            raise f.wrong("idx[]", "an int", i)
         if i < 0 or i >= MAX_KEYS:
-            raise _bounds("idx[]", f"must be in [0, {MAX_KEYS - 1}], got {i}")
-    sums = _array(_field(m, "sums"), "sums", len(idx), len(idx))
+            raise f.bounds("idx[]", f"must be in [0, {MAX_KEYS - 1}], got {i}")
+    sums = f.array(f.field(m, "sums"), "sums", len(idx), len(idx))
     for s in sums:
         if s is not None and (type(s) is not int or s < 0):
-            raise _wrong("sums[]", "nil or a u64", s)
+            raise f.wrong("sums[]", "nil or a u64", s)
     return Block(req, idx, sums)
 
 
 def _d_done(m: dict[Any, Any], v: int) -> Message:
-    outcomes = _array(_field(m, "outcomes"), "outcomes", 1, MAX_KEYS)
+    outcomes = f.array(f.field(m, "outcomes"), "outcomes", 1, MAX_KEYS)
     for o in outcomes:
         if type(o) is not int:
-            raise _wrong("outcomes[]", "an int", o)
+            raise f.wrong("outcomes[]", "an int", o)
         if o < 0 or o > OUTCOME_FAILED:
-            raise _bounds("outcomes[]", f"must be 0, 1 or 2, got {o}")
-    return Done(_u64(m, "req"), outcomes)
+            raise f.bounds("outcomes[]", f"must be 0, 1 or 2, got {o}")
+    return Done(f.u64(m, "req"), outcomes)
 
 
 def _d_abort(m: dict[Any, Any], v: int) -> Message:
-    return Abort(_u64(m, "req"))
+    return Abort(f.u64(m, "req"))
 
 
 def _d_abort_ack(m: dict[Any, Any], v: int) -> Message:
-    return AbortAck(_u64(m, "req"))
+    return AbortAck(f.u64(m, "req"))
 
 
 def _d_ping(m: dict[Any, Any], v: int) -> Message:
-    return Ping(_u64(m, "nonce"))
+    return Ping(f.u64(m, "nonce"))
 
 
 def _d_pong(m: dict[Any, Any], v: int) -> Message:
-    return Pong(_u64(m, "nonce"))
+    return Pong(f.u64(m, "nonce"))
 
 
 def _d_bye(m: dict[Any, Any], v: int) -> Message:
-    return Bye(_code(m), _str(m, "msg", 0, MAX_STR_LEN))
+    return Bye(f.code(m), f.string(m, "msg", 0, MAX_STR_LEN))
 
 
 def _d_error(m: dict[Any, Any], v: int) -> Message:
-    req = None if m.get("req") is None else _u64(m, "req")
-    return Error(req, _code(m), _str(m, "msg", 0, MAX_STR_LEN))
+    req = None if m.get("req") is None else f.u64(m, "req")
+    return Error(req, f.code(m), f.string(m, "msg", 0, MAX_STR_LEN))
 
 
 _DECODERS: Final[dict[str, Callable[[dict[Any, Any], int], Message]]] = {
@@ -506,7 +303,7 @@ def _unpack_head(frame0: object) -> dict[Any, Any]:
             Code.MALFORMED, f"frame 0 is not valid msgpack: {type(exc).__name__}: {exc}"[:300]
         ) from None
     if type(head) is not dict:
-        raise ProtocolError(Code.MALFORMED, f"frame 0 must be a msgpack map, got {_kind(head)}")
+        raise ProtocolError(Code.MALFORMED, f"frame 0 must be a msgpack map, got {f.kind(head)}")
     return head
 
 
@@ -523,15 +320,15 @@ def decode_head(
     """
     head = _unpack_head(frame0)
     if "t" not in head:
-        raise _missing("t")
+        raise f.missing("t")
     tag = head["t"]
     if type(tag) is not str:
-        raise _wrong("t", "a str", tag)
+        raise f.wrong("t", "a str", tag)
     if "v" not in head:
-        raise _missing("v")
+        raise f.missing("v")
     v = head["v"]
     if type(v) is not int:
-        raise _wrong("v", "an int", v)
+        raise f.wrong("v", "an int", v)
     decoder = _DECODERS.get(tag)
     if v != PROTOCOL_MAJOR:
         if decoder is None or tag not in _VERSION_STABLE or v < 1:
@@ -617,15 +414,6 @@ def decode(
                     f"{i % per_block}) is {got} bytes, segment size is {want}",
                 )
     return Block(msg.req, msg.idx, msg.sums, payload)
-
-
-def block_checksum(segments: Sequence[Frame]) -> int:
-    """xxh3-64 (seed 0) of one block's bytes, its segments hashed in order as one stream."""
-    h = xxhash.xxh3_64(seed=0)
-    for seg in segments:
-        h.update(seg)
-    value: int = h.intdigest()
-    return value
 
 
 def segments_for(block: Block, segments: Sequence[int]) -> tuple[int, ...]:

@@ -7,9 +7,9 @@ reported as events (frozen dataclasses named in the past tense) in :attr:`Output
 Deadlines are data: :meth:`Session.poll` checks them against the ``now`` it is given and
 :meth:`Session.next_deadline` says when to call it next.
 
-Transitions are a table keyed by ``(state, message type)``, one per role. A pair missing
-from the table is a protocol violation: the session answers ``refuse`` (during the
-handshake) or ``bye`` with the code, and moves to ``ERROR``.
+Transitions are a table keyed by ``(state, message type)``, one per role
+(:mod:`p2pkv.protocol.transitions`); events and :class:`Output` are in
+:mod:`p2pkv.protocol.events`, deadlines and limits in :mod:`p2pkv.protocol.limits`.
 
 Roles are fixed per connection: the client (connecting side) sends ``hello`` and the
 requests (``lookup``, ``fetch``, ``credit``, ``abort``); the server answers them.
@@ -21,32 +21,41 @@ in a state that does not allow it raises :class:`LocalProtocolError`; bad argume
 
 from __future__ import annotations
 
-import math
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Final
+from collections.abc import Iterable, Sequence
 
 from p2pkv.errors import ConfigError, ProtocolError
 from p2pkv.identity import IDENTITY_POLICIES
-from p2pkv.keys import keys_well_formed
+from p2pkv.keys import check_keys
 from p2pkv.protocol.codec import MajorVersionMismatch, decode
-from p2pkv.protocol.codes import (
-    CAP_CHECKSUM_XXH3_64,
-    MAX_IN_FLIGHT,
-    MAX_KEY_LEN,
-    MAX_KEYS,
-    MAX_WINDOW,
-    OUTCOME_SENT,
-    U64_MAX,
-    Code,
+from p2pkv.protocol.codes import MAX_KEY_LEN, MAX_WINDOW, OUTCOME_SENT, U64_MAX, Code
+from p2pkv.protocol.events import (
+    NOTHING,
+    AbortAcknowledged,
+    AbortRequested,
+    BlockArrived,
+    BlockDiscarded,
+    CreditGranted,
+    ErrorReceived,
+    Event,
+    FetchFinished,
+    FetchRequested,
+    HandshakeAccepted,
+    HandshakeRefused,
+    LookupAnswered,
+    LookupRequested,
+    MessageIgnored,
+    Output,
+    PeerClosed,
+    ProtocolViolated,
+    RequestFailed,
+    RequestTimedOut,
 )
-from p2pkv.protocol.compat import decide
+from p2pkv.protocol.flow import FetchCredit
+from p2pkv.protocol.limits import Deadlines, Limits
 from p2pkv.protocol.messages import (
     Abort,
     AbortAck,
-    AdvertisedLimits,
     Block,
     Bye,
     Credit,
@@ -60,10 +69,17 @@ from p2pkv.protocol.messages import (
     Lookup,
     Message,
     Ping,
-    Pong,
     Reason,
-    Refuse,
-    Welcome,
+)
+from p2pkv.protocol.transitions import (
+    HANDSHAKE_STATES,
+    TERMINAL_STATES,
+    TRANSITIONS,
+    LocalProtocolError,
+    Machine,
+    Request,
+    Role,
+    State,
 )
 
 __all__ = [
@@ -95,305 +111,15 @@ __all__ = [
     "State",
 ]
 
-_FINISHED_MEMORY: Final = 4096
-"""How many finished request ids a session remembers, so late replies are not violations."""
-
-
-class LocalProtocolError(ProtocolError):
-    """This node asked its session for something the protocol does not allow now."""
-
-
-class Role(str, Enum):
-    CLIENT = "client"
-    SERVER = "server"
-
-
-class State(Enum):
-    AWAITING_HELLO = "awaiting_hello"
-    AWAITING_WELCOME = "awaiting_welcome"
-    READY = "ready"
-    REFUSED = "refused"
-    CLOSED = "closed"
-    ERROR = "error"
-
-
-_HANDSHAKE_STATES: Final = frozenset({State.AWAITING_HELLO, State.AWAITING_WELCOME})
-_TERMINAL_STATES: Final = frozenset({State.REFUSED, State.CLOSED, State.ERROR})
-
-
-def _check_seconds(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"deadlines.{name} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"deadlines.{name} must be > 0 seconds, got {value!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class Deadlines:
-    """Every wait of the protocol, in seconds (all configurable, all > 0).
-
-    ``fetch_idle`` is the longest a fetch may go without progress (a block arriving or
-    credit granted); ``abort`` how long an ``abort`` may wait for its ``abort_ack``; a
-    ``ping`` is sent after ``heartbeat_interval`` without traffic from the peer, and the
-    peer is declared dead after ``heartbeat_timeout`` without traffic.
-    """
-
-    handshake: float = 5.0
-    lookup: float = 5.0
-    fetch_idle: float = 10.0
-    abort: float = 2.0
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 5.0
-
-    def __post_init__(self) -> None:
-        for name in ("handshake", "lookup", "fetch_idle", "abort", "heartbeat_interval",
-                     "heartbeat_timeout"):
-            _check_seconds(name, getattr(self, name))
-        if self.heartbeat_interval >= self.heartbeat_timeout:
-            raise ConfigError(
-                f"deadlines.heartbeat_interval ({self.heartbeat_interval!r}) must be shorter "
-                f"than deadlines.heartbeat_timeout ({self.heartbeat_timeout!r})"
-            )
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """What this node accepts from one peer (and what it advertises in its greeting)."""
-
-    max_keys: int = MAX_KEYS
-    """Most keys per lookup/fetch this node serves; more get an ``error`` OUT_OF_BOUNDS."""
-    max_in_flight: int = MAX_IN_FLIGHT
-    """Most unfinished requests per peer; more get an ``error`` TOO_MANY_IN_FLIGHT."""
-
-    def __post_init__(self) -> None:
-        for name, hi in (("max_keys", MAX_KEYS), ("max_in_flight", 2**20)):
-            value = getattr(self, name)
-            if type(value) is not int or not 1 <= value <= hi:
-                raise ConfigError(f"limits.{name} must be an int in [1, {hi}], got {value!r}")
-
-    def advertised(self, window: int | None = None) -> AdvertisedLimits:
-        """The ``limits`` map for this node's greeting."""
-        return AdvertisedLimits(max_keys=self.max_keys, window=window,
-                                in_flight=self.max_in_flight)
-
-
-# ---------------------------------------------------------------------------- events
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """Base class of everything a session reports."""
-
-
-@dataclass(frozen=True, slots=True)
-class HandshakeAccepted(Event):
-    """Both sides agreed; ``capabilities`` is the negotiated set.
-
-    ``warnings`` are identity-extension fields only one side declares, accepted because
-    the identity policy is ``lenient`` (the node logs and counts them).
-    """
-
-    remote: Greeting
-    capabilities: frozenset[str]
-    warnings: tuple[Reason, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class HandshakeRefused(Event):
-    """The handshake failed. ``reasons`` are seen from this node (ours = local).
-
-    ``by_remote`` tells whether the peer refused us (``remote`` is its ``refuse``) or we
-    refused it (``remote`` is its greeting, or ``None`` when it was unreadable).
-    """
-
-    reasons: tuple[Reason, ...]
-    by_remote: bool
-    code: int
-    msg: str
-    remote: Greeting | Refuse | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class LookupRequested(Event):
-    """Server: the peer asks which ``keys`` we hold; answer with :meth:`Session.answer_lookup`."""
-
-    req: int
-    keys: tuple[bytes, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class LookupAnswered(Event):
-    """Client: one bool per key of lookup ``req``."""
-
-    req: int
-    hits: tuple[bool, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class FetchRequested(Event):
-    """Server: send the blocks of ``keys``, at most ``window`` blocks beyond credits."""
-
-    req: int
-    keys: tuple[bytes, ...]
-    window: int
-
-
-@dataclass(frozen=True, slots=True)
-class CreditGranted(Event):
-    """Server: the peer allows ``n`` more blocks of fetch ``req``."""
-
-    req: int
-    n: int
-
-
-@dataclass(frozen=True, slots=True)
-class BlockArrived(Event):
-    """Client: blocks ``idx`` of fetch ``req`` arrived (payload frames follow the header).
-
-    ``payload`` is empty when the transport fed the header alone (zero-copy receive).
-    """
-
-    req: int
-    idx: tuple[int, ...]
-    sums: tuple[int | None, ...]
-    payload: tuple[Frame, ...] = field(default=(), repr=False)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockDiscarded(Event):
-    """Client: blocks of a fetch that was aborted or timed out; drain and drop their frames."""
-
-    req: int
-    idx: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class FetchFinished(Event):
-    """Client: fetch ``req`` is over; one outcome per key (0 sent, 1 missing, 2 failed)."""
-
-    req: int
-    outcomes: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class AbortRequested(Event):
-    """Server: stop request ``req`` and confirm with :meth:`Session.abort_ack`."""
-
-    req: int
-
-
-@dataclass(frozen=True, slots=True)
-class AbortAcknowledged(Event):
-    """Client: the server stopped request ``req``; nothing more will arrive for it."""
-
-    req: int
-
-
-@dataclass(frozen=True, slots=True)
-class PeerClosed(Event):
-    """The connection is over: the peer said ``bye`` (``by_remote``) or we gave up on it."""
-
-    code: int
-    msg: str
-    by_remote: bool
-
-
-@dataclass(frozen=True, slots=True)
-class ProtocolViolated(Event):
-    """The peer broke the protocol; we told it (``refuse``/``bye``) and closed."""
-
-    code: int
-    msg: str
-
-
-@dataclass(frozen=True, slots=True)
-class RequestFailed(Event):
-    """Request ``req`` ended without a result (peer ``error``, or the connection ended)."""
-
-    req: int
-    code: int
-    msg: str
-
-
-@dataclass(frozen=True, slots=True)
-class RequestTimedOut(Event):
-    """Request ``req`` passed its deadline; ``kind`` is ``"lookup"``, ``"fetch"`` or ``"abort"``.
-
-    A timed-out fetch is aborted by the session (an ``abort`` is in the replies); blocks
-    that still arrive for it are reported as :class:`BlockDiscarded`.
-    """
-
-    req: int
-    kind: str
-
-
-@dataclass(frozen=True, slots=True)
-class ErrorReceived(Event):
-    """The peer reported a non-fatal error not tied to a request (e.g. UNKNOWN_TYPE)."""
-
-    code: int
-    msg: str
-
-
-@dataclass(frozen=True, slots=True)
-class MessageIgnored(Event):
-    """We received a message we do not know (newer minor); we answered ``error``."""
-
-    code: int
-    msg: str
-
-
-@dataclass(frozen=True, slots=True)
-class Output:
-    """What one call produced: events to act on and messages to send, in order."""
-
-    events: tuple[Event, ...] = ()
-    replies: tuple[Message, ...] = ()
-
-
-_NOTHING: Final = Output()
-
-
-# ---------------------------------------------------------------------------- requests
-
-
-class _Request:
-    """Bookkeeping of one unfinished request (either role)."""
-
-    __slots__ = ("aborting", "deadline", "delivered", "granted", "keys", "kind", "received")
-
-    def __init__(self, kind: str, keys: tuple[bytes, ...], deadline: float,
-                 granted: int = 0) -> None:
-        self.kind = kind
-        self.keys = keys
-        self.deadline = deadline
-        self.granted = granted  # total blocks of window granted (fetch)
-        self.received = 0  # blocks sent (server) or arrived (client)
-        self.delivered: set[int] = set()  # indices sent (server) or arrived (client)
-        self.aborting = False
-
 
 def _check_keys(keys: Sequence[bytes], limit: int) -> tuple[bytes, ...]:
     out = tuple(keys)
     if not 1 <= len(out) <= limit:
         raise ValueError(f"keys: need 1..{limit} keys, got {len(out)}")
-    if keys_well_formed(out, MAX_KEY_LEN):
-        return out
-    for i, key in enumerate(out):
-        if type(key) is not bytes:
-            raise ValueError(f"keys[{i}] must be bytes, got {type(key).__name__}")
-        if not 1 <= len(key) <= MAX_KEY_LEN:
-            raise ValueError(f"keys[{i}] must be 1..{MAX_KEY_LEN} bytes, got {len(key)}")
-    return out
+    return check_keys(out, MAX_KEY_LEN)
 
 
-# ---------------------------------------------------------------------------- session
-
-
-Handler = Callable[["Session", Any, float], Output]
-
-
-class Session:
+class Session(Machine):
     """The protocol state of one peer connection, driven by messages and time.
 
     Lifecycle: construct, call :meth:`start` (the client sends the ``hello`` it returns),
@@ -422,7 +148,7 @@ class Session:
         self._deadlines = deadlines if deadlines is not None else Deadlines()
         self._limits = limits if limits is not None else Limits()
         self._required = frozenset(required_caps)
-        self._table = _CLIENT_TABLE if self._role is Role.CLIENT else _SERVER_TABLE
+        self._table = TRANSITIONS[self._role]
         self._state = (
             State.AWAITING_WELCOME if self._role is Role.CLIENT else State.AWAITING_HELLO
         )
@@ -435,7 +161,7 @@ class Session:
         self._caps: frozenset[str] = frozenset()
         self._checksums = False
         self._next_req = 1
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, Request] = {}
         self._finished: set[int] = set()
         self._finished_order: deque[int] = deque()
         self._close_code: int | None = None
@@ -476,7 +202,7 @@ class Session:
 
     @property
     def is_open(self) -> bool:
-        return self._state not in _TERMINAL_STATES
+        return self._state not in TERMINAL_STATES
 
     @property
     def in_flight(self) -> int:
@@ -490,6 +216,14 @@ class Session:
         """Server: blocks of fetch ``req`` that may still be sent under the granted credit."""
         r = self._served(req, "fetch", "window_left")
         return r.granted - r.received
+
+    def fetch_credit(self, req: int) -> FetchCredit | None:
+        """Client: the credit state of running fetch ``req`` (``None`` when ``req`` is not
+        a running fetch): what :class:`~p2pkv.protocol.flow.CreditBudget` decides on."""
+        r = self._requests.get(req)
+        if r is None or r.kind != "fetch" or self._role is not Role.CLIENT:
+            return None
+        return FetchCredit(req, r.granted, r.received, len(r.keys))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -532,13 +266,13 @@ class Session:
         """Feed a decode failure: unknown types get an ``error``, the rest is a violation."""
         self._last_rx = now
         if self._state in (State.CLOSED, State.ERROR):
-            return _NOTHING
+            return NOTHING
         if error.code == Code.UNKNOWN_TYPE and self._state is State.READY:
             return Output(
                 events=(MessageIgnored(error.code, error.message),),
                 replies=(Error(None, Code.UNKNOWN_TYPE, error.message),),
             )
-        if isinstance(error, MajorVersionMismatch) and self._state in _HANDSHAKE_STATES:
+        if isinstance(error, MajorVersionMismatch) and self._state in HANDSHAKE_STATES:
             reason = Reason(
                 Code.PROTOCOL_MAJOR_MISMATCH, "protocol.major", self._local.v,
                 error.remote_major,
@@ -550,8 +284,8 @@ class Session:
 
     def close(self, code: int = Code.NORMAL_CLOSE, msg: str = "") -> Output:
         """End the connection: a ``bye`` to send, and a failure for each open request."""
-        if self._state in _TERMINAL_STATES:
-            return _NOTHING
+        if self._state in TERMINAL_STATES:
+            return NOTHING
         events = self._fail_all(code, msg or "connection closed by this node")
         self._state = State.CLOSED
         return Output(events=tuple(events), replies=(Bye(code, msg),))
@@ -559,16 +293,16 @@ class Session:
     def poll(self, now: float) -> Output:
         """Check every deadline against ``now``; expired ones become events and replies."""
         state = self._state
-        if state in _HANDSHAKE_STATES:
+        if state in HANDSHAKE_STATES:
             if now >= self._handshake_deadline:
                 want = "hello" if self._role is Role.SERVER else "welcome"
                 text = f"no {want} within {self._deadlines.handshake:g} s"
                 self._state = State.CLOSED
                 return Output(events=(PeerClosed(Code.TIMEOUT, text, False),),
                               replies=(Bye(Code.TIMEOUT, text),))
-            return _NOTHING
+            return NOTHING
         if state is not State.READY:
-            return _NOTHING
+            return NOTHING
         d = self._deadlines
         if now - self._last_rx >= d.heartbeat_timeout:
             text = f"no traffic from the peer for {d.heartbeat_timeout:g} s"
@@ -602,13 +336,13 @@ class Session:
             self._ping_nonce += 1
             replies.append(Ping(self._ping_nonce))
         if not events and not replies:
-            return _NOTHING
+            return NOTHING
         return Output(events=tuple(events), replies=tuple(replies))
 
     def next_deadline(self) -> float | None:
         """The earliest time :meth:`poll` has something to do, or ``None`` when closed."""
         state = self._state
-        if state in _HANDSHAKE_STATES:
+        if state in HANDSHAKE_STATES:
             return self._handshake_deadline
         if state is not State.READY:
             return None
@@ -754,359 +488,3 @@ class Session:
         self._served(req, None, "fail")
         self._finish(req)
         return Error(req, code, msg)
-
-    # ------------------------------------------------------------------ internals
-
-    @property
-    def _peer_role(self) -> str:
-        return "server" if self._role is Role.CLIENT else "client"
-
-    def _require_ready(self, what: str) -> None:
-        if self._state is not State.READY:
-            raise LocalProtocolError(
-                Code.UNEXPECTED, f"{what}: the connection is {self._state.value}, not ready"
-            )
-
-    def _peer_max_keys(self) -> int:
-        limit = MAX_KEYS
-        remote = self._remote
-        if remote is not None and remote.limits is not None and remote.limits.max_keys:
-            limit = min(limit, remote.limits.max_keys)
-        return limit
-
-    def _open_request(self, kind: str, keys: tuple[bytes, ...], deadline: float,
-                      granted: int) -> int:
-        if self._role is not Role.CLIENT:
-            raise LocalProtocolError(Code.UNEXPECTED, f"{kind}: only the client sends requests")
-        self._require_ready(kind)
-        limit = self._limits.max_in_flight
-        remote = self._remote
-        if remote is not None and remote.limits is not None and remote.limits.in_flight:
-            limit = min(limit, remote.limits.in_flight)
-        if len(self._requests) >= limit:
-            raise LocalProtocolError(
-                Code.TOO_MANY_IN_FLIGHT, f"{kind}: {len(self._requests)} requests in flight "
-                f"(limit {limit})"
-            )
-        req = self._next_req
-        self._next_req += 1
-        self._requests[req] = _Request(kind, keys, deadline, granted)
-        return req
-
-    def _own(self, req: int, what: str) -> _Request:
-        if self._role is not Role.CLIENT:
-            raise LocalProtocolError(Code.UNEXPECTED, f"{what}: only the client sends it")
-        self._require_ready(what)
-        r = self._requests.get(req)
-        if r is None:
-            raise LocalProtocolError(Code.UNKNOWN_REQUEST, f"{what}: no open request {req}")
-        return r
-
-    def _served(self, req: int, kind: str | None, what: str) -> _Request:
-        if self._role is not Role.SERVER:
-            raise LocalProtocolError(Code.UNEXPECTED, f"{what}: only the server sends it")
-        self._require_ready(what)
-        r = self._requests.get(req)
-        if r is None:
-            raise LocalProtocolError(Code.UNKNOWN_REQUEST, f"{what}: no open request {req}")
-        if kind is not None and r.kind != kind:
-            raise LocalProtocolError(
-                Code.UNEXPECTED, f"{what}: request {req} is a {r.kind}, not a {kind}"
-            )
-        return r
-
-    def _finish(self, req: int) -> None:
-        self._requests.pop(req, None)
-        if req not in self._finished:
-            self._finished.add(req)
-            self._finished_order.append(req)
-            if len(self._finished_order) > _FINISHED_MEMORY:
-                self._finished.discard(self._finished_order.popleft())
-
-    def _fail_all(self, code: int, msg: str) -> list[Event]:
-        events: list[Event] = [RequestFailed(req, code, msg) for req in self._requests]
-        for req in list(self._requests):
-            self._finish(req)
-        return events
-
-    def _violate(self, code: int, msg: str) -> Output:
-        """The peer broke the protocol: tell it why, fail everything, move to ERROR."""
-        state = self._state
-        if state in (State.CLOSED, State.ERROR):
-            return _NOTHING
-        events = self._fail_all(code, msg)
-        events.append(ProtocolViolated(code, msg))
-        reply: Message
-        if state in _HANDSHAKE_STATES:
-            local = self._local
-            reply = Refuse(code, msg, (), local.node, local.rc, local.fp, local.geo,
-                           local.khash, local.ext)
-        else:
-            reply = Bye(code, msg)
-        self._state = State.ERROR
-        return Output(events=tuple(events), replies=(reply,))
-
-    def _refuse(self, reasons: tuple[Reason, ...], msg: str,
-                remote: Greeting | None) -> Output:
-        code = int(reasons[0].code) if reasons else int(Code.UNEXPECTED)
-        local = self._local
-        refuse = Refuse(code, msg, reasons, local.node, local.rc, local.fp, local.geo,
-                        local.khash, local.ext)
-        self._state = State.REFUSED
-        return Output(events=(HandshakeRefused(reasons, False, code, msg, remote),),
-                      replies=(refuse,))
-
-    def _accept(self, remote: Greeting, caps: frozenset[str]) -> None:
-        self._remote = remote
-        self._caps = caps
-        self._checksums = CAP_CHECKSUM_XXH3_64 in caps
-        self._state = State.READY
-
-    # ------------------------------------------------------------------ handlers
-
-    def _on_hello(self, msg: Hello, now: float) -> Output:
-        decision = decide(self._local, msg, required=self._required,
-                          identity_policy=self._identity_policy)
-        if not decision.accepted:
-            return self._refuse(decision.reasons, decision.summary(), msg)
-        self._accept(msg, decision.capabilities)
-        local = self._local
-        welcome = Welcome(local.node, local.minor, local.rc, local.fp, local.geo, local.khash,
-                          tuple(sorted(decision.capabilities)), local.limits, local.v,
-                          local.ext)
-        return Output(events=(HandshakeAccepted(msg, decision.capabilities,
-                                                decision.warnings),),
-                      replies=(welcome,))
-
-    def _on_welcome(self, msg: Welcome, now: float) -> Output:
-        decision = decide(self._local, msg, required=self._required,
-                          identity_policy=self._identity_policy)
-        if not decision.accepted:
-            return self._refuse(decision.reasons, decision.summary(), msg)
-        self._accept(msg, decision.capabilities)
-        return Output(events=(HandshakeAccepted(msg, decision.capabilities,
-                                                decision.warnings),))
-
-    def _on_refuse(self, msg: Refuse, now: float) -> Output:
-        events = self._fail_all(msg.code, f"refused by the peer: {msg.msg}")
-        events.append(HandshakeRefused(tuple(r.swapped() for r in msg.reasons), True,
-                                       msg.code, msg.msg, msg))
-        self._state = State.REFUSED
-        return Output(events=tuple(events))
-
-    def _on_bye(self, msg: Bye, now: float) -> Output:
-        events = self._fail_all(msg.code, f"peer closed: {msg.msg}")
-        events.append(PeerClosed(msg.code, msg.msg, True))
-        self._state = State.CLOSED
-        return Output(events=tuple(events))
-
-    def _on_ignore(self, msg: Message, now: float) -> Output:
-        return _NOTHING
-
-    def _on_ping(self, msg: Ping, now: float) -> Output:
-        return Output(replies=(Pong(msg.nonce),))
-
-    def _on_pong(self, msg: Pong, now: float) -> Output:
-        return _NOTHING
-
-    def _on_error(self, msg: Error, now: float) -> Output:
-        req = msg.req
-        if req is None:
-            return Output(events=(ErrorReceived(msg.code, msg.msg),))
-        if req in self._requests:
-            self._finish(req)
-            return Output(events=(RequestFailed(req, msg.code, msg.msg),))
-        if req in self._finished:
-            return _NOTHING
-        return self._violate(Code.UNKNOWN_REQUEST, f"error for unknown request {req}")
-
-    def _late_or_unknown(self, req: int, tag: str) -> Output:
-        if req in self._finished:
-            return _NOTHING
-        return self._violate(Code.UNKNOWN_REQUEST, f"{tag} for unknown request {req}")
-
-    # client side
-
-    def _on_hits(self, msg: Hits, now: float) -> Output:
-        r = self._requests.get(msg.req)
-        if r is None:
-            return self._late_or_unknown(msg.req, "hits")
-        if r.kind != "lookup":
-            return self._violate(Code.UNEXPECTED, f"hits for request {msg.req}, a {r.kind}")
-        if r.aborting:
-            return _NOTHING
-        if len(msg.hits) != len(r.keys):
-            return self._violate(
-                Code.OUT_OF_BOUNDS,
-                f"hits: {len(msg.hits)} answers for {len(r.keys)} keys (request {msg.req})",
-            )
-        self._finish(msg.req)
-        return Output(events=(LookupAnswered(msg.req, msg.hits),))
-
-    def _on_block(self, msg: Block, now: float) -> Output:
-        req = msg.req
-        r = self._requests.get(req)
-        if r is None:
-            if req in self._finished:
-                return Output(events=(BlockDiscarded(req, msg.idx),))
-            return self._violate(Code.UNKNOWN_REQUEST, f"block for unknown request {req}")
-        if r.kind != "fetch":
-            return self._violate(Code.UNEXPECTED, f"block for request {req}, a {r.kind}")
-        if r.aborting:
-            return Output(events=(BlockDiscarded(req, msg.idx),))
-        nkeys = len(r.keys)
-        delivered = r.delivered
-        for i in msg.idx:
-            if i >= nkeys or i in delivered:
-                what = "is not a key of" if i >= nkeys else "was already delivered for"
-                return self._violate(Code.OUT_OF_BOUNDS, f"block index {i} {what} request {req}")
-            delivered.add(i)
-        r.received += len(msg.idx)
-        if r.received > r.granted:
-            return self._violate(
-                Code.WINDOW_EXCEEDED,
-                f"request {req}: {r.received} blocks arrived, {r.granted} granted",
-            )
-        if self._checksums:
-            if None in msg.sums:
-                return self._violate(Code.WRONG_TYPE, "block without checksum "
-                                     "(checksum-xxh3-64 was negotiated)")
-        elif any(s is not None for s in msg.sums):
-            return self._violate(Code.WRONG_TYPE, "block with checksum "
-                                 "(checksum-xxh3-64 was not negotiated)")
-        r.deadline = now + self._deadlines.fetch_idle
-        return Output(events=(BlockArrived(req, msg.idx, msg.sums, msg.payload),))
-
-    def _on_done(self, msg: Done, now: float) -> Output:
-        req = msg.req
-        r = self._requests.get(req)
-        if r is None:
-            return self._late_or_unknown(req, "done")
-        if r.kind != "fetch":
-            return self._violate(Code.UNEXPECTED, f"done for request {req}, a {r.kind}")
-        if r.aborting:
-            return _NOTHING
-        if len(msg.outcomes) != len(r.keys):
-            return self._violate(
-                Code.OUT_OF_BOUNDS,
-                f"done: {len(msg.outcomes)} outcomes for {len(r.keys)} keys (request {req})",
-            )
-        for i, o in enumerate(msg.outcomes):
-            if (o == OUTCOME_SENT) != (i in r.delivered):
-                return self._violate(
-                    Code.OUT_OF_BOUNDS,
-                    f"done: outcome {i} is {o} but block {i} "
-                    f"{'arrived' if i in r.delivered else 'never arrived'} (request {req})",
-                )
-        self._finish(req)
-        return Output(events=(FetchFinished(req, msg.outcomes),))
-
-    def _on_abort_ack(self, msg: AbortAck, now: float) -> Output:
-        req = msg.req
-        r = self._requests.get(req)
-        if r is None:
-            return self._late_or_unknown(req, "abort_ack")
-        if not r.aborting:
-            return self._violate(Code.UNEXPECTED, f"abort_ack for request {req}, never aborted")
-        self._finish(req)
-        return Output(events=(AbortAcknowledged(req),))
-
-    # server side
-
-    def _admit(self, req: int, keys: tuple[bytes, ...], tag: str) -> Output | None:
-        """Checks shared by lookup and fetch: None when the request may open."""
-        if req in self._requests:
-            return self._violate(Code.DUPLICATE_REQUEST, f"{tag}: request {req} is already open")
-        if len(keys) > self._limits.max_keys:
-            self._finish(req)
-            return Output(replies=(Error(
-                req, Code.OUT_OF_BOUNDS,
-                f"{tag}: {len(keys)} keys, this node accepts at most {self._limits.max_keys}",
-            ),))
-        if len(self._requests) >= self._limits.max_in_flight:
-            self._finish(req)
-            return Output(replies=(Error(
-                req, Code.TOO_MANY_IN_FLIGHT,
-                f"{tag}: {len(self._requests)} requests in flight, "
-                f"limit {self._limits.max_in_flight}",
-            ),))
-        return None
-
-    def _on_lookup(self, msg: Lookup, now: float) -> Output:
-        refused = self._admit(msg.req, msg.keys, "lookup")
-        if refused is not None:
-            return refused
-        self._requests[msg.req] = _Request("lookup", msg.keys, math.inf)
-        return Output(events=(LookupRequested(msg.req, msg.keys),))
-
-    def _on_fetch(self, msg: Fetch, now: float) -> Output:
-        refused = self._admit(msg.req, msg.keys, "fetch")
-        if refused is not None:
-            return refused
-        self._requests[msg.req] = _Request("fetch", msg.keys, math.inf, msg.window)
-        return Output(events=(FetchRequested(msg.req, msg.keys, msg.window),))
-
-    def _on_credit(self, msg: Credit, now: float) -> Output:
-        r = self._requests.get(msg.req)
-        if r is None:
-            return self._late_or_unknown(msg.req, "credit")
-        if r.kind != "fetch":
-            return self._violate(Code.UNEXPECTED, f"credit for request {msg.req}, a {r.kind}")
-        r.granted += msg.n
-        return Output(events=(CreditGranted(msg.req, msg.n),))
-
-    def _on_abort(self, msg: Abort, now: float) -> Output:
-        r = self._requests.get(msg.req)
-        if r is None:
-            if msg.req in self._finished:
-                # Already answered (or refused with error): the ack tells the client so.
-                return Output(replies=(AbortAck(msg.req),))
-            return self._violate(Code.UNKNOWN_REQUEST, f"abort for unknown request {msg.req}")
-        if r.aborting:
-            return self._violate(Code.UNEXPECTED, f"abort for request {msg.req} twice")
-        r.aborting = True
-        return Output(events=(AbortRequested(msg.req),))
-
-
-_S = State
-_CLIENT_TABLE: Final[dict[tuple[State, str], Handler]] = {
-    (_S.AWAITING_WELCOME, "welcome"): Session._on_welcome,
-    (_S.AWAITING_WELCOME, "refuse"): Session._on_refuse,
-    (_S.AWAITING_WELCOME, "bye"): Session._on_bye,
-    (_S.READY, "hits"): Session._on_hits,
-    (_S.READY, "block"): Session._on_block,
-    (_S.READY, "done"): Session._on_done,
-    (_S.READY, "abort_ack"): Session._on_abort_ack,
-    (_S.READY, "error"): Session._on_error,
-    (_S.READY, "ping"): Session._on_ping,
-    (_S.READY, "pong"): Session._on_pong,
-    (_S.READY, "bye"): Session._on_bye,
-    (_S.REFUSED, "bye"): Session._on_ignore,
-    (_S.REFUSED, "refuse"): Session._on_ignore,
-}
-_SERVER_TABLE: Final[dict[tuple[State, str], Handler]] = {
-    (_S.AWAITING_HELLO, "hello"): Session._on_hello,
-    (_S.AWAITING_HELLO, "bye"): Session._on_bye,
-    (_S.READY, "refuse"): Session._on_refuse,
-    (_S.READY, "lookup"): Session._on_lookup,
-    (_S.READY, "fetch"): Session._on_fetch,
-    (_S.READY, "credit"): Session._on_credit,
-    (_S.READY, "abort"): Session._on_abort,
-    (_S.READY, "error"): Session._on_error,
-    (_S.READY, "ping"): Session._on_ping,
-    (_S.READY, "pong"): Session._on_pong,
-    (_S.READY, "bye"): Session._on_bye,
-    (_S.REFUSED, "bye"): Session._on_ignore,
-    (_S.REFUSED, "refuse"): Session._on_ignore,
-}
-# Once closed (we sent or received bye) or failed, everything the peer still had in flight
-# is dropped: it could not have seen our bye yet, so it is not a violation.
-_ALL_TAGS: Final = ("hello", "welcome", "refuse", "lookup", "hits", "fetch", "credit", "block",
-                    "done", "abort", "abort_ack", "ping", "pong", "bye", "error")
-for _table in (_CLIENT_TABLE, _SERVER_TABLE):
-    for _state in (_S.CLOSED, _S.ERROR):
-        for _tag in _ALL_TAGS:
-            _table[(_state, _tag)] = Session._on_ignore
-
-TRANSITIONS: Final = {Role.CLIENT: _CLIENT_TABLE, Role.SERVER: _SERVER_TABLE}
-"""The transition tables, by role: ``(state, message type) -> handler``."""

@@ -28,11 +28,9 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
-import re
-import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
@@ -45,8 +43,6 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
-    OffloadingCounterMetadata,
-    OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
     OffloadingSpec,
     OffloadKey,
@@ -58,7 +54,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from p2pkv.errors import ConfigError, P2PKVError, PeerGone, PeerIncompatible
+from p2pkv.errors import P2PKVError, PeerGone
 from p2pkv.identity import IdentityExtension, RunConfig
 from p2pkv.integrations.vllm.identity import (
     VLLMKeyHash,
@@ -66,112 +62,16 @@ from p2pkv.integrations.vllm.identity import (
     extension_for,
     run_config_from_spec,
 )
+from p2pkv.integrations.vllm.metrics import Metrics, metric_definitions
+from p2pkv.integrations.vllm.options import TIER_DEFAULTS, TIER_OPTIONS, tier_settings
+from p2pkv.integrations.vllm.peers import Peers
 from p2pkv.layout import EngineRowLayout
 from p2pkv.node import FetchResult, KeyOutcome, Node, NodeConfig, PeerHandle
-from p2pkv.transport import validate_address
 
 # Under "vllm." so that vLLM's own log handler prints the tier's lines with the engine's.
 log = logging.getLogger("vllm.p2pkv")
 
-__all__ = ["TIER_OPTIONS", "Metrics", "P2PKVTier"]
-
-#: Tier-config keys taken by this tier (the node options keep their ``serve`` names;
-#: see docs/configuration.md). Identity options are absent on purpose: the identity is
-#: vLLM's own, read from the offloading spec.
-TIER_OPTIONS: tuple[str, ...] = (
-    "listen", "peers", "pool_blocks", "checksums", "parallel_agnostic",
-    "handshake_timeout", "lookup_timeout", "fetch_timeout", "heartbeat_timeout",
-    "curve_secret_key", "curve_authorized", "curve_server_key", "reconnect_interval",
-    "identity_policy", "kv_memory_layout", "model_revision", "model_overrides",
-)
-_DEFAULT_RECONNECT = 2.0
-#: Defaults that differ from ``serve``'s: a scheduler waits on lookups, so silence
-#: becomes a miss sooner; a load that takes longer than recomputing is not worth waiting.
-TIER_DEFAULTS: Mapping[str, Any] = {"lookup_timeout": 1.0, "fetch_timeout": 10.0}
-#: After a refusal the configuration of one side must change; try again rarely.
-_REFUSED_RETRY = 30.0
-#: Holder entries kept for keys answered but not loaded yet.
-_MAX_HOLDERS = 1 << 20
-
-
-class Metrics:
-    """Names of the Prometheus metrics the tier adds to vLLM's own output."""
-
-    LOOKUP_KEYS = "vllm:p2pkv_lookup_keys"
-    LOOKUP_HITS = "vllm:p2pkv_lookup_hits"
-    LOADED_BLOCKS = "vllm:p2pkv_loaded_blocks"
-    LOADED_BYTES = "vllm:p2pkv_loaded_bytes"
-    LOAD_FAILURES = "vllm:p2pkv_load_failures"
-    STORED_BLOCKS = "vllm:p2pkv_stored_blocks"
-    STORED_BYTES = "vllm:p2pkv_stored_bytes"
-    HANDSHAKES_REFUSED = "vllm:p2pkv_handshakes_refused"
-    PEERS = "vllm:p2pkv_peers"
-
-
-def _tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], float]:
-    """Validate the tier's config params with the launcher's parsers."""
-    from p2pkv.settings import load_settings
-
-    unknown = sorted(set(params) - set(TIER_OPTIONS) - {"locality"})
-    if unknown:
-        raise ConfigError(
-            f"P2PKVTier: unknown option(s) {unknown}; valid: {sorted(TIER_OPTIONS)} (the "
-            "identity comes from vLLM's offloading spec, not from tier options)")
-    flags = dict(TIER_DEFAULTS)
-    flags.update({k: v for k, v in params.items()
-                  if k not in ("peers", "reconnect_interval", "locality")})
-    peers = params.get("peers", ())
-    if isinstance(peers, str) or not isinstance(peers, Sequence):
-        raise ConfigError(f"P2PKVTier: peers must be a list of tcp://HOST:PORT addresses, "
-                          f"got {peers!r}")
-    flags["peer"] = list(peers)
-    reconnect = params.get("reconnect_interval", _DEFAULT_RECONNECT)
-    if isinstance(reconnect, bool) or not isinstance(reconnect, (int, float)) or reconnect <= 0:
-        raise ConfigError(f"P2PKVTier: reconnect_interval must be a positive number of "
-                          f"seconds, got {reconnect!r}")
-    try:
-        settings = load_settings(flags, environ={})
-        for address in settings["peer"]:
-            validate_address(address, what="peers entry")
-        validate_address(settings["listen"], what="listen")
-    except ConfigError as exc:
-        # Name the tier option, not the launcher flag it shares a parser with.
-        message = re.sub(r" \(from --[a-z-]+\)$", "", str(exc))
-        message = re.sub(r"--([a-z-]+)", lambda m: m.group(1).replace("-", "_"), message)
-        raise ConfigError(f"P2PKVTier: {message}") from None
-    _check_bindable(settings["listen"])
-    return settings, tuple(settings["peer"]), float(reconnect)
-
-
-def _check_bindable(listen: str) -> None:
-    """Fail at engine start, not at the first request, when ``listen`` is taken.
-
-    The node binds later (its identity needs vLLM's block-hash seed, known only once the
-    engine core runs); a test bind now catches a port in use or a foreign address."""
-    host, _, port = listen[len("tcp://"):].rpartition(":")
-    if port == "0":
-        return
-    host = host.strip("[]")
-    host = "0.0.0.0" if host in ("*", "") else host
-    try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-        family, _, _, _, address = infos[0]
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind(address)
-    except OSError as exc:
-        raise ConfigError(f"P2PKVTier: listen {listen!r} cannot be bound: {exc}") from None
-
-
-@dataclass
-class _Peer:
-    address: str
-    handle: PeerHandle | None = None
-    connecting: Future[PeerHandle] | None = None
-    next_attempt: float = 0.0
-    last_error: str | None = None
-    refused: tuple[str, ...] = ()
-
+__all__ = ["TIER_DEFAULTS", "TIER_OPTIONS", "Metrics", "P2PKVTier"]
 
 @dataclass
 class _LoadJob:
@@ -214,7 +114,7 @@ class P2PKVTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type,
                          backpressure_detector=backpressure_detector)
         self.locality = Locality.REMOTE
-        settings, peers, self._reconnect = _tier_settings(params)
+        settings, peers, reconnect = tier_settings(params)
         from p2pkv.cli import node_config
 
         self._node_config: NodeConfig = node_config(settings)
@@ -224,7 +124,6 @@ class P2PKVTier(SecondaryTierManager):
             offloading_spec, parallel_agnostic=settings["parallel_agnostic"])
         self.layout = EngineRowLayout.of_bytes(self.block_size_bytes)
         self._pool_blocks = int(params.get("pool_blocks") or len(primary_kv_view))
-        self._lookup_timeout = float(settings["lookup_timeout"])
         self._fetch_timeout = float(settings["fetch_timeout"])
         # The 2-D region as bytes: chunk c is rows[c * row : (c + 1) * row].
         self._rows = primary_kv_view.cast("B")
@@ -233,8 +132,9 @@ class P2PKVTier(SecondaryTierManager):
         self._node: Node | None = None
         self._failed: str | None = None
         self._lock = threading.Lock()
-        self._peers = {a: _Peer(a) for a in peers}
-        self._holders: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        self._peers = Peers(peers, reconnect=reconnect,
+                            lookup_timeout=float(settings["lookup_timeout"]),
+                            lock=self._lock, count=self._count)
         self._lookup = _PeerLookup(self, tier_type)
         self._finished: collections.deque[tuple[JobResult, list[OffloadKey]]] = \
             collections.deque()
@@ -242,7 +142,6 @@ class P2PKVTier(SecondaryTierManager):
         self._outstanding: set[Future[Any]] = set()
         self._stores = concurrent.futures.ThreadPoolExecutor(1, "p2pkv-vllm-store")
         self._stats = OffloadingConnectorStats()
-        self._refusals: collections.Counter[str] = collections.Counter()
         self._inbound_refusals: dict[str, int] = {}
         self._closed = False
         log.info("p2pkv tier: fingerprint %s, %d-byte chunks, peers %s",
@@ -284,111 +183,19 @@ class P2PKVTier(SecondaryTierManager):
             return None
         log.info("p2pkv tier node %s on %s: %s", self._node.node_id, self._node.address,
                  self.extension.describe())
-        self._maintain_peers()
+        self._peers.maintain(self._node)
         return self._node
 
-    def _maintain_peers(self) -> None:
-        node = self._node
-        if node is None:
-            return
-        now = time.monotonic()
-        with self._lock:
-            due = [p for p in self._peers.values()
-                   if p.handle is None and p.connecting is None and now >= p.next_attempt]
-            for peer in due:
-                try:
-                    fut = node.connect_async(peer.address)
-                except P2PKVError as exc:
-                    peer.last_error = str(exc)
-                    peer.next_attempt = now + self._reconnect
-                    continue
-                peer.connecting = fut
-                fut.add_done_callback(functools.partial(self._connected, peer))
-
-    def _connected(self, peer: _Peer, fut: Future[PeerHandle]) -> None:
-        now = time.monotonic()
-        with self._lock:
-            peer.connecting = None
-            try:
-                peer.handle = fut.result()
-            except PeerIncompatible as exc:
-                peer.next_attempt = now + _REFUSED_RETRY
-                fields = tuple(r.field for r in exc.reasons)
-                if fields != peer.refused:
-                    for f in fields:
-                        self._refusals[f] += 1
-                        self._stats.increase_counter(Metrics.HANDSHAKES_REFUSED, 1,
-                                                     ("outbound", f))
-                    log.error("p2pkv tier: peer %s refused, nothing will be shared with it:\n%s",
-                              peer.address, _refusal_text(exc))
-                peer.refused = fields
-                peer.last_error = str(exc)
-                return
-            except BaseException as exc:
-                peer.next_attempt = now + self._reconnect
-                if peer.last_error != str(exc):
-                    log.warning("p2pkv tier: cannot reach peer %s: %s", peer.address, exc)
-                peer.last_error = str(exc)
-                return
-            peer.refused = ()
-            peer.last_error = None
-            log.info("p2pkv tier: connected to %s (%s)", peer.address, peer.handle.remote_node_id)
-
-    def _lost(self, handle: PeerHandle, exc: BaseException) -> None:
-        with self._lock:
-            for peer in self._peers.values():
-                if peer.handle is handle:
-                    peer.handle = None
-                    peer.next_attempt = time.monotonic() + self._reconnect
-                    peer.last_error = str(exc)
-                    log.warning("p2pkv tier: lost peer %s: %s", peer.address, exc)
-
-    # ------------------------------------------------------------------ lookups
+    def _count(self, name: str, n: int, labels: tuple[str, ...]) -> None:
+        """Increment one of this tier's metrics (the caller holds the lock)."""
+        self._stats.increase_counter(name, n, labels)
 
     def _ask_peers(self, keys: list[OffloadKey]) -> list[bool]:
-        """Runs on the lookup thread: one lookup per connected peer, in parallel, one
-        deadline for all. Silence, errors and refusals are misses."""
+        """Runs on the lookup thread (see :meth:`Peers.ask`)."""
         node = self._node
         if node is None or not keys:
             return [False] * len(keys)
-        deadline = time.monotonic() + self._lookup_timeout
-        with self._lock:
-            connecting = [p.connecting for p in self._peers.values() if p.connecting]
-        if connecting:  # a peer still shaking hands gets the same deadline
-            concurrent.futures.wait(connecting, timeout=self._lookup_timeout)
-        with self._lock:
-            handles = [p.handle for p in self._peers.values() if p.handle is not None]
-        asks: list[tuple[PeerHandle, Future[list[bool]]]] = []
-        for handle in handles:
-            try:
-                asks.append((handle, node.lookup_async(
-                    handle, keys, timeout=max(0.001, deadline - time.monotonic()))))
-            except P2PKVError as exc:
-                self._lost(handle, exc)
-        found = [False] * len(keys)
-        holders: dict[bytes, str] = {}
-        for handle, fut in asks:
-            try:
-                answer = fut.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
-            except PeerGone as exc:
-                self._lost(handle, exc)
-                continue
-            except (P2PKVError, concurrent.futures.TimeoutError) as exc:
-                log.debug("p2pkv tier: lookup at %s failed: %s", handle.address, exc)
-                continue
-            for i, hit in enumerate(answer):
-                if hit and not found[i]:
-                    found[i] = True
-                    holders[keys[i]] = handle.address
-        with self._lock:
-            for key, address in holders.items():
-                self._holders[key] = address
-                self._holders.move_to_end(key)
-            while len(self._holders) > _MAX_HOLDERS:
-                self._holders.popitem(last=False)
-            self._stats.increase_counter(Metrics.LOOKUP_KEYS, len(keys))
-            self._stats.increase_counter(Metrics.LOOKUP_HITS, sum(found))
-        return found
+        return self._peers.ask(node, keys)
 
     # ------------------------------------------------------------------ SecondaryTierManager
 
@@ -417,11 +224,10 @@ class P2PKVTier(SecondaryTierManager):
             job.failures["tier_disabled"] = len(keys)
             self._load_done(job, 0, None, None)
             return
+        handles, holders = self._peers.route(keys)
         with self._lock:
-            handles = {p.address: p.handle for p in self._peers.values() if p.handle}
-            for key, cid in zip(keys, chunk_ids, strict=True):
-                address = self._holders.get(key)
-                if address is None or address not in handles:
+            for key, cid, address in zip(keys, chunk_ids, holders, strict=True):
+                if address is None:
                     job.failures["no_holder"] = job.failures.get("no_holder", 0) + 1
                     continue
                 by_peer.setdefault(address, []).append((key, int(cid)))
@@ -435,7 +241,7 @@ class P2PKVTier(SecondaryTierManager):
                 fut = node.fetch_into_async(handle, [k for k, _ in items], dests,
                                             timeout=self._fetch_timeout)
             except P2PKVError as exc:
-                self._lost(handle, exc)
+                self._peers.lost(handle, exc)
                 self._load_done(job, len(items), None, exc)
                 continue
             with self._lock:
@@ -452,7 +258,7 @@ class P2PKVTier(SecondaryTierManager):
             result = fut.result()
         except BaseException as exc:
             if isinstance(exc, PeerGone):
-                self._lost(handle, exc)
+                self._peers.lost(handle, exc)
             self._load_done(job, n, None, exc)
             return
         self._load_done(job, n, result, None)
@@ -553,7 +359,8 @@ class P2PKVTier(SecondaryTierManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._lookup.flush()
-        self._maintain_peers()
+        if self._node is not None:
+            self._peers.maintain(self._node)
 
     def drain_jobs(self) -> None:
         """Wait until no load or store touches the primary region. Loads are bounded by
@@ -586,10 +393,7 @@ class P2PKVTier(SecondaryTierManager):
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for logs and tests: peers, refusals by field, node counters."""
-        with self._lock:
-            peers = {a: {"connected": p.handle is not None, "refused": list(p.refused),
-                         "last_error": p.last_error} for a, p in self._peers.items()}
-            refusals = dict(self._refusals)
+        peers, refusals = self._peers.report()
         return {
             "fingerprint": self.fingerprint,
             "address": self._node.address if self._node else None,
@@ -604,33 +408,13 @@ class P2PKVTier(SecondaryTierManager):
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]
                                  ) -> dict[str, OffloadingMetricMetadata]:
-        return {
-            Metrics.LOOKUP_KEYS: OffloadingCounterMetadata(
-                "Chunk keys this engine asked p2pkv peers about."),
-            Metrics.LOOKUP_HITS: OffloadingCounterMetadata(
-                "Chunk keys a p2pkv peer said it holds."),
-            Metrics.LOADED_BLOCKS: OffloadingCounterMetadata(
-                "Chunks fetched from p2pkv peers into the primary region, verified."),
-            Metrics.LOADED_BYTES: OffloadingCounterMetadata(
-                "Bytes fetched from p2pkv peers into the primary region."),
-            Metrics.LOAD_FAILURES: OffloadingCounterMetadata(
-                "Chunks a load could not bring (vLLM recomputes them), by reason.",
-                labelnames=("reason",)),
-            Metrics.STORED_BLOCKS: OffloadingCounterMetadata(
-                "Chunks copied into this engine's p2pkv pool to serve to peers."),
-            Metrics.STORED_BYTES: OffloadingCounterMetadata(
-                "Bytes copied into this engine's p2pkv pool."),
-            Metrics.HANDSHAKES_REFUSED: OffloadingCounterMetadata(
-                "p2pkv handshakes refused: outbound by differing field, inbound (peers "
-                "this engine refused) by reason.", labelnames=("side", "reason")),
-            Metrics.PEERS: OffloadingGaugeMetadata("Compatible p2pkv peers connected."),
-        }
+        return metric_definitions()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         inbound = dict(self._node.stats().handshakes_refused) if self._node else {}
+        connected = self._peers.connected()
         with self._lock:
             stats, self._stats = self._stats, OffloadingConnectorStats()
-            connected = sum(1 for p in self._peers.values() if p.handle is not None)
             for reason, count in inbound.items():
                 delta = count - self._inbound_refusals.get(reason, 0)
                 if delta > 0:
@@ -640,7 +424,3 @@ class P2PKVTier(SecondaryTierManager):
         stats.set_gauge(Metrics.PEERS, connected)
         return stats
 
-
-def _refusal_text(exc: PeerIncompatible) -> str:
-    return "\n".join(f"  {r.field}: local {r.ours!r} remote {r.theirs!r}: {r.meaning}"
-                     for r in exc.reasons)

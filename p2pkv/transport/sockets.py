@@ -1,7 +1,7 @@
-"""ZeroMQ plumbing for the node: socket factories, options, wake-ups and monitors.
+"""ZeroMQ sockets for the node: factories, options, wake-ups and monitors.
 
-Nothing here knows p2pkv messages; the node (``p2pkv.node``) wires these sockets to the
-protocol core. All sockets created here are owned by the node's IO thread.
+Nothing here knows p2pkv messages; the node's runtime (``p2pkv.runtime``) wires these
+sockets to the protocol core. All sockets created here are owned by the node's IO thread.
 """
 
 from __future__ import annotations
@@ -9,22 +9,20 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from dataclasses import dataclass
-from pathlib import Path
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from p2pkv.errors import ConfigError
+from p2pkv.transport.curve import CurveKeys
 
 __all__ = [
-    "CurveKeys",
     "Wakeup",
     "bound_address",
     "configure_common",
-    "load_authorized_keys",
     "make_dealer",
     "make_router",
+    "monitor_events",
     "validate_address",
 ]
 
@@ -48,39 +46,6 @@ def validate_address(address: str, *, what: str = "address") -> str:
     if port > 65535:
         raise ConfigError(f"{what} has port {port} out of range 0..65535")
     return address
-
-
-@dataclass(frozen=True)
-class CurveKeys:
-    """CurveZMQ key material (Z85 text, 40 characters each).
-
-    A server sets ``secret_key``/``public_key`` and ``authorized_clients`` (None = any
-    client that knows the server key); a client sets its own pair and ``server_key``.
-    """
-
-    public_key: bytes
-    secret_key: bytes
-    server_key: bytes | None = None
-    authorized_clients: frozenset[bytes] | None = None
-
-
-def load_authorized_keys(directory: str | Path) -> frozenset[bytes]:
-    """Read every ``*.key`` public key file in a directory (zmq.auth format)."""
-    import zmq.auth
-
-    path = Path(directory)
-    if not path.is_dir():
-        raise ConfigError(f"authorized keys directory {str(path)!r} does not exist")
-    keys: set[bytes] = set()
-    for item in sorted(path.iterdir()):
-        if item.suffix not in (".key", ".key_secret"):
-            continue
-        try:
-            public, _secret = zmq.auth.load_certificate(str(item))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read key file {str(item)!r}: {exc}") from exc
-        keys.add(public)
-    return frozenset(keys)
 
 
 def configure_common(sock: zmq.Socket[bytes], address: str, *, max_message_bytes: int) -> None:

@@ -1,0 +1,205 @@
+"""Benchmark data: the bulk cases, deterministic datasets that verify themselves, and
+the measuring helpers every worker role shares."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from p2pkv.layout import SEED_GEOMETRY, Geometry, make_layout, preset
+from p2pkv.protocol.flow import batch_limit
+
+KIB = 1024
+MIB = 1024 * KIB
+GIB = 1024 * MIB
+
+
+BASELINE_KIND = (
+    "raw pyzmq ROUTER (sender, bound) -> DEALER (receiver, connected) over tcp://127.0.0.1, "
+    "same frames as the node (blocks batched up to 1 MiB per message, send copy=False for "
+    "frames >= 64 KiB, plain send below), recv_into preallocated buffers, one request per "
+    "round, no credit flow control, no send tracking"
+)
+
+_KEY_GROUP = (0).to_bytes(4, "big")
+
+
+class BenchError(Exception):
+    """A benchmark step failed (a worker error, a timeout, wrong bytes)."""
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+@dataclass(frozen=True)
+class BulkCase:
+    """One geometry to move in bulk."""
+
+    name: str
+    label: str
+    layout: str
+    geometry: Geometry
+    target_ratio: float
+
+    @property
+    def segments(self) -> tuple[int, ...]:
+        return tuple(make_layout(self.layout, self.geometry).segment_sizes)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(self.segments)
+
+
+SMALL_16K = Geometry(num_layers=1, num_kv_heads=8, head_size=64, tokens_per_block=8)
+
+BULK_CASES: tuple[BulkCase, ...] = (
+    BulkCase("seed-v2", "seed V2 (12 x 48 KiB)", "v2", SEED_GEOMETRY, 0.9),
+    BulkCase("seed-v1", "seed V1 (1 x 576 KiB)", "v1", SEED_GEOMETRY, 0.9),
+    BulkCase("llama3-8b-v2", "Llama-3-8B V2 (32 x 64 KiB)", "v2", preset("llama-3-8b"), 0.9),
+    BulkCase("small-16k", "16 KiB blocks (V1)", "v1", SMALL_16K, 0.5),
+)
+
+
+def block_key(dataset: str, index: int) -> bytes:
+    """A 20-byte block key (content hash + group index, like vLLM's)."""
+    return xxhash.xxh3_128_digest(f"p2pkv-bench/{dataset}/{index}".encode()) + _KEY_GROUP
+
+
+class Dataset:
+    """``blocks`` deterministic blocks of a layout with the given segment sizes."""
+
+    def __init__(self, name: str, segments: Sequence[int], blocks: int) -> None:
+        if any(s % 8 for s in segments):
+            raise ValueError(f"segment sizes must be multiples of 8, got {list(segments)}")
+        self.name = name
+        self.segments = tuple(segments)
+        self.bpb = sum(self.segments)
+        self.blocks = blocks
+        self.keys = [block_key(name, i) for i in range(blocks)]
+        rng = np.random.default_rng(xxhash.xxh3_64_intdigest(name.encode()))
+        self.pattern: npt.NDArray[np.uint64] = rng.integers(
+            0, np.iinfo(np.uint64).max, size=self.bpb // 8, dtype=np.uint64, endpoint=True)
+        words: list[tuple[int, int]] = []
+        start = 0
+        for size in self.segments:
+            words.append((start, start + size // 8))
+            start += size // 8
+        self.words = tuple(words)
+        self.per_message = batch_limit(self.bpb)  # what the node batches too
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks * self.bpb
+
+    def salt(self, index: int) -> np.uint64:
+        value: int = xxhash.xxh3_64_intdigest(self.keys[index])
+        salt: np.uint64 = np.uint64(value | 1)
+        return salt
+
+    def block(self, index: int) -> npt.NDArray[np.uint64]:
+        """The block's bytes (segments back to back) as uint64 words."""
+        return self.pattern ^ self.salt(index)
+
+    def check(self, index: int, views: Sequence[Any]) -> bool:
+        """Whether ``views`` (one buffer per segment) hold exactly block ``index``."""
+        if len(views) != len(self.words):
+            return False
+        salt = self.salt(index)
+        for (lo, hi), view in zip(self.words, views, strict=True):
+            got = np.frombuffer(view, dtype=np.uint8)
+            if got.size != (hi - lo) * 8:
+                return False
+            if not np.array_equal(got.view(np.uint64), self.pattern[lo:hi] ^ salt):
+                return False
+        return True
+
+
+def lookup_keys(ds: Dataset, n: int) -> tuple[list[bytes], list[bool]]:
+    """``n`` keys, the dataset's first ones (hits) then unknown ones (misses), interleaved
+    deterministically; and the expected answer."""
+    hits = min(n, ds.blocks)
+    keys = ds.keys[:hits] + [block_key(ds.name + "/missing", i) for i in range(n - hits)]
+    expected = [True] * hits + [False] * (n - hits)
+    order = np.random.default_rng(5).permutation(n)
+    return [keys[i] for i in order], [expected[i] for i in order]
+
+
+def proc_status(pid: int | str = "self") -> dict[str, int]:
+    """VmRSS / VmHWM (KiB) of a process from ``/proc/PID/status``."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in ("VmRSS", "VmHWM"):
+                    out[name] = int(rest.split()[0])
+    except OSError:
+        pass
+    if "VmHWM" not in out and pid == "self":
+        import resource
+
+        out["VmHWM"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return out
+
+
+def fd_count(pid: int | str = "self") -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return -1
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return math.nan
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+
+
+def timed_lookups(call: Callable[[], list[bool]], expected: list[bool], count: int,
+                   background: Callable[[threading.Event], int] | None) -> dict[str, Any]:
+    """Time ``count`` calls; with ``background``, while it runs on another thread."""
+    stop = threading.Event()
+    box: dict[str, Any] = {}
+    thread: threading.Thread | None = None
+    if background is not None:
+        def run() -> None:
+            try:
+                box["bytes"] = background(stop)
+            except Exception as exc:
+                box["error"] = f"{type(exc).__name__}: {exc}"
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        time.sleep(0.2)  # let the stream get going
+    ms: list[float] = []
+    ok = True
+    rng = np.random.default_rng(3)
+    t_start = time.perf_counter()
+    try:
+        for _ in range(count):
+            t0 = time.perf_counter()
+            got = call()
+            ms.append((time.perf_counter() - t0) * 1e3)
+            ok = ok and got == expected
+            if background is not None:
+                time.sleep(float(rng.uniform(0.0, 0.01)))  # sample different phases
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join(180)
+    elapsed = time.perf_counter() - t_start
+    if thread is not None and thread.is_alive():
+        raise BenchError("background bulk transfer did not stop within 180 s")
+    if "error" in box:
+        raise BenchError(f"background bulk transfer failed: {box['error']}")
+    return {"ms": ms, "verified": ok, "bulk_bytes": box.get("bytes", 0),
+            "bulk_gbps": box.get("bytes", 0) / elapsed / 1e9 if elapsed else 0.0}

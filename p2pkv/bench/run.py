@@ -1,0 +1,375 @@
+"""``p2pkv-node bench``: every case against its raw-pyzmq baseline, in one run."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+import zmq
+
+from p2pkv.bench.data import (
+    BASELINE_KIND,
+    BULK_CASES,
+    GIB,
+    KIB,
+    MIB,
+    BenchError,
+    BulkCase,
+    percentile,
+)
+from p2pkv.bench.node_roles import chunk_keys
+from p2pkv.bench.report import Row, error_row, machine_info, ratio_of, report
+from p2pkv.bench.worker import Worker
+from p2pkv.layout import Geometry
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes of one run (the default or ``--quick``)."""
+
+    quick: bool
+    dataset_bytes: int
+    bulk_bytes: int
+    mem_bytes: int
+    curve_bytes: int
+    lookup_counts: tuple[tuple[int, int], ...]
+    batches: int
+    handshakes: int
+
+    @classmethod
+    def make(cls, quick: bool) -> Plan:
+        if quick:
+            return cls(True, 32 * MIB, 64 * MIB, 128 * MIB, 32 * MIB,
+                       ((1000, 20), (10_000, 10)), 2, 20)
+        return cls(False, 256 * MIB, 2 * GIB, 4 * GIB, 512 * MIB,
+                   ((1000, 200), (10_000, 100)), 4, 200)
+
+
+def rounds_for(total: int, per_round: int) -> int:
+    return max(1, -(-total // per_round))
+
+
+def log(msg: str) -> None:
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+def geometry_dict(g: Geometry) -> dict[str, Any]:
+    return dataclasses.asdict(g)
+
+
+def node_spec(node_id: str, case: BulkCase, blocks: int, **extra: Any) -> dict[str, Any]:
+    return {"id": node_id, "dataset": case.name, "segments": list(case.segments),
+            "blocks": blocks, "layout": case.layout,
+            "geometry": geometry_dict(case.geometry), **extra}
+
+
+def bulk_timeout(nbytes: int) -> float:
+    return 120.0 + nbytes / 20e6
+
+
+def alternate(rounds: int, a: Callable[[int], None], b: Callable[[int], None]) -> None:
+    """a b, b a, a b, ... (ABBA) so linear drift hits both sides alike."""
+    for r in range(rounds):
+        first, second = (a, b) if r % 2 == 0 else (b, a)
+        first(r)
+        second(r)
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds of every thread of ``pids`` so far (``/proc``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def bulk_pair(name: str, rounds: int, nbytes: int, a: tuple[Worker, str],
+               b: tuple[Worker, str], *, pids_a: Sequence[int] = (),
+               pids_b: Sequence[int] = ()) -> dict[str, Any]:
+    """Alternate bulk rounds of ``a`` (the baseline) and ``b`` (the case) after one
+    untimed warm-up round each (first touch of the receiving pages); verify both.
+    ``pids_*``: processes whose CPU time is charged to that side (sender + receiver)."""
+    out: dict[str, Any] = {"a_s": [], "b_s": [], "a_bytes": 0, "b_bytes": 0,
+                           "a_cpu": 0.0, "b_cpu": 0.0}
+    timeout = bulk_timeout(nbytes)
+
+    def side(which: str, worker: Worker, wid: str, pids: Sequence[int],
+             timed: bool = True) -> Callable[[int], None]:
+        def run(r: int) -> None:
+            cpu0 = cpu_seconds(pids)
+            reply = worker.ask({"op": "bulk", "id": wid, "clear": r == rounds - 1}, timeout)
+            cpu = cpu_seconds(pids) - cpu0
+            if int(reply["bytes"]) != nbytes:
+                raise BenchError(f"{worker.name} {wid}: round moved {reply['bytes']} of "
+                                 f"{nbytes} bytes")
+            if timed:
+                out[f"{which}_s"].append(float(reply["seconds"]))
+                out[f"{which}_bytes"] += int(reply["bytes"])
+                out[f"{which}_cpu"] += cpu
+        return run
+
+    log(f"{name}: warm-up, then {rounds} alternating rounds of {nbytes / MIB:.0f} MiB "
+         "each side")
+    side("a", *a, pids_a, timed=False)(-1)
+    side("b", *b, pids_b, timed=False)(-1)
+    alternate(rounds, side("a", *a, pids_a), side("b", *b, pids_b))
+    va = a[0].ask({"op": "verify", "id": a[1]}, 300)
+    vb = b[0].ask({"op": "verify", "id": b[1]}, 300)
+    out["a_verified"] = va["bad"] == 0 and va["good"] > 0
+    out["b_verified"] = vb["bad"] == 0 and vb["good"] > 0
+    out["a_gbps"] = out["a_bytes"] / sum(out["a_s"]) / 1e9
+    out["b_gbps"] = out["b_bytes"] / sum(out["b_s"]) / 1e9
+    out["a_cpu_s_per_gb"] = out["a_cpu"] / (out["a_bytes"] / 1e9) if pids_a else None
+    out["b_cpu_s_per_gb"] = out["b_cpu"] / (out["b_bytes"] / 1e9) if pids_b else None
+    return out
+
+
+def latency_pair(count: int, batches: int, cmd: dict[str, Any], a: tuple[Worker, str],
+                  b: tuple[Worker, str]) -> dict[str, Any]:
+    """Alternate batches of a latency command on ``a`` (baseline) and ``b`` (case)."""
+    out: dict[str, Any] = {"a_ms": [], "b_ms": [], "a_verified": True, "b_verified": True,
+                           "a_bulk_gbps": [], "b_bulk_gbps": []}
+    per = max(1, count // batches)
+
+    def side(which: str, worker: Worker, wid: str) -> Callable[[int], None]:
+        def run(r: int) -> None:
+            reply = worker.ask({**cmd, "id": wid, "count": per}, 600)
+            out[f"{which}_ms"] += reply["ms"]
+            out[f"{which}_verified"] = out[f"{which}_verified"] and bool(reply["verified"])
+            if "bulk_gbps" in reply:
+                out[f"{which}_bulk_gbps"].append(reply["bulk_gbps"])
+        return run
+
+    alternate(batches, side("a", *a), side("b", *b))
+    return out
+
+
+def _bench_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase],
+                blocks: dict[str, int], curve_ok: bool) -> list[Row]:
+    rows: list[Row] = []
+    raw, node = workers["raw-client"], workers["node-client"]
+    raw_pids = (workers["raw-server"].pid, raw.pid)
+    node_pids = (workers["node-server"].pid, node.pid)
+
+    # -- bulk fetch, one geometry at a time
+    for case in cases:
+        nbytes = blocks[case.name] * case.bytes_per_block
+        rounds = rounds_for(plan.bulk_bytes, nbytes)
+        metric = "fetch GB/s"
+        target = f">= {case.target_ratio:.1f}x raw"
+        try:
+            res = bulk_pair(f"bulk {case.name}", rounds, nbytes, (raw, case.name),
+                             (node, case.name), pids_a=raw_pids, pids_b=node_pids)
+            ratio = ratio_of(res["b_gbps"], res["a_gbps"])
+            rows.append(Row(
+                f"bulk {case.label}", metric, res["b_gbps"], res["a_gbps"], ratio, target,
+                ratio is not None and ratio >= case.target_ratio,
+                res["a_verified"] and res["b_verified"],
+                details={"rounds": rounds, "bytes_per_side": res["b_bytes"],
+                         "bytes_per_block": case.bytes_per_block, "segments": len(case.segments),
+                         "keys_per_fetch": chunk_keys(case.bytes_per_block),
+                         "pipelined_fetches": 2,
+                         "node_round_gbps": [nbytes / s / 1e9 for s in res["b_s"]],
+                         "raw_round_gbps": [nbytes / s / 1e9 for s in res["a_s"]],
+                         "raw_verified": res["a_verified"], "node_verified": res["b_verified"],
+                         "node_cpu_s_per_gb": res["b_cpu_s_per_gb"],
+                         "raw_cpu_s_per_gb": res["a_cpu_s_per_gb"]}))
+        except BenchError as exc:
+            rows.append(error_row(f"bulk {case.label}", metric, target, exc))
+
+    seed = cases[0]
+    seed_bytes = blocks[seed.name] * seed.bytes_per_block
+
+    # -- checksums on vs off (issue 8)
+    target = ">= 0.90x off"
+    try:
+        rounds = rounds_for(plan.bulk_bytes, seed_bytes)
+        res = bulk_pair("checksums on/off", rounds, seed_bytes, (node, "seed-v2-nosum"),
+                         (node, seed.name), pids_a=node_pids, pids_b=node_pids)
+        ratio = ratio_of(res["b_gbps"], res["a_gbps"])
+        rows.append(Row(
+            f"checksums on vs off, {seed.label}", "fetch GB/s", res["b_gbps"], res["a_gbps"],
+            ratio, target, ratio is not None and ratio >= 0.9,
+            res["a_verified"] and res["b_verified"], baseline_kind="p2pkv, checksums=False",
+            details={"rounds": rounds, "bytes_per_side": res["b_bytes"],
+                     "cost_fraction": None if ratio is None else 1 - ratio,
+                     "off_cpu_s_per_gb": res["a_cpu_s_per_gb"],
+                     "on_cpu_s_per_gb": res["b_cpu_s_per_gb"],
+                     "note": "the producer hashes a block once and caches it; the "
+                             "receiver hashes every block it lands"}))
+    except BenchError as exc:
+        rows.append(error_row("checksums on vs off", "fetch GB/s", target, exc))
+
+    # -- CURVE
+    if curve_ok:
+        try:
+            rounds = rounds_for(plan.curve_bytes, seed_bytes)
+            res = bulk_pair("curve", rounds, seed_bytes, (node, seed.name),
+                             (node, "seed-v2-curve"), pids_a=node_pids, pids_b=node_pids)
+            rows.append(Row(
+                f"CURVE encryption, {seed.label}", "fetch GB/s", res["b_gbps"], res["a_gbps"],
+                ratio_of(res["b_gbps"], res["a_gbps"]), "(info)", None,
+                res["a_verified"] and res["b_verified"], baseline_kind="p2pkv, plaintext",
+                details={"rounds": rounds, "bytes_per_side": res["b_bytes"],
+                         "plain_cpu_s_per_gb": res["a_cpu_s_per_gb"],
+                         "curve_cpu_s_per_gb": res["b_cpu_s_per_gb"]}))
+        except BenchError as exc:
+            rows.append(error_row("CURVE encryption", "fetch GB/s", "(info)", exc))
+
+    # -- lookups, idle and during a bulk fetch from the same peer
+    for during in (False, True):
+        for n, count in plan.lookup_counts:
+            when = "during bulk fetch" if during else "idle"
+            limit = (100.0 if during else 20.0) if n >= 10_000 else None
+            case_name = f"lookup {n:,} keys, {when}"
+            try:
+                log(f"{case_name}: {count} lookups each side")
+                res = latency_pair(count, plan.batches,
+                                    {"op": "lookup", "n": n, "during_bulk": during},
+                                    (raw, seed.name), (node, seed.name))
+                verified = res["a_verified"] and res["b_verified"]
+                details: dict[str, Any] = {"samples": len(res["b_ms"]),
+                                           "keys_held_by_peer": blocks[seed.name]}
+                if during:
+                    details["node_bulk_gbps_meanwhile"] = res["b_bulk_gbps"]
+                    details["raw_bulk_gbps_meanwhile"] = res["a_bulk_gbps"]
+                for q in (50, 99):
+                    v, bl = percentile(res["b_ms"], q), percentile(res["a_ms"], q)
+                    tgt = f"< {limit:.0f} ms" if (limit is not None and q == 99) else "-"
+                    met = (v < limit) if (limit is not None and q == 99) else None
+                    rows.append(Row(case_name, f"p{q} ms", v, bl, ratio_of(v, bl), tgt, met,
+                                    verified, details=details))
+            except BenchError as exc:
+                rows.append(error_row(case_name, "p99 ms", "-", exc))
+
+    # -- handshake
+    try:
+        log(f"handshake: {plan.handshakes} connects each side")
+        res = latency_pair(plan.handshakes, plan.batches, {"op": "handshake"},
+                            (raw, seed.name), (node, seed.name))
+        verified = res["a_verified"] and res["b_verified"]
+        for q in (50, 99):
+            v, bl = percentile(res["b_ms"], q), percentile(res["a_ms"], q)
+            rows.append(Row("handshake (connect to ready)", f"p{q} ms", v, bl, ratio_of(v, bl),
+                            "< 5 ms" if q == 50 else "-", (v < 5.0) if q == 50 else None,
+                            verified, baseline_kind="raw pyzmq connect + one ping",
+                            details={"samples": len(res["b_ms"])}))
+    except BenchError as exc:
+        rows.append(error_row("handshake (connect to ready)", "p50 ms", "< 5 ms", exc))
+
+    # -- receiver peak RSS while moving mem_bytes
+    mem_name = f"receiver peak RSS, {plan.mem_bytes / GIB:g} GiB moved"
+    try:
+        rounds = rounds_for(plan.mem_bytes, seed_bytes)
+        res = bulk_pair("memory", rounds, seed_bytes, (workers["mem-raw"], seed.name),
+                         (workers["mem-node"], seed.name))
+        mn = workers["mem-node"].ask({"op": "mem"}, 60)
+        mr = workers["mem-raw"].ask({"op": "mem"}, 60)
+        grow_n = (mn["VmHWM"] - mn["rss_before_kib"]) / KIB
+        grow_r = (mr["VmHWM"] - mr["rss_before_kib"]) / KIB
+        pool_mib = mn["pool_bytes"] / MIB
+        rows.append(Row(
+            mem_name, "MiB over pre-pool RSS", grow_n, grow_r, ratio_of(grow_n, grow_r),
+            f"<= pool {pool_mib:.0f} + 100 MiB", grow_n <= pool_mib + 100,
+            res["a_verified"] and res["b_verified"],
+            baseline_kind="raw pyzmq receiver, same buffer size",
+            details={"node_vmhwm_mib": mn["VmHWM"] / KIB,
+                     "node_rss_before_pool_mib": mn["rss_before_kib"] / KIB,
+                     "raw_vmhwm_mib": mr["VmHWM"] / KIB,
+                     "raw_rss_before_buffers_mib": mr["rss_before_kib"] / KIB,
+                     "pool_mib": pool_mib, "bytes_moved": res["b_bytes"],
+                     "node_gbps": res["b_gbps"], "raw_gbps": res["a_gbps"],
+                     "note": "the RSS before the pool includes the interpreter, torch and "
+                             "numpy (the node imports torch for its pool)"}))
+    except BenchError as exc:
+        rows.append(error_row(mem_name, "MiB over pre-pool RSS", "<= pool + 100 MiB", exc))
+    return rows
+
+
+def run_bench(*, quick: bool = False, json_path: str | None = None,
+              out: IO[str] | None = None) -> int:
+    """Run every case; print the table; return 0 iff every case ran and verified."""
+    out = out or sys.stdout
+    plan = Plan.make(quick)
+    cases = BULK_CASES
+    blocks = {c.name: max(4, plan.dataset_bytes // c.bytes_per_block) for c in cases}
+    seed = cases[0]
+    curve_ok = bool(zmq.has("curve"))
+    hwm = 16
+    t_start = time.perf_counter()
+
+    server_nodes = [node_spec(c.name, c, blocks[c.name]) for c in cases]
+    client_nodes = [node_spec(c.name, c, blocks[c.name]) for c in cases]
+    client_nodes.append(node_spec("seed-v2-nosum", seed, blocks[seed.name], checksums=False))
+    if curve_ok:
+        spub, ssec = zmq.curve_keypair()
+        cpub, csec = zmq.curve_keypair()
+        server_nodes.append(node_spec("seed-v2-curve", seed, blocks[seed.name], curve={
+            "public": spub.decode(), "secret": ssec.decode()}))
+        client_nodes.append(node_spec("seed-v2-curve", seed, blocks[seed.name], curve={
+            "public": cpub.decode(), "secret": csec.decode(), "server_key": spub.decode()}))
+    raw_sets = [{"name": c.name, "segments": list(c.segments), "blocks": blocks[c.name]}
+                for c in cases]
+
+    workers: dict[str, Worker] = {}
+    rows: list[Row] = []
+    errors: list[str] = []
+    server_stats: dict[str, Any] = {}
+    try:
+        log("starting servers")
+        workers["node-server"] = Worker("node-server", "node-server", {"nodes": server_nodes})
+        workers["raw-server"] = Worker("raw-server", "raw-server",
+                                       {"datasets": raw_sets, "hwm": hwm})
+        addresses = workers["node-server"].next(300)["addresses"]
+        raw_address = workers["raw-server"].next(300)["address"]
+        for spec in client_nodes:
+            spec["address"] = addresses[spec["id"] if spec["id"] != "seed-v2-nosum"
+                                        else seed.name]
+        log("starting clients")
+        workers["node-client"] = Worker("node-client", "node-client", {"nodes": client_nodes})
+        workers["raw-client"] = Worker("raw-client", "raw-client",
+                                       {"datasets": raw_sets, "hwm": hwm, "address": raw_address})
+        workers["mem-node"] = Worker("mem-node", "node-client",
+                                     {"nodes": [n for n in client_nodes if n["id"] == seed.name]})
+        workers["mem-raw"] = Worker("mem-raw", "raw-client", {
+            "datasets": [d for d in raw_sets if d["name"] == seed.name], "hwm": hwm,
+            "address": raw_address})
+        for name in ("node-client", "raw-client", "mem-node", "mem-raw"):
+            workers[name].next(300)
+        rows = _bench_rows(plan, workers, cases, blocks, curve_ok)
+        server_stats = {"node-server": workers["node-server"].ask({"op": "stats"}, 60),
+                        "raw-server": workers["raw-server"].ask({"op": "stats"}, 60)}
+    except BenchError as exc:
+        errors.append(str(exc))
+    finally:
+        for w in workers.values():
+            w.close_stdin()
+        for name, w in workers.items():
+            rc = w.stop(30)
+            if rc not in (0, None) and not errors:
+                errors.append(f"{name} exited with {rc}: {w.stderr_tail()}")
+    elapsed = time.perf_counter() - t_start
+
+    rows_failed = [r for r in rows if r.error or not r.verified]
+    ok = not errors and not rows_failed and bool(rows)
+    result = {
+        "version": 1, "mode": "quick" if quick else "full", "ok": ok, "errors": errors,
+        "seconds": elapsed, "machine": machine_info(), "baseline": BASELINE_KIND,
+        "plan": dataclasses.asdict(plan), "server_stats": server_stats,
+        "cases": [dataclasses.asdict(r) for r in rows],
+    }
+    print(f"p2pkv bench ({result['mode']}, {elapsed:.0f} s) -- baseline: {BASELINE_KIND}",
+          file=out)
+    lines = [f"error: {e}" for e in errors]
+    lines += [f"failed: {r.case} {r.metric}: {r.error or 'bytes not verified'}"
+              for r in rows_failed]
+    return report(rows, lines, result, ok, out, json_path)

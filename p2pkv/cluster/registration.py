@@ -1,0 +1,221 @@
+"""Keeping one node registered in the Redis directory, with its block set published.
+
+The data model and the scripts are in :mod:`p2pkv.cluster.redis_directory`; this module
+is the node's side: register, heartbeat, announce in batches, sweep, recover.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from p2pkv.cluster.records import DirectoryError, NodeRecord
+from p2pkv.cluster.redis_directory import ANNOUNCE_BATCH, Member, RedisDirectory
+from p2pkv.errors import ConfigError
+
+__all__ = ["RedisRegistration"]
+
+log = logging.getLogger("p2pkv.cluster")
+
+
+class RedisRegistration:
+    """Keeps one node registered and its block set published, on its own thread.
+
+    Registers ``record()`` under a fresh token and publishes every key of
+    ``stored_keys()``; then renews the registration every ``heartbeat`` seconds, sends
+    the changes heard by :meth:`changed` (the store listener) in batches every
+    ``announce_interval`` seconds, and sweeps dead tokens out of the partition. When
+    Redis is unreachable or the registration is lost, it forgets the queued changes and
+    tries again every ``retry_interval`` seconds; a new registration republishes the
+    whole block set, so no stale claim survives. The node itself never notices: it keeps
+    serving its peers.
+    """
+
+    def __init__(self, directory: RedisDirectory, record: Callable[[], NodeRecord],
+                 stored_keys: Callable[[], list[bytes]], *, ttl: float,
+                 heartbeat: float | None = None, announce_interval: float = 0.05,
+                 retry_interval: float | None = None,
+                 on_event: Callable[[str, int], None] | None = None) -> None:
+        if ttl <= 0:
+            raise ConfigError(f"directory ttl must be positive, got {ttl!r}")
+        self.directory = directory
+        self._record = record
+        self._stored_keys = stored_keys
+        self.ttl = ttl
+        self.heartbeat_interval = heartbeat if heartbeat is not None else ttl / 3
+        if not 0 < self.heartbeat_interval < ttl:
+            raise ConfigError(f"directory heartbeat must be in (0, ttl={ttl}), got "
+                              f"{self.heartbeat_interval!r}")
+        self.announce_interval = announce_interval
+        self.retry_interval = (retry_interval if retry_interval is not None
+                               else min(1.0, self.heartbeat_interval))
+        self._on_event = on_event or (lambda _what, _n: None)
+        self._lock = threading.Lock()
+        self._pending: dict[bytes, bool] = {}
+        self._collecting = False
+        self._flush_now = False
+        self._member: Member | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._sweep: tuple[list[bytes], int] | None = None
+        self._next_sweep_check = 0.0
+        self._outage_logged = False
+        self._thread = threading.Thread(target=self._run, name="p2pkv-directory", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def member(self) -> Member | None:
+        """The current registration, None while unregistered."""
+        with self._lock:
+            return self._member
+
+    def changed(self, key: bytes, visible: bool) -> None:
+        """Store listener: queue one change (runs under the store's lock: O(1))."""
+        with self._lock:
+            if self._collecting:
+                self._pending[key] = visible
+                if len(self._pending) >= ANNOUNCE_BATCH and not self._flush_now:
+                    self._flush_now = True
+                    self._wake.set()
+
+    def flush(self) -> None:
+        """Ask the thread to publish queued changes now (it does so within a turn)."""
+        with self._lock:
+            self._flush_now = True
+        self._wake.set()
+
+    def close(self, timeout: float = 5.0, *, deregister: bool = True) -> None:
+        """Stop the thread; with ``deregister``, withdraw this node's claims."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        member = self.member
+        if deregister and member is not None:
+            try:
+                self.directory.deregister(member, self._stored_keys())
+            except DirectoryError as exc:
+                log.warning("could not deregister from the directory: %s", exc)
+        with self._lock:
+            self._member = None
+            self._collecting = False
+
+    # -- the thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_heartbeat = 0.0
+        next_publish = 0.0
+        while not self._stop.is_set():
+            # Cleared before the flags are read: a wake-up after this is never lost.
+            self._wake.clear()
+            now = time.monotonic()
+            try:
+                if self.member is None:
+                    self._register()
+                    now = time.monotonic()
+                    next_heartbeat = now + self.heartbeat_interval
+                    next_publish = now + self.announce_interval
+                elif now >= next_heartbeat:
+                    member = self.member
+                    assert member is not None
+                    if not self.directory.heartbeat(member, self.ttl):
+                        self._lost("registration expired")
+                        continue
+                    next_heartbeat = now + self.heartbeat_interval
+                with self._lock:
+                    flush, self._flush_now = self._flush_now, False
+                if flush or now >= next_publish:
+                    self._publish()
+                    next_publish = time.monotonic() + self.announce_interval
+                self._sweep_step()
+                if self._outage_logged:
+                    log.warning("directory %s reachable again", self.directory.url)
+                    self._outage_logged = False
+                wait = max(0.0, min(next_publish, next_heartbeat) - time.monotonic())
+                if self._sweep is not None:
+                    wait = 0.0
+            except DirectoryError as exc:
+                if not self._outage_logged:
+                    log.warning("%s; serving on, retrying every %.1fs", exc, self.retry_interval)
+                    self._outage_logged = True
+                self._lost("directory unreachable")
+                wait = self.retry_interval
+            except Exception:  # pragma: no cover - a bug must not stop the heartbeat
+                log.exception("directory thread error")
+                self._lost("internal error")
+                wait = self.retry_interval
+            self._wake.wait(wait)
+
+    def _lost(self, why: str) -> None:
+        with self._lock:
+            had = self._member is not None
+            self._member = None
+            self._collecting = False
+            self._pending.clear()
+            self._sweep = None
+        if had:
+            log.warning("directory registration lost (%s); registering again", why)
+            self._on_event("lost", 1)
+
+    def _register(self) -> None:
+        # Collect from here on; the snapshot taken after this covers everything before.
+        with self._lock:
+            self._collecting = True
+            self._pending.clear()
+        record = self._record()
+        held = self._stored_keys()
+        member = self.directory.register(record, self.ttl)
+        if not self.directory.announce(member, held):
+            raise DirectoryError("registration vanished while publishing the block set")
+        # Registered only once the block set is out: whoever waits for the registration
+        # can look the blocks up.
+        with self._lock:
+            self._member = member
+        log.info("registered in directory %s as member %d of partition %s (%d blocks)",
+                 self.directory.url, member.number, member.partition, len(held))
+        self._on_event("registered", 1)
+        self._on_event("stored", len(held))
+
+    def _publish(self) -> None:
+        member = self.member
+        if member is None:
+            return
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        if not pending:
+            return
+        stored = [k for k, visible in pending.items() if visible]
+        removed = [k for k, visible in pending.items() if not visible]
+        if not self.directory.announce(member, stored, removed):
+            self._lost("registration expired")
+            return
+        self._on_event("stored", len(stored))
+        self._on_event("removed", len(removed))
+
+    def _sweep_step(self) -> None:
+        member = self.member
+        if member is None:
+            return
+        if self._sweep is None:
+            now = time.monotonic()
+            if now < self._next_sweep_check:
+                return
+            self._next_sweep_check = now + self.heartbeat_interval
+            dead = self.directory.dead_tokens(member.partition)
+            if not dead:
+                return
+            self._sweep = (dead, 0)
+        dead, cursor = self._sweep
+        nxt = self.directory.sweep_step(member, dead, cursor)
+        if nxt is None or nxt == 0:
+            self._sweep = None
+            if nxt == 0:
+                log.info("swept %d dead member(s) out of partition %s", len(dead),
+                         member.partition)
+                self._on_event("swept", len(dead))
+        else:
+            self._sweep = (dead, nxt)

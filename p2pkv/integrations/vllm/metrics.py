@@ -1,0 +1,51 @@
+"""The Prometheus metrics :class:`~p2pkv.integrations.vllm.P2PKVTier` adds to vLLM's own
+output: their names and their definitions (``build_metric_definitions``)."""
+
+from __future__ import annotations
+
+from vllm.v1.kv_offload.base import (
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
+)
+
+__all__ = ["Metrics", "metric_definitions"]
+
+
+class Metrics:
+    """Names of the Prometheus metrics the tier adds to vLLM's own output."""
+
+    LOOKUP_KEYS = "vllm:p2pkv_lookup_keys"
+    LOOKUP_HITS = "vllm:p2pkv_lookup_hits"
+    LOADED_BLOCKS = "vllm:p2pkv_loaded_blocks"
+    LOADED_BYTES = "vllm:p2pkv_loaded_bytes"
+    LOAD_FAILURES = "vllm:p2pkv_load_failures"
+    STORED_BLOCKS = "vllm:p2pkv_stored_blocks"
+    STORED_BYTES = "vllm:p2pkv_stored_bytes"
+    HANDSHAKES_REFUSED = "vllm:p2pkv_handshakes_refused"
+    PEERS = "vllm:p2pkv_peers"
+
+
+def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    """Every metric of :class:`Metrics` with its help text and labels."""
+    return {
+        Metrics.LOOKUP_KEYS: OffloadingCounterMetadata(
+            "Chunk keys this engine asked p2pkv peers about."),
+        Metrics.LOOKUP_HITS: OffloadingCounterMetadata(
+            "Chunk keys a p2pkv peer said it holds."),
+        Metrics.LOADED_BLOCKS: OffloadingCounterMetadata(
+            "Chunks fetched from p2pkv peers into the primary region, verified."),
+        Metrics.LOADED_BYTES: OffloadingCounterMetadata(
+            "Bytes fetched from p2pkv peers into the primary region."),
+        Metrics.LOAD_FAILURES: OffloadingCounterMetadata(
+            "Chunks a load could not bring (vLLM recomputes them), by reason.",
+            labelnames=("reason",)),
+        Metrics.STORED_BLOCKS: OffloadingCounterMetadata(
+            "Chunks copied into this engine's p2pkv pool to serve to peers."),
+        Metrics.STORED_BYTES: OffloadingCounterMetadata(
+            "Bytes copied into this engine's p2pkv pool."),
+        Metrics.HANDSHAKES_REFUSED: OffloadingCounterMetadata(
+            "p2pkv handshakes refused: outbound by differing field, inbound (peers "
+            "this engine refused) by reason.", labelnames=("side", "reason")),
+        Metrics.PEERS: OffloadingGaugeMetadata("Compatible p2pkv peers connected."),
+    }

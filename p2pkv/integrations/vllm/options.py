@@ -1,0 +1,86 @@
+"""The options of :class:`~p2pkv.integrations.vllm.P2PKVTier`: which tier-config keys it
+takes, their defaults, and their validation with the launcher's own parsers.
+
+Imports nothing from vLLM, so a bad tier option is explained the same way everywhere.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from p2pkv.errors import ConfigError
+from p2pkv.transport import validate_address
+
+__all__ = ["TIER_DEFAULTS", "TIER_OPTIONS", "tier_settings"]
+
+#: Tier-config keys taken by this tier (the node options keep their ``serve`` names;
+#: see docs/configuration.md). Identity options are absent on purpose: the identity is
+#: vLLM's own, read from the offloading spec.
+TIER_OPTIONS: tuple[str, ...] = (
+    "listen", "peers", "pool_blocks", "checksums", "parallel_agnostic",
+    "handshake_timeout", "lookup_timeout", "fetch_timeout", "heartbeat_timeout",
+    "curve_secret_key", "curve_authorized", "curve_server_key", "reconnect_interval",
+    "identity_policy", "kv_memory_layout", "model_revision", "model_overrides",
+)
+_DEFAULT_RECONNECT = 2.0
+#: Defaults that differ from ``serve``'s: a scheduler waits on lookups, so silence
+#: becomes a miss sooner; a load that takes longer than recomputing is not worth waiting.
+TIER_DEFAULTS: Mapping[str, Any] = {"lookup_timeout": 1.0, "fetch_timeout": 10.0}
+
+
+def tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], float]:
+    """Validate the tier's config params with the launcher's parsers."""
+    from p2pkv.settings import load_settings
+
+    unknown = sorted(set(params) - set(TIER_OPTIONS) - {"locality"})
+    if unknown:
+        raise ConfigError(
+            f"P2PKVTier: unknown option(s) {unknown}; valid: {sorted(TIER_OPTIONS)} (the "
+            "identity comes from vLLM's offloading spec, not from tier options)")
+    flags = dict(TIER_DEFAULTS)
+    flags.update({k: v for k, v in params.items()
+                  if k not in ("peers", "reconnect_interval", "locality")})
+    peers = params.get("peers", ())
+    if isinstance(peers, str) or not isinstance(peers, Sequence):
+        raise ConfigError(f"P2PKVTier: peers must be a list of tcp://HOST:PORT addresses, "
+                          f"got {peers!r}")
+    flags["peer"] = list(peers)
+    reconnect = params.get("reconnect_interval", _DEFAULT_RECONNECT)
+    if isinstance(reconnect, bool) or not isinstance(reconnect, (int, float)) or reconnect <= 0:
+        raise ConfigError(f"P2PKVTier: reconnect_interval must be a positive number of "
+                          f"seconds, got {reconnect!r}")
+    try:
+        settings = load_settings(flags, environ={})
+        for address in settings["peer"]:
+            validate_address(address, what="peers entry")
+        validate_address(settings["listen"], what="listen")
+    except ConfigError as exc:
+        # Name the tier option, not the launcher flag it shares a parser with.
+        message = re.sub(r" \(from --[a-z-]+\)$", "", str(exc))
+        message = re.sub(r"--([a-z-]+)", lambda m: m.group(1).replace("-", "_"), message)
+        raise ConfigError(f"P2PKVTier: {message}") from None
+    _check_bindable(settings["listen"])
+    return settings, tuple(settings["peer"]), float(reconnect)
+
+
+def _check_bindable(listen: str) -> None:
+    """Fail at engine start, not at the first request, when ``listen`` is taken.
+
+    The node binds later (its identity needs vLLM's block-hash seed, known only once the
+    engine core runs); a test bind now catches a port in use or a foreign address."""
+    host, _, port = listen[len("tcp://"):].rpartition(":")
+    if port == "0":
+        return
+    host = host.strip("[]")
+    host = "0.0.0.0" if host in ("*", "") else host
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        family, _, _, _, address = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        raise ConfigError(f"P2PKVTier: listen {listen!r} cannot be bound: {exc}") from None

@@ -1,0 +1,217 @@
+"""What a :class:`~p2pkv.protocol.Session` reports: events, and its output.
+
+Events are frozen dataclasses named in the past tense; :class:`Output` carries the
+events of one step and the replies the transport must send, in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Final
+
+from p2pkv.protocol.messages import (
+    Frame,
+    Greeting,
+    Message,
+    Reason,
+    Refuse,
+)
+
+__all__ = [
+    "NOTHING",
+    "AbortAcknowledged",
+    "AbortRequested",
+    "BlockArrived",
+    "BlockDiscarded",
+    "CreditGranted",
+    "ErrorReceived",
+    "Event",
+    "FetchFinished",
+    "FetchRequested",
+    "HandshakeAccepted",
+    "HandshakeRefused",
+    "LookupAnswered",
+    "LookupRequested",
+    "MessageIgnored",
+    "Output",
+    "PeerClosed",
+    "ProtocolViolated",
+    "RequestFailed",
+    "RequestTimedOut",
+]
+
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Base class of everything a session reports."""
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeAccepted(Event):
+    """Both sides agreed; ``capabilities`` is the negotiated set.
+
+    ``warnings`` are identity-extension fields only one side declares, accepted because
+    the identity policy is ``lenient`` (the node logs and counts them).
+    """
+
+    remote: Greeting
+    capabilities: frozenset[str]
+    warnings: tuple[Reason, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeRefused(Event):
+    """The handshake failed. ``reasons`` are seen from this node (ours = local).
+
+    ``by_remote`` tells whether the peer refused us (``remote`` is its ``refuse``) or we
+    refused it (``remote`` is its greeting, or ``None`` when it was unreadable).
+    """
+
+    reasons: tuple[Reason, ...]
+    by_remote: bool
+    code: int
+    msg: str
+    remote: Greeting | Refuse | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LookupRequested(Event):
+    """Server: the peer asks which ``keys`` we hold; answer with :meth:`Session.answer_lookup`."""
+
+    req: int
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupAnswered(Event):
+    """Client: one bool per key of lookup ``req``."""
+
+    req: int
+    hits: tuple[bool, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FetchRequested(Event):
+    """Server: send the blocks of ``keys``, at most ``window`` blocks beyond credits."""
+
+    req: int
+    keys: tuple[bytes, ...]
+    window: int
+
+
+@dataclass(frozen=True, slots=True)
+class CreditGranted(Event):
+    """Server: the peer allows ``n`` more blocks of fetch ``req``."""
+
+    req: int
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockArrived(Event):
+    """Client: blocks ``idx`` of fetch ``req`` arrived (payload frames follow the header).
+
+    ``payload`` is empty when the transport fed the header alone (zero-copy receive).
+    """
+
+    req: int
+    idx: tuple[int, ...]
+    sums: tuple[int | None, ...]
+    payload: tuple[Frame, ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockDiscarded(Event):
+    """Client: blocks of a fetch that was aborted or timed out; drain and drop their frames."""
+
+    req: int
+    idx: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FetchFinished(Event):
+    """Client: fetch ``req`` is over; one outcome per key (0 sent, 1 missing, 2 failed)."""
+
+    req: int
+    outcomes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequested(Event):
+    """Server: stop request ``req`` and confirm with :meth:`Session.abort_ack`."""
+
+    req: int
+
+
+@dataclass(frozen=True, slots=True)
+class AbortAcknowledged(Event):
+    """Client: the server stopped request ``req``; nothing more will arrive for it."""
+
+    req: int
+
+
+@dataclass(frozen=True, slots=True)
+class PeerClosed(Event):
+    """The connection is over: the peer said ``bye`` (``by_remote``) or we gave up on it."""
+
+    code: int
+    msg: str
+    by_remote: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolViolated(Event):
+    """The peer broke the protocol; we told it (``refuse``/``bye``) and closed."""
+
+    code: int
+    msg: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed(Event):
+    """Request ``req`` ended without a result (peer ``error``, or the connection ended)."""
+
+    req: int
+    code: int
+    msg: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimedOut(Event):
+    """Request ``req`` passed its deadline; ``kind`` is ``"lookup"``, ``"fetch"`` or ``"abort"``.
+
+    A timed-out fetch is aborted by the session (an ``abort`` is in the replies); blocks
+    that still arrive for it are reported as :class:`BlockDiscarded`.
+    """
+
+    req: int
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReceived(Event):
+    """The peer reported a non-fatal error not tied to a request (e.g. UNKNOWN_TYPE)."""
+
+    code: int
+    msg: str
+
+
+@dataclass(frozen=True, slots=True)
+class MessageIgnored(Event):
+    """We received a message we do not know (newer minor); we answered ``error``."""
+
+    code: int
+    msg: str
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """What one call produced: events to act on and messages to send, in order."""
+
+    events: tuple[Event, ...] = ()
+    replies: tuple[Message, ...] = ()
+
+
+NOTHING: Final = Output()
+"""The output of a step that did nothing."""

@@ -1,0 +1,187 @@
+"""The node's public value types: configuration, peer handles, results, statistics.
+
+They live below the runtime so that every layer can use them; ``p2pkv.node`` (and
+``p2pkv``) re-export them, which is where users import them from.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from p2pkv.errors import ConfigError
+from p2pkv.identity import IDENTITY_POLICIES, IdentityExtension
+from p2pkv.keys import KEY_HASH_ALGORITHM
+from p2pkv.protocol.codes import MAX_KEY_HASH_ALGO_LEN
+from p2pkv.store import StoreStats
+from p2pkv.transport import CurveKeys, validate_address
+
+__all__ = [
+    "FetchResult",
+    "KeyOutcome",
+    "NodeConfig",
+    "NodeStats",
+    "PeerHandle",
+    "PeerOwner",
+]
+
+
+class KeyOutcome(enum.Enum):
+    """What happened to one key of a fetch."""
+
+    STORED = "stored"  #: all bytes landed (and verified) and the block is visible
+    MISSING = "missing"  #: the peer does not hold the block
+    FAILED = "failed"  #: the transfer of this block failed (see ``FetchResult.errors``)
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    """Per-key outcome of a fetch, in the order the keys were given."""
+
+    keys: tuple[bytes, ...]
+    outcomes: tuple[KeyOutcome, ...]
+    errors: dict[int, str]
+    blocks: int
+    nbytes: int
+    seconds: float
+
+    @property
+    def stored(self) -> list[bytes]:
+        return [k for k, o in zip(self.keys, self.outcomes, strict=True) if o is KeyOutcome.STORED]
+
+    @property
+    def missing(self) -> list[bytes]:
+        return [k for k, o in zip(self.keys, self.outcomes, strict=True) if o is KeyOutcome.MISSING]
+
+    @property
+    def failed(self) -> list[bytes]:
+        return [k for k, o in zip(self.keys, self.outcomes, strict=True) if o is KeyOutcome.FAILED]
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Everything about a node that is not its KV identity. Times are seconds."""
+
+    listen: str = "tcp://127.0.0.1:0"
+    node_id: str | None = None
+    key_hash_seed: int = 0
+    #: Name of the block-key hash, compared at the handshake. Keys an engine hashes
+    #: itself (for example vLLM's block hashes) are carried opaquely under their own name.
+    key_hash_algo: str = KEY_HASH_ALGORITHM
+    checksums: bool = True
+    window_bytes: int = 16 << 20
+    handshake_timeout: float = 5.0
+    lookup_timeout: float = 5.0
+    fetch_timeout: float = 60.0
+    fetch_idle_timeout: float = 10.0
+    abort_timeout: float = 2.0
+    close_timeout: float = 5.0
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
+    max_peers: int = 256
+    max_keys_per_request: int = 16384
+    max_inflight_requests: int = 64
+    curve: CurveKeys | None = None
+    connect_allowlist: frozenset[str] | None = None
+    #: "strict": an identity-extension field only one side declares refuses the peer;
+    #: "lenient": it is accepted with a warning, counted in stats().identity_undeclared.
+    identity_policy: str = "strict"
+
+    def __post_init__(self) -> None:
+        validate_address(self.listen, what="listen")
+        if self.identity_policy not in IDENTITY_POLICIES:
+            raise ConfigError(f"identity_policy must be one of {', '.join(IDENTITY_POLICIES)}, "
+                              f"got {self.identity_policy!r}")
+        positive = (
+            "handshake_timeout", "lookup_timeout", "fetch_timeout", "fetch_idle_timeout",
+            "abort_timeout", "close_timeout", "heartbeat_interval", "heartbeat_timeout",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name in ("window_bytes", "max_peers", "max_keys_per_request",
+                     "max_inflight_requests"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if type(self.key_hash_seed) is not int or not 0 <= self.key_hash_seed < 2**64:
+            raise ConfigError(f"key_hash_seed must be an int in [0, 2**64), got "
+                              f"{self.key_hash_seed!r}")
+        if (not isinstance(self.key_hash_algo, str)
+                or not 1 <= len(self.key_hash_algo) <= MAX_KEY_HASH_ALGO_LEN):
+            raise ConfigError(f"key_hash_algo must be a name of 1..{MAX_KEY_HASH_ALGO_LEN} "
+                              f"characters, got {self.key_hash_algo!r}")
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ConfigError("heartbeat_timeout must be longer than heartbeat_interval")
+
+
+class PeerOwner(Protocol):
+    """What a :class:`PeerHandle` calls back into: the node that made it."""
+
+    def lookup(self, peer: PeerHandle, keys: Sequence[bytes], *,
+               timeout: float | None = None) -> list[bool]: ...
+
+    def fetch(self, peer: PeerHandle, keys: Sequence[bytes], *,
+              timeout: float | None = None) -> FetchResult: ...
+
+    def disconnect(self, peer: PeerHandle) -> None: ...
+
+
+@dataclass(frozen=True)
+class PeerHandle:
+    """A live, compatible connection to a remote node (returned by ``Node.connect``)."""
+
+    peer_id: int
+    address: str
+    remote_node_id: str
+    remote_run_config: dict[str, Any]
+    remote_fingerprint: str
+    capabilities: frozenset[str]
+    _node: PeerOwner = field(repr=False, compare=False)
+    #: The peer's identity extension (empty for a peer that declares none, or speaks 1.0).
+    remote_extension: IdentityExtension = field(default_factory=IdentityExtension)
+
+    def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> list[bool]:
+        return self._node.lookup(self, keys, timeout=timeout)
+
+    def fetch(self, keys: Sequence[bytes], timeout: float | None = None) -> FetchResult:
+        return self._node.fetch(self, keys, timeout=timeout)
+
+    def close(self) -> None:
+        self._node.disconnect(self)
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    """A snapshot of the node's counters."""
+
+    address: str
+    node_id: str
+    fingerprint: str
+    peers_out: int
+    peers_in: int
+    handshakes_accepted: int
+    handshakes_refused: dict[str, int]
+    lookups_served: int
+    lookup_keys_served: int
+    lookup_hits_served: int
+    blocks_sent: int
+    bytes_sent: int
+    blocks_received: int
+    bytes_received: int
+    checksum_failures: int
+    protocol_violations: int
+    store: StoreStats
+    #: Cumulative (upper bound in seconds, count) pairs of fetch latency, +inf last.
+    fetch_latency_buckets: tuple[tuple[float, int], ...]
+    fetch_latency_sum: float
+    #: Handshakes accepted under identity_policy="lenient" although only one side
+    #: declared this identity-extension field, by field name.
+    identity_undeclared: dict[str, int] = field(default_factory=dict)

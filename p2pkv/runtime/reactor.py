@@ -1,0 +1,201 @@
+"""The IO thread: one poller, a wake-up pipe, a command queue, the deadline timer.
+
+Threading model: a :class:`Reactor` owns one background thread. Every ZeroMQ socket of a
+node lives on it and is touched by no other thread. API threads never touch a socket:
+they :meth:`Reactor.submit` a command (a callable) and wake the thread through a pipe;
+the command runs on the IO thread and reports on a :class:`concurrent.futures.Future`.
+
+One loop turn: poll (its timeout from the participants: 0 while a send is ready, a short
+tick while sent blocks wait for release, else the next deadline), run every queued
+command, call the handler of every readable socket (in registration order), let each
+participant do its after-IO work (send blocks, release sent ones), and every
+:data:`~p2pkv.runtime.tuning.DEADLINE_CHECK_S` check deadlines.
+
+The participants (the client and server sides) plug in through :class:`Participant`;
+the reactor knows nothing of p2pkv messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+import zmq
+
+from p2pkv.errors import P2PKVError, PeerGone
+from p2pkv.runtime.tuning import DEADLINE_CHECK_S
+from p2pkv.transport import Wakeup
+
+__all__ = ["Participant", "Reactor"]
+
+log = logging.getLogger("p2pkv.node")
+
+Handler = Callable[[float], None]
+
+
+class Participant(Protocol):
+    """One side of the node as the IO loop drives it. All calls run on the IO thread."""
+
+    def after_io(self, now: float) -> None:
+        """Work after the readable sockets were handled (send what may be sent)."""
+
+    def busy_wait_ms(self) -> int | None:
+        """The longest poll wait while this side has work pending, or None when idle."""
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of this side, or None."""
+
+    def check_deadlines(self, now: float) -> None:
+        """Fail or poll whatever is due at ``now``."""
+
+    def idle(self) -> bool:
+        """True when nothing is in flight (a graceful close may finish)."""
+
+    def shutdown(self) -> None:
+        """Tell peers bye, fail every waiter, close this side's sockets."""
+
+
+class Reactor:
+    """The node's IO thread and everything that runs it."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = Wakeup()
+        self._poller = zmq.Poller()
+        self._poller.register(self._wakeup.fileno(), zmq.POLLIN)
+        self._handlers: dict[zmq.Socket[bytes], Handler] = {}
+        self._participants: list[Participant] = []
+        self._on_exit: Callable[[], None] = lambda: None
+        self._closing = False
+        self._close_deadline = 0.0
+        self._next_deadline_check = 0.0
+        #: Set once the IO thread released everything (or close gave up waiting on it).
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    # -- wiring (before start, or on the IO thread) ------------------------------------
+
+    def add(self, participant: Participant) -> None:
+        """Drive ``participant``; participants are called in the order they were added."""
+        self._participants.append(participant)
+
+    def register(self, sock: zmq.Socket[bytes], handler: Handler) -> None:
+        """Call ``handler(now)`` whenever ``sock`` is readable (IO thread only)."""
+        self._handlers[sock] = handler
+        self._poller.register(sock, zmq.POLLIN)
+
+    def unregister(self, sock: zmq.Socket[bytes]) -> None:
+        self._handlers.pop(sock, None)
+        with contextlib.suppress(KeyError, zmq.ZMQError):
+            self._poller.unregister(sock)
+
+    def start(self, on_exit: Callable[[], None]) -> None:
+        """Start the IO thread; ``on_exit`` runs on it last (release the context)."""
+        self._on_exit = on_exit
+        self.thread.start()
+
+    # -- any thread ----------------------------------------------------------------------
+
+    @property
+    def closing(self) -> bool:
+        return self._closing or self.closed.is_set()
+
+    def submit(self, fut: Future[Any], command: Callable[[], None]) -> None:
+        """Run ``command`` on the IO thread; an exception it raises fails ``fut``.
+
+        Raises :class:`PeerGone` once the node is closing.
+        """
+        if self.closing:
+            raise PeerGone("node is closed")
+
+        def guarded() -> None:
+            try:
+                command()
+            except Exception as exc:  # report on the future, never kill the IO thread
+                if not isinstance(exc, (P2PKVError, ValueError)):
+                    log.exception("command failed")
+                if not fut.done():
+                    fut.set_exception(exc)
+
+        self._commands.put(guarded)
+        self._wakeup.notify()
+
+    def begin_close(self, deadline: float) -> None:
+        """IO thread: stop once idle, or at ``deadline`` at the latest."""
+        self._closing = True
+        self._close_deadline = deadline
+
+    # -- the IO thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # pragma: no cover - a bug; make it loud, fail every waiter
+            log.exception("IO thread crashed")
+        finally:
+            self._shutdown()
+
+    def _loop(self) -> None:
+        participants = self._participants
+        while True:
+            now = time.monotonic()
+            if self._closing and (all(p.idle() for p in participants)
+                                  or now >= self._close_deadline):
+                return
+            ready = dict(self._poller.poll(self._poll_timeout(now)))
+            now = time.monotonic()
+            if self._wakeup.fileno() in ready:
+                self._wakeup.drain()
+            self._run_commands()
+            for sock in list(ready):
+                if isinstance(sock, int):
+                    continue
+                handler = self._handlers.get(sock)
+                if handler is not None:
+                    handler(now)
+            for p in participants:
+                p.after_io(now)
+            now = time.monotonic()
+            # Deadlines are coarse (heartbeats, request timeouts); checking them on
+            # every message would cost more than the messages themselves.
+            if now >= self._next_deadline_check:
+                self._next_deadline_check = now + DEADLINE_CHECK_S
+                for p in participants:
+                    p.check_deadlines(now)
+
+    def _poll_timeout(self, now: float) -> int:
+        busy = [ms for ms in (p.busy_wait_ms() for p in self._participants) if ms is not None]
+        if busy:
+            return min(busy)
+        deadlines = [d for d in (p.next_deadline() for p in self._participants)
+                     if d is not None]
+        wait = 0.1 if not deadlines else max(0.0, min(0.1, min(deadlines) - now))
+        return int(wait * 1000) + 1
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _shutdown(self) -> None:
+        for p in self._participants:
+            p.shutdown()
+        while True:
+            try:
+                self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self._wakeup.close()
+        self._on_exit()
+        self._closing = True
+        self.closed.set()

@@ -1,0 +1,187 @@
+"""The fetching side's data path: blocks land with ``recv_into``, verified, per key.
+
+A block message is a header frame then one frame per segment of each block. Each
+segment is received with ``recv_into`` straight into its destination: a slot of the
+local store that lookups cannot see yet (:class:`~p2pkv.store.BlockWriter`), or a
+caller-owned buffer (``fetch_into``). Payload bytes are never copied in Python. A block
+becomes visible only after its last segment landed and, when checksums were negotiated,
+its xxh3-64 matched; a failed block releases its slot and is reported per key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import zmq
+
+from p2pkv import protocol as proto
+from p2pkv.checksum import block_checksum
+from p2pkv.errors import ProtocolError, StoreFullError
+from p2pkv.protocol.codes import OUTCOME_FAILED, OUTCOME_MISSING, OUTCOME_SENT
+from p2pkv.runtime.public import FetchResult, KeyOutcome
+from p2pkv.runtime.state import Receiving
+from p2pkv.runtime.stats import Counters
+from p2pkv.store import BlockStore, BlockWriter, ChecksumMismatch, StoreError
+
+__all__ = ["Receiver", "check_destinations", "drain"]
+
+# Sink for payload frames that have nowhere to go (aborted fetch, failed slot).
+_SCRATCH = bytearray(0)
+
+
+def drain(sock: zmq.Socket[bytes]) -> None:
+    """Drop the rest of a multipart message."""
+    while sock.getsockopt(zmq.RCVMORE):
+        sock.recv(zmq.NOBLOCK)
+
+
+def check_destinations(destinations: Sequence[Sequence[object]], nkeys: int,
+                       segments: Sequence[int]) -> list[list[memoryview]]:
+    """Caller-owned destination buffers as byte views; ``ValueError`` naming the first
+    one that is not a writable buffer of its segment's size."""
+    if len(destinations) != nkeys:
+        raise ValueError(f"destinations has {len(destinations)} entries for {nkeys} keys")
+    checked: list[list[memoryview]] = []
+    for i, bufs in enumerate(destinations):
+        if len(bufs) != len(segments):
+            raise ValueError(f"destinations[{i}] has {len(bufs)} buffers, the layout has "
+                             f"{len(segments)} segments")
+        views = []
+        for j, buf in enumerate(bufs):
+            view = memoryview(buf).cast("B")  # type: ignore[arg-type]
+            if view.readonly or view.nbytes != segments[j]:
+                raise ValueError(f"destinations[{i}][{j}] must be a writable buffer of "
+                                 f"{segments[j]} bytes, got {view.nbytes} "
+                                 f"({'read-only' if view.readonly else 'writable'})")
+            views.append(view)
+        checked.append(views)
+    return checked
+
+
+class Receiver:
+    """Lands block messages and turns a finished fetch into its :class:`FetchResult`."""
+
+    def __init__(self, store: BlockStore, segments: Sequence[int], bytes_per_block: int,
+                 counters: Counters) -> None:
+        self._store = store
+        self._segments = tuple(segments)
+        self._bpb = bytes_per_block
+        self._counters = counters
+
+    def land(self, sock: zmq.Socket[bytes], recv: Receiving | None,
+             msg: proto.Block) -> ProtocolError | None:
+        """recv_into each payload frame of ``msg`` directly into its destination.
+
+        The session has already checked the header (known fetch, fresh indices, within
+        the granted window, checksum presence as negotiated). Returns the framing
+        violation when the message does not carry the frames it announced.
+        """
+        store = self._store
+        segments = self._segments
+        nseg = len(segments)
+        landed = 0
+        for n, idx in enumerate(msg.idx):
+            views: Sequence[memoryview] | None = None
+            writer: BlockWriter | None = None
+            key_index = -1
+            if recv is not None and idx < len(recv.index_map):
+                key_index = recv.index_map[idx]
+                if recv.destinations is not None:
+                    views = recv.destinations[key_index]
+                else:
+                    try:
+                        writer = store.begin_write(recv.keys[key_index])
+                    except (StoreError, StoreFullError) as exc:
+                        recv.errors[key_index] = f"no slot in the local pool: {exc}"
+                    else:
+                        if writer is None:
+                            recv.errors[key_index] = (
+                                "the block was being written by another fetch at the time")
+                        else:
+                            views = writer.views
+            # libzmq delivers a multipart message whole, so one "more frames?" check
+            # per block suffices: a message that ends early shows up as a frame of the
+            # wrong size, as nothing left to read, or as surplus frames at the end —
+            # each a violation that closes the connection.
+            ok = bool(sock.getsockopt(zmq.RCVMORE))
+            if ok:
+                try:
+                    for s in range(nseg):
+                        if views is not None:
+                            if sock.recv_into(views[s], flags=zmq.NOBLOCK) != segments[s]:
+                                ok = False
+                        else:
+                            sock.recv_into(_SCRATCH, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    if writer is not None:
+                        writer.abort()
+                    return ProtocolError(proto.Code.FRAME_COUNT,
+                                         "block message carries fewer frames than announced")
+            if recv is None or key_index < 0:
+                if writer is not None:
+                    writer.abort()
+                continue
+            if self._settle(recv, key_index, ok, views, writer, msg.sums[n]):
+                landed += 1
+        if sock.getsockopt(zmq.RCVMORE):
+            drain(sock)
+            return ProtocolError(proto.Code.FRAME_COUNT,
+                                 "block message carries more frames than announced")
+        self._counters.add("blocks_received", landed)
+        self._counters.add("bytes_received", landed * self._bpb)
+        return None
+
+    def _settle(self, recv: Receiving, key_index: int, ok: bool,
+                views: Sequence[memoryview] | None, writer: BlockWriter | None,
+                expected: int | None) -> bool:
+        """Verify and commit one block whose frames were read; True when it landed."""
+        if not ok:
+            if writer is not None:
+                writer.abort()
+            recv.outcomes[key_index] = KeyOutcome.FAILED
+            recv.errors[key_index] = "payload frames do not match the block geometry"
+            return False
+        if views is None:
+            if self._store.contains(recv.keys[key_index]):
+                # Another fetch stored the same block meanwhile: it is here.
+                recv.outcomes[key_index] = KeyOutcome.STORED
+                recv.errors.pop(key_index, None)
+            else:
+                recv.outcomes[key_index] = KeyOutcome.FAILED
+            return False
+        if writer is not None:
+            try:
+                writer.commit(expected_checksum=expected)
+            except ChecksumMismatch as exc:
+                self._counters.add("checksum_failures")
+                recv.outcomes[key_index] = KeyOutcome.FAILED
+                recv.errors[key_index] = f"block dropped: {exc}"
+                return False
+        elif expected is not None and block_checksum(views) != expected:
+            self._counters.add("checksum_failures")
+            recv.outcomes[key_index] = KeyOutcome.FAILED
+            recv.errors[key_index] = "block dropped: checksum mismatch"
+            return False
+        recv.outcomes[key_index] = KeyOutcome.STORED
+        recv.blocks += 1
+        recv.nbytes += self._bpb
+        return True
+
+    def finish(self, recv: Receiving, wire: Sequence[int], now: float) -> FetchResult:
+        """The result of a fetch the peer reported done: a key with no outcome yet gets
+        the peer's (missing, or failed with the reason)."""
+        for pos, key_index in enumerate(recv.index_map):
+            if recv.outcomes[key_index] is not None:
+                continue
+            code = wire[pos] if pos < len(wire) else OUTCOME_FAILED
+            if code == OUTCOME_MISSING:
+                recv.outcomes[key_index] = KeyOutcome.MISSING
+            else:
+                recv.outcomes[key_index] = KeyOutcome.FAILED
+                recv.errors.setdefault(key_index, "peer reported the block as sent but it "
+                                       "never arrived" if code == OUTCOME_SENT
+                                       else "peer failed to send the block")
+        seconds = now - recv.started
+        self._counters.fetch_finished(seconds)
+        return FetchResult(recv.keys, tuple(o or KeyOutcome.FAILED for o in recv.outcomes),
+                           dict(recv.errors), recv.blocks, recv.nbytes, seconds)

@@ -1,0 +1,145 @@
+"""The serving side's data path: batches of blocks sent zero-copy from the pool.
+
+Each block's segments go to ZeroMQ straight from the pool with ``copy=False``; segments
+under :data:`~p2pkv.runtime.tuning.ZERO_COPY_MIN` are copied into libzmq instead (cheaper
+than tracking them). A sent block stays pinned in the store (so it is never evicted or
+overwritten) until ZeroMQ's tracker says libzmq let go of its memory; the
+:class:`SendLedger` keeps those pins in send order and releases them.
+
+How many blocks go out, and in which batches, is decided by the session's window and
+:mod:`p2pkv.protocol.flow`; this module only moves them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import zmq
+
+from p2pkv import protocol as proto
+from p2pkv.protocol.codes import OUTCOME_MISSING, OUTCOME_SENT
+from p2pkv.runtime.state import Sending
+from p2pkv.runtime.stats import Counters
+from p2pkv.runtime.tuning import REAP_TICK_MS, ZERO_COPY_MIN
+from p2pkv.store import BlockReader, BlockStore
+
+__all__ = ["SendLedger", "Sender"]
+
+log = logging.getLogger("p2pkv.node")
+
+
+class SendLedger:
+    """Blocks handed to ZeroMQ without a copy, pinned until libzmq let go of them."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self._store = store
+        # (tracker, readers) in send order; readers are released once libzmq let go.
+        self._inflight: collections.deque[
+            tuple[zmq.MessageTracker, list[BlockReader]]] = collections.deque()
+
+    def __bool__(self) -> bool:
+        return bool(self._inflight)
+
+    def hold(self, tracker: zmq.MessageTracker, readers: list[BlockReader]) -> None:
+        self._inflight.append((tracker, readers))
+
+    def reap(self) -> None:
+        """Unpin every message libzmq has released (they are released in send order)."""
+        q = self._inflight
+        while q and q[0][0].done:
+            self._store.release_many(q.popleft()[1])
+
+    def release_all(self) -> None:
+        """Unpin everything; the socket was closed with LINGER 0, so ZeroMQ dropped it."""
+        while self._inflight:
+            self._store.release_many(self._inflight.popleft()[1])
+
+
+class Sender:
+    """Sends the blocks of served fetches on the ROUTER, within each fetch's credit."""
+
+    def __init__(self, sock: zmq.Socket[bytes], store: BlockStore, bytes_per_block: int,
+                 counters: Counters) -> None:
+        self._sock = sock
+        self._store = store
+        self._bpb = bytes_per_block
+        self._batch_limit = proto.batch_limit(bytes_per_block)
+        self._counters = counters
+        self.ledger = SendLedger(store)
+
+    def busy_wait_ms(self) -> int | None:
+        # Sent blocks stay pinned until reaped. Any arriving message (credit) wakes the
+        # loop anyway; this slower tick only bounds how long the last ones wait, without
+        # spinning a core that the receiving side may need.
+        return REAP_TICK_MS if self.ledger else None
+
+    def send_job(self, rid: bytes, session: proto.Session, job: Sending) -> bool:
+        """Send what the credit of ``job`` allows. False: the peer is unreachable (the
+        caller drops it); the blocks of the failed message were unpinned."""
+        store = self._store
+        n = len(job.keys)
+        checksums = session.checksums
+        credit = session.window_left(job.req)
+        while credit > 0 and job.next_index < n:
+            # Pin the next candidates in one store call; a missing key uses no credit,
+            # so a batch may come out smaller than the credit and the loop goes on.
+            start = job.next_index
+            stop = proto.next_batch(start, n, credit, self._batch_limit)
+            job.next_index = stop
+            idx: list[int] = []
+            readers: list[BlockReader] = []
+            for i, reader in zip(range(start, stop), store.acquire_read_many(job.keys[start:stop]),
+                                 strict=True):
+                if reader is None:
+                    job.outcomes[i] = OUTCOME_MISSING
+                else:
+                    idx.append(i)
+                    readers.append(reader)
+            credit -= len(idx)
+            if not idx:
+                continue
+            sums = [r.checksum for r in readers] if checksums else None
+            head = proto.encode_head(session.block(job.req, idx, sums))
+            if not self._send_message(rid, head, readers):
+                return False
+            for i in idx:
+                job.outcomes[i] = OUTCOME_SENT
+            self._counters.add("blocks_sent", len(idx))
+            self._counters.add("bytes_sent", len(idx) * self._bpb)
+        return True
+
+    def _send_message(self, rid: bytes, head: bytes, readers: list[BlockReader]) -> bool:
+        sock = self._sock
+        try:
+            sock.send(rid, zmq.SNDMORE | zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._store.release_many(readers)
+            log.info("peer %s unreachable while sending (%s); dropping it", rid.hex(), exc)
+            return False
+        # ROUTER accepts the rest of a multipart once its first frame went through.
+        sock.send(head, zmq.SNDMORE)
+        # Which frame is the last one sent without copying: only it is tracked. libzmq
+        # frees the frames of a connection in the order it sends them, so when the last
+        # zero-copy frame is released every earlier one is too, and one tracker can
+        # unpin all the blocks of the message.
+        frames = [view for reader in readers for view in reader.views]
+        last_zero_copy = -1
+        for f, view in enumerate(frames):
+            if view.nbytes >= ZERO_COPY_MIN:
+                last_zero_copy = f
+        final = len(frames) - 1
+        tracker: zmq.MessageTracker | None = None
+        for f, view in enumerate(frames):
+            flags = 0 if f == final else zmq.SNDMORE
+            if f == last_zero_copy:
+                tracker = sock.send(view, flags, copy=False, track=True)
+            elif view.nbytes >= ZERO_COPY_MIN:
+                sock.send(view, flags, copy=False)
+            else:
+                sock.send(view, flags, copy=True)
+        if tracker is None:
+            self._store.release_many(readers)  # every segment was copied into libzmq
+        else:
+            self.ledger.hold(tracker, readers)
+        return True

@@ -1,0 +1,85 @@
+"""Per-connection and per-request records of the IO thread (touched by no other thread).
+
+The protocol counts (credit granted, blocks arrived, window left) are not here: the
+connection's :class:`~p2pkv.protocol.Session` holds them, and
+:mod:`p2pkv.protocol.flow` decides on them. These records hold what the node adds: the
+caller's future, where blocks land, per-key outcomes, sockets.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import zmq
+
+from p2pkv import protocol as proto
+from p2pkv.runtime.public import FetchResult, KeyOutcome, PeerHandle
+
+__all__ = ["Inbound", "Outbound", "Receiving", "Sending"]
+
+
+@dataclass(eq=False)
+class Receiving:
+    """A fetch this node issued: where each block lands, and what happened to it."""
+
+    req: int
+    keys: tuple[bytes, ...]
+    future: Future[FetchResult]
+    destinations: Sequence[Sequence[memoryview]] | None
+    started: float
+    deadline: float
+    outcomes: list[KeyOutcome | None]
+    index_map: list[int]  # wire index (position in the fetch message) -> key index
+    errors: dict[int, str] = field(default_factory=dict)
+    blocks: int = 0
+    nbytes: int = 0
+
+
+@dataclass(eq=False)
+class Outbound:
+    """A connection this node opened (a DEALER): its session and what waits on it."""
+
+    peer_id: int
+    address: str
+    sock: zmq.Socket[bytes]
+    monitor: zmq.Socket[bytes]
+    session: proto.Session
+    connect_future: Future[PeerHandle]
+    handshake_deadline: float
+    handle: PeerHandle | None = None
+    lookups: dict[int, tuple[Future[list[bool]], float]] = field(default_factory=dict)
+    fetches: dict[int, Receiving] = field(default_factory=dict)
+    received_blocks: int = 0
+    closed: bool = False
+
+    def credit_state(self) -> list[proto.FetchCredit]:
+        """The session's credit counts of this connection's running fetches."""
+        out = []
+        for req in self.fetches:
+            state = self.session.fetch_credit(req)
+            if state is not None:
+                out.append(state)
+        return out
+
+
+@dataclass(eq=False)
+class Sending:
+    """A fetch this node serves: which keys are left and what became of each."""
+
+    req: int
+    keys: tuple[bytes, ...]
+    outcomes: list[int]
+    next_index: int = 0
+
+
+@dataclass(eq=False)
+class Inbound:
+    """A peer connected to this node's ROUTER (identified by its routing id)."""
+
+    rid: bytes
+    session: proto.Session
+    jobs: collections.OrderedDict[int, Sending] = field(default_factory=collections.OrderedDict)
+    closed: bool = False

@@ -1,0 +1,50 @@
+"""The node's tuning constants, in one place (the benchmark imports them from here).
+
+None of these is a protocol rule; they trade latency against CPU on the IO thread.
+Deadlines that users may want to change are in :class:`~p2pkv.runtime.public.NodeConfig`.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from p2pkv.protocol.flow import BATCH_BYTES
+
+__all__ = [
+    "BATCH_BYTES",
+    "DEADLINE_CHECK_S",
+    "LATENCY_BUCKETS",
+    "MONITOR_GRACE_MS",
+    "READ_BUDGET",
+    "READ_BURST_BYTES",
+    "REAP_TICK_MS",
+    "WAIT_GRACE",
+    "ZERO_COPY_MIN",
+]
+
+READ_BUDGET: Final = 256
+"""Messages handled per socket per loop turn, so one busy peer cannot starve the others."""
+
+REAP_TICK_MS: Final = 10
+"""Poll tick while sent blocks wait for ZeroMQ to release them."""
+
+DEADLINE_CHECK_S: Final = 0.005
+"""How often the IO loop checks deadlines while it is busy (it always checks when idle)."""
+
+READ_BURST_BYTES: Final = 4 << 20
+"""Block bytes received per connection per loop turn before commands get a turn."""
+
+WAIT_GRACE: Final = 1.0
+"""Grace added to a blocking helper's wait beyond the IO thread's own deadline, so the
+typed timeout from the IO thread wins over a bare ``concurrent.futures`` timeout."""
+
+LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                          5.0, 10.0, 30.0, float("inf"))
+"""Upper bounds (seconds) of the fetch latency histogram."""
+
+MONITOR_GRACE_MS: Final = 100
+"""How long a failed pre-handshake send waits for the monitor to explain it."""
+
+ZERO_COPY_MIN: Final = 65536
+"""Segments at least this large are sent zero-copy (tracked); smaller ones are cheaper to
+copy into libzmq than to track (pyzmq's own copy threshold is of the same order)."""

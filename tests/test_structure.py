@@ -1,0 +1,197 @@
+"""The package's shape: small modules, small classes, imports that only go down.
+
+Checked from the source with ``ast`` (nothing is imported): no module of ``p2pkv`` over
+:data:`MAX_MODULE_LINES` lines, no class over :data:`MAX_CLASS_LINES`, and no cycle
+among the modules' import-time imports (module level, ``if TYPE_CHECKING`` excluded;
+imports inside functions are deferred on purpose and do not count). The checkers are
+tested on small synthetic packages too, so a broken checker cannot pass silently.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "p2pkv"
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 400
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` file under the package ``root``."""
+    out: dict[str, Path] = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """Statements that run at import time (into if/try/with blocks, not into defs)."""
+    for stmt in body:
+        yield stmt
+        if isinstance(stmt, ast.If):
+            if not _is_type_checking(stmt.test):
+                yield from _module_level(stmt.body)
+            yield from _module_level(stmt.orelse)
+        elif isinstance(stmt, ast.Try):
+            for block in (stmt.body, stmt.orelse, stmt.finalbody,
+                          *[h.body for h in stmt.handlers]):
+                yield from _module_level(block)
+        elif isinstance(stmt, ast.With):
+            yield from _module_level(stmt.body)
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the package modules it imports at import time."""
+    mods = modules(root)
+    graph: dict[str, set[str]] = {name: set() for name in mods}
+    for name, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for stmt in _module_level(tree.body):
+            targets: list[str] = []
+            if isinstance(stmt, ast.Import):
+                targets = [a.name for a in stmt.names]
+            elif isinstance(stmt, ast.ImportFrom):
+                if stmt.level:
+                    base = name.split(".") if is_pkg else name.split(".")[:-1]
+                    base = base[: len(base) - (stmt.level - 1)]
+                    source = ".".join([*base, *([stmt.module] if stmt.module else [])])
+                else:
+                    source = stmt.module or ""
+                targets = [source]
+                # ``from pkg import submodule`` imports the submodule too.
+                targets += [f"{source}.{a.name}" for a in stmt.names
+                            if f"{source}.{a.name}" in mods]
+            for target in targets:
+                if target in mods and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (first module repeated at the end), or None."""
+    WHITE, GREY, BLACK = 0, 1, 2
+    color = dict.fromkeys(graph, WHITE)
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        color[node] = GREY
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if color[nxt] == GREY:
+                return [*stack[stack.index(nxt):], nxt]
+            if color[nxt] == WHITE:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        color[node] = BLACK
+        return None
+
+    for node in sorted(graph):
+        if color[node] == WHITE:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def long_modules(root: Path, limit: int) -> list[str]:
+    out = []
+    for name, path in modules(root).items():
+        n = len(path.read_text(encoding="utf-8").splitlines())
+        if n > limit:
+            out.append(f"{name}: {n} lines")
+    return out
+
+
+def long_classes(root: Path, limit: int) -> list[str]:
+    out = []
+    for name, path in modules(root).items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > limit:
+                    out.append(f"{name}.{node.name}: {n} lines")
+    return out
+
+
+# ------------------------------------------------------------------ the package itself
+
+
+def test_no_module_is_too_long() -> None:
+    assert long_modules(PACKAGE, MAX_MODULE_LINES) == []
+
+
+def test_no_class_is_too_long() -> None:
+    assert long_classes(PACKAGE, MAX_CLASS_LINES) == []
+
+
+def test_no_import_cycle() -> None:
+    graph = import_graph(PACKAGE)
+    assert "p2pkv.runtime.client" in graph["p2pkv.node"]  # the graph is not empty
+    assert find_cycle(graph) is None
+
+
+def test_lower_layers_never_import_the_node_or_the_tools() -> None:
+    graph = import_graph(PACKAGE)
+    upper = {"p2pkv.node", "p2pkv.cli", "p2pkv.demo"} | {m for m in graph
+                                                         if m.startswith("p2pkv.bench")}
+    for name, targets in graph.items():
+        if name.startswith(("p2pkv.protocol", "p2pkv.runtime", "p2pkv.transport")):
+            assert not targets & upper, f"{name} imports {sorted(targets & upper)}"
+
+
+# ------------------------------------------------------------------ the checkers
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "pkg"
+    for rel, text in {"__init__.py": "", **files}.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return root
+
+
+def test_checker_finds_an_import_cycle(tmp_path: Path) -> None:
+    root = _package(tmp_path, {
+        "a.py": "from pkg.b import x\n",
+        "b.py": "import pkg.sub.c\nx = 1\n",
+        "sub/__init__.py": "",
+        "sub/c.py": "from .. import a\n",
+        "d.py": "def f():\n    from pkg import a\n",  # deferred: not an edge
+    })
+    graph = import_graph(root)
+    assert graph["pkg.d"] == set()
+    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]
+
+
+@pytest.mark.parametrize("guard", ["TYPE_CHECKING", "typing.TYPE_CHECKING"])
+def test_checker_ignores_type_checking_imports(tmp_path: Path, guard: str) -> None:
+    root = _package(tmp_path, {
+        "a.py": "import pkg.b\n",
+        "b.py": f"import typing\nfrom typing import TYPE_CHECKING\nif {guard}:\n"
+                "    from pkg import a\n",
+    })
+    assert find_cycle(import_graph(root)) is None
+
+
+def test_checker_finds_long_modules_and_classes(tmp_path: Path) -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(12))
+    root = _package(tmp_path, {"big.py": f"class Big:\n{body}\n", "small.py": "y = 1\n"})
+    assert long_modules(root, 10) == ["pkg.big: 13 lines"]
+    assert long_classes(root, 10) == ["pkg.big.Big: 13 lines"]
+    assert long_modules(root, 13) == [] and long_classes(root, 13) == []
