@@ -237,7 +237,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             from p2pkv.cluster.metrics import ClusterCollector
 
             cluster = Cluster(node, directory=settings["directory"], peers=settings["peer"],
-                              config=ClusterConfig(ttl=settings["directory_ttl"]))
+                              config=ClusterConfig(ttl=settings["directory_ttl"]),
+                              advertise=settings["advertise"],
+                              extension="" if ext.is_empty else ext.digest)
             collectors.append(ClusterCollector(cluster))
         if settings["metrics_port"] is not None:
             from p2pkv.metrics import serve_metrics

@@ -180,6 +180,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("checksums", _bool, True, "offer per-block xxh3-64 checksums"),
     Option("directory", _directory, "static",
            "cluster directory: static (the --peer list) or redis://HOST:PORT/DB"),
+    Option("advertise", _str, None,
+           "address registered in the directory (default: --listen, a wildcard host "
+           "replaced by this host's address)"),
     Option("directory_ttl", _seconds, 10.0,
            "seconds a Redis registration lives without a heartbeat"),
     Option("metrics_port", _int(0, 65535), None, "serve Prometheus metrics on this port"),

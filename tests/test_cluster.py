@@ -456,3 +456,28 @@ def test_cluster_bench_rows_check_every_answer(redis_server: LocalRedis) -> None
     assert ("2 peer(s), 1,000-key prefix", "static lookup p50 ms") in metrics
     assert ("2 peer(s), 1,000-key prefix", "redis lookup p99 ms") in metrics
     assert all(r["ok"] == "yes" for r in rows), rows
+
+
+def test_a_wildcard_listen_address_is_registered_as_a_reachable_one() -> None:
+    """A node bound to tcp://0.0.0.0:P must not tell other hosts to dial 0.0.0.0."""
+    from p2pkv.cluster import advertised_address
+
+    assert advertised_address("tcp://0.0.0.0:5601", host="10.1.2.3") == "tcp://10.1.2.3:5601"
+    assert advertised_address("tcp://*:5601", host="10.1.2.3") == "tcp://10.1.2.3:5601"
+    assert advertised_address("tcp://[::]:5601", host="fd00::7") == "tcp://[fd00::7]:5601"
+    assert advertised_address("tcp://10.9.9.9:5601", host="10.1.2.3") == "tcp://10.9.9.9:5601"
+    guessed = advertised_address("tcp://0.0.0.0:5601")
+    assert guessed.endswith(":5601") and "0.0.0.0" not in guessed
+
+
+def test_advertise_must_be_an_address(redis_server: LocalRedis) -> None:
+    node = make_node({**SMALL, "pool": 8})
+    try:
+        with pytest.raises(ConfigError, match="advertise"):
+            Cluster(node, directory=redis_server.url, advertise="10.1.2.3:5601")
+        with Cluster(node, directory=redis_server.url, advertise="tcp://10.1.2.3:7") as c:
+            assert c.wait_registered(10)
+            assert c.address == "tcp://10.1.2.3:7"
+            assert c.member is not None
+    finally:
+        node.close(timeout=1.0)

@@ -16,6 +16,7 @@ from p2pkv.cluster.records import (
     NodeRecord,
     PrefixFetch,
     PrefixLookup,
+    advertised_address,
     longest_prefix,
     partition_key,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "PrefixLookup",
     "RedisDirectory",
     "RedisRegistration",
+    "advertised_address",
     "longest_prefix",
     "partition_key",
 ]

@@ -41,6 +41,7 @@ from p2pkv.cluster.records import (
     NodeRecord,
     PrefixFetch,
     PrefixLookup,
+    advertised_address,
     longest_prefix,
     partition_key,
 )
@@ -54,6 +55,7 @@ from p2pkv.errors import ConfigError, P2PKVError, PeerGone, PeerTimeout, Protoco
 from p2pkv.keys import keys_well_formed
 from p2pkv.node import FetchResult, KeyOutcome, Node, PeerHandle
 from p2pkv.protocol.codes import MAX_KEY_LEN
+from p2pkv.transport import validate_address
 
 __all__ = ["Cluster", "ClusterConfig", "ClusterStats"]
 
@@ -147,8 +149,13 @@ class Cluster:
 
     def __init__(self, node: Node, *, directory: str | None = None,
                  peers: Sequence[str] = (), extension: str = "",
-                 config: ClusterConfig | None = None) -> None:
+                 config: ClusterConfig | None = None, advertise: str | None = None) -> None:
         self.node = node
+        #: The address registered for this node: ``advertise``, or the node's own with a
+        #: wildcard host (``tcp://0.0.0.0:P``) replaced by this host's address.
+        if advertise is not None:
+            validate_address(advertise, what="advertise")
+        self.address = advertise or advertised_address(node.address)
         self.config = config or ClusterConfig()
         try:
             self.partition = partition_key(node.fingerprint, extension)
@@ -171,7 +178,8 @@ class Cluster:
             self.directory = RedisDirectory(directory, namespace=self.config.namespace,
                                             socket_timeout=self.config.redis_timeout)
             self._registration = RedisRegistration(
-                self.directory, lambda: NodeRecord.for_node(node, extension=extension),
+                self.directory,
+                lambda: NodeRecord.for_node(node, extension=extension, address=self.address),
                 node.store.stored_keys, ttl=self.config.ttl, heartbeat=self.config.heartbeat,
                 announce_interval=self.config.announce_interval, on_event=self._count)
             # Listen first, then let the registration snapshot the store: nothing is missed.
@@ -242,8 +250,8 @@ class Cluster:
                 holders = self.directory.lookup(self.partition, keys, exclude=self.member)
                 # A claim of this node's under an older registration (not yet expired)
                 # is not a holder either.
-                me = self.node.address
-                holders = [tuple(h for h in found if h.address != me) for found in holders]
+                me = (self.node.address, self.address)
+                holders = [tuple(h for h in found if h.address not in me) for found in holders]
                 source = "redis"
             except DirectoryError as exc:
                 self._count("directory_errors", 1)
@@ -270,7 +278,7 @@ class Cluster:
         remaining = max(0.001, deadline - time.monotonic())
         connecting: dict[Future[Any], str] = {
             self._pool.handle_async(a, timeout=remaining): a
-            for a in addresses if a != self.node.address}
+            for a in addresses if a not in (self.node.address, self.address)}
         asking: dict[Future[Any], tuple[str, PeerHandle]] = {}
         while connecting or asking:
             remaining = deadline - time.monotonic()

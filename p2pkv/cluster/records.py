@@ -121,11 +121,13 @@ class NodeRecord:
         return Holder(self.node_id, self.address)
 
     @classmethod
-    def for_node(cls, node: Any, *, extension: str = "") -> NodeRecord:
-        """The record of a live :class:`~p2pkv.node.Node` (its greeting, rank, pool)."""
+    def for_node(cls, node: Any, *, extension: str = "",
+                 address: str | None = None) -> NodeRecord:
+        """The record of a live :class:`~p2pkv.node.Node` (its greeting, rank, pool);
+        ``address`` is the one other nodes dial (default: the node's own)."""
         hello = node.hello
         return cls(
-            node_id=node.node_id, address=node.address, fingerprint=hello.fp,
+            node_id=node.node_id, address=address or node.address, fingerprint=hello.fp,
             extension=extension, rank=node.run_config.rank, capabilities=tuple(hello.caps),
             pool_blocks=node.store.capacity, run_config=dict(hello.rc),
             bytes_per_block=hello.geo.bpb, segments=tuple(hello.geo.seg),
@@ -238,3 +240,29 @@ class PrefixFetch:
                 break
             n += 1
         return n
+
+
+_WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
+
+
+def advertised_address(listen: str, host: str | None = None) -> str:
+    """The address other nodes dial for a node bound to ``listen``.
+
+    A wildcard host (``0.0.0.0``, ``*``, ``::``) is where the node listens, not where it
+    can be reached: it becomes ``host`` (default: this machine's address as its hostname
+    resolves). Any other address is returned unchanged.
+    """
+    import socket
+
+    rest = listen[len("tcp://"):] if listen.startswith("tcp://") else listen
+    bound, sep, port = rest.rpartition(":")
+    if not sep or bound not in _WILDCARD_HOSTS:
+        return listen
+    if host is None:
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{port}"
