@@ -184,10 +184,30 @@ def baseline(model_dir: Path, logs: Path, engines: list[Engine]) -> dict[str, li
 
 
 @pytest.fixture(scope="module")
+def redis_url() -> Iterator[str | None]:
+    """A private redis-server for the directory test (None when it is not installed)."""
+    from p2pkv.cluster.redis_server import LocalRedis, find_redis_server
+
+    if find_redis_server() is None:
+        if REQUIRED:
+            pytest.fail("P2PKV_REQUIRE_VLLM=1 but redis-server is not installed (make redis)")
+        yield None
+        return
+    server = LocalRedis().start()
+    try:
+        yield server.url
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
 def producer(model_dir: Path, logs: Path, engines: list[Engine],
-             baseline: dict[str, list[int]]) -> str:
+             baseline: dict[str, list[int]], redis_url: str | None) -> str:
+    """The producer serves its static peers and, when Redis is there, registers in it."""
     address = f"tcp://127.0.0.1:{free_port()}"
-    engine = Engine("producer", model_dir, logs, tier={"listen": address, **DECLARED})
+    directory = {"directory": redis_url} if redis_url else {}
+    engine = Engine("producer", model_dir, logs,
+                    tier={"listen": address, **DECLARED, **directory})
     engines.append(engine)
     out = engine.generate(*PROMPTS)
     assert dict(zip(PROMPTS, out["tokens"], strict=True)) == baseline
@@ -196,9 +216,9 @@ def producer(model_dir: Path, logs: Path, engines: list[Engine],
     return address
 
 
-def consumer(name: str, model_dir: Path, logs: Path, engines: list[Engine], peer: str,
-             **kwargs: Any) -> Engine:
-    tier = {"listen": f"tcp://127.0.0.1:{free_port()}", "peers": [peer],
+def consumer(name: str, model_dir: Path, logs: Path, engines: list[Engine],
+             peer: str | None, **kwargs: Any) -> Engine:
+    tier = {"listen": f"tcp://127.0.0.1:{free_port()}", "peers": [peer] if peer else [],
             "heartbeat_timeout": 2.0, "fetch_timeout": 20.0, **DECLARED,
             **kwargs.pop("tier", {})}
     engine = Engine(name, model_dir, logs, tier=tier, **kwargs)
@@ -288,6 +308,25 @@ def test_consumer_loads_shared_prefix_from_producer(
     assert p2p_hits(metrics) == SHARED_TOKENS, metrics
     assert metrics["vllm:p2pkv_loaded_blocks"] == SHARED_TOKENS // OFFLOAD_TOKENS
     assert metrics["vllm:p2pkv_peers"] == 1
+    engine.close()
+
+
+def test_consumer_finds_the_producer_through_the_redis_directory(
+        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, list[int]],
+        producer: str, redis_url: str | None) -> None:
+    """No peer list at all: the consumer learns from Redis who holds the prefix."""
+    if redis_url is None:
+        pytest.skip("redis-server is not installed")
+    engine = consumer("consumer-directory", model_dir, logs, engines, None,
+                      tier={"directory": redis_url})
+    out = engine.generate("b")
+    assert out["tokens"] == [baseline["b"]]
+    assert out["cached"] == [SHARED_TOKENS]
+    metrics = engine.metrics()
+    assert p2p_hits(metrics) == SHARED_TOKENS, metrics
+    assert metrics["vllm:p2pkv_directory_hits"] >= SHARED_TOKENS // OFFLOAD_TOKENS
+    assert metrics["vllm:p2pkv_directory_registered"] == 1
+    assert metrics.get("vllm:p2pkv_directory_errors", 0) == 0
     engine.close()
 
 

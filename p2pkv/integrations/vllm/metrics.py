@@ -24,6 +24,12 @@ class Metrics:
     STORED_BYTES = "vllm:p2pkv_stored_bytes"
     HANDSHAKES_REFUSED = "vllm:p2pkv_handshakes_refused"
     PEERS = "vllm:p2pkv_peers"
+    DIRECTORY_LOOKUPS = "vllm:p2pkv_directory_lookups"
+    DIRECTORY_HITS = "vllm:p2pkv_directory_hits"
+    DIRECTORY_STALE = "vllm:p2pkv_directory_stale_entries"
+    DIRECTORY_FAILOVERS = "vllm:p2pkv_directory_failovers"
+    DIRECTORY_ERRORS = "vllm:p2pkv_directory_errors"
+    DIRECTORY_REGISTERED = "vllm:p2pkv_directory_registered"
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
@@ -48,4 +54,16 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             "p2pkv handshakes refused: outbound by differing field, inbound (peers "
             "this engine refused) by reason.", labelnames=("side", "reason")),
         Metrics.PEERS: OffloadingGaugeMetadata("Compatible p2pkv peers connected."),
+        Metrics.DIRECTORY_LOOKUPS: OffloadingCounterMetadata(
+            "Prefix lookups answered by the cluster directory (or its peer fallback)."),
+        Metrics.DIRECTORY_HITS: OffloadingCounterMetadata(
+            "Chunk keys found in the prefixes the directory answered."),
+        Metrics.DIRECTORY_STALE: OffloadingCounterMetadata(
+            "Chunks a listed holder no longer had (a stale directory entry)."),
+        Metrics.DIRECTORY_FAILOVERS: OffloadingCounterMetadata(
+            "Chunks fetched again from another holder after one died, refused or missed."),
+        Metrics.DIRECTORY_ERRORS: OffloadingCounterMetadata(
+            "Directory calls that failed (lookups then fell back to the static peers)."),
+        Metrics.DIRECTORY_REGISTERED: OffloadingGaugeMetadata(
+            "1 while this engine is registered in the cluster directory."),
     }

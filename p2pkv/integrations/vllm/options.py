@@ -24,6 +24,7 @@ TIER_OPTIONS: tuple[str, ...] = (
     "handshake_timeout", "lookup_timeout", "fetch_timeout", "heartbeat_timeout",
     "curve_secret_key", "curve_authorized", "curve_server_key", "reconnect_interval",
     "identity_policy", "kv_memory_layout", "model_revision", "model_overrides",
+    "directory", "directory_ttl", "advertise",
 )
 _DEFAULT_RECONNECT = 2.0
 #: Defaults that differ from ``serve``'s: a scheduler waits on lookups, so silence
@@ -57,6 +58,8 @@ def tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], floa
         for address in settings["peer"]:
             validate_address(address, what="peers entry")
         validate_address(settings["listen"], what="listen")
+        if settings["advertise"] is not None:
+            validate_address(settings["advertise"], what="advertise")
     except ConfigError as exc:
         # Name the tier option, not the launcher flag it shares a parser with.
         message = re.sub(r" \(from --[a-z-]+\)$", "", str(exc))

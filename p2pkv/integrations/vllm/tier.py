@@ -54,8 +54,10 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from p2pkv.cluster import PrefixFetch
 from p2pkv.errors import P2PKVError, PeerGone
 from p2pkv.identity import IdentityExtension, RunConfig
+from p2pkv.integrations.vllm.directory import DirectorySource, fetch_outcomes
 from p2pkv.integrations.vllm.identity import (
     VLLMKeyHash,
     current_key_hash,
@@ -132,6 +134,14 @@ class P2PKVTier(SecondaryTierManager):
         self._node: Node | None = None
         self._failed: str | None = None
         self._lock = threading.Lock()
+        self._directory_url: str = settings["directory"]
+        self._directory_options = {
+            "peers": peers, "ttl": float(settings["directory_ttl"]),
+            "lookup_timeout": float(settings["lookup_timeout"]),
+            "fetch_timeout": self._fetch_timeout, "advertise": settings["advertise"]}
+        # With a directory its cluster connects to the static peers (its fallback) and
+        # this list stays idle, unless the directory cannot be set up.
+        self._directory: DirectorySource | None = None
         self._peers = Peers(peers, reconnect=reconnect,
                             lookup_timeout=float(settings["lookup_timeout"]),
                             lock=self._lock, count=self._count)
@@ -183,8 +193,25 @@ class P2PKVTier(SecondaryTierManager):
             return None
         log.info("p2pkv tier node %s on %s: %s", self._node.node_id, self._node.address,
                  self.extension.describe())
-        self._peers.maintain(self._node)
+        if self._directory_url != "static":
+            ext = self.extension
+            try:
+                self._directory = DirectorySource(
+                    self._node, self._directory_url,
+                    extension="" if ext.is_empty else ext.digest, **self._directory_options)
+            except Exception as exc:  # the static peers still work
+                log.error("p2pkv tier: directory %s unusable (%s: %s); using the static "
+                          "peers only", self._directory_url, type(exc).__name__, exc)
+            else:
+                log.info("p2pkv tier: directory %s, partition %s, registered as %s",
+                         self._directory_url, self._directory.cluster.partition,
+                         self._directory.cluster.address)
+        self._maintain()
         return self._node
+
+    def _maintain(self) -> None:
+        if self._node is not None and self._directory is None:
+            self._peers.maintain(self._node)
 
     def _count(self, name: str, n: int, labels: tuple[str, ...]) -> None:
         """Increment one of this tier's metrics (the caller holds the lock)."""
@@ -195,6 +222,12 @@ class P2PKVTier(SecondaryTierManager):
         node = self._node
         if node is None or not keys:
             return [False] * len(keys)
+        if self._directory is not None:
+            found = self._directory.ask(keys)
+            with self._lock:
+                self._count(Metrics.LOOKUP_KEYS, len(keys), ())
+                self._count(Metrics.LOOKUP_HITS, sum(found), ())
+            return found
         return self._peers.ask(node, keys)
 
     # ------------------------------------------------------------------ SecondaryTierManager
@@ -224,6 +257,9 @@ class P2PKVTier(SecondaryTierManager):
             job.failures["tier_disabled"] = len(keys)
             self._load_done(job, 0, None, None)
             return
+        if self._directory is not None:
+            self._load_through_directory(job, chunk_ids)
+            return
         handles, holders = self._peers.route(keys)
         with self._lock:
             for key, cid, address in zip(keys, chunk_ids, holders, strict=True):
@@ -249,6 +285,33 @@ class P2PKVTier(SecondaryTierManager):
             fut.add_done_callback(functools.partial(self._fetched, job, len(items), handle))
         if not by_peer:
             self._load_done(job, 0, None, None)
+
+    def _load_through_directory(self, job: _LoadJob, chunk_ids: list[int]) -> None:
+        """One striped, failing-over prefix fetch for the whole job (see directory.py)."""
+        assert self._directory is not None
+        row = self.block_size_bytes
+        dests = [[self._rows[cid * row:(cid + 1) * row]] for cid in chunk_ids]
+        with self._lock:
+            job.pending = 1
+            self._loads[job.job_id] = job
+        try:
+            fut = self._directory.load(job.keys, dests)
+        except P2PKVError as exc:
+            self._load_done(job, len(job.keys), None, exc)
+            return
+        with self._lock:
+            self._outstanding.add(fut)
+        fut.add_done_callback(functools.partial(self._prefix_fetched, job))
+
+    def _prefix_fetched(self, job: _LoadJob, fut: Future[PrefixFetch]) -> None:
+        with self._lock:
+            self._outstanding.discard(fut)
+        try:
+            result = fetch_outcomes(job.keys, fut.result())
+        except BaseException as exc:
+            self._load_done(job, len(job.keys), None, exc)
+            return
+        self._load_done(job, len(job.keys), result, None)
 
     def _fetched(self, job: _LoadJob, n: int, handle: PeerHandle,
                  fut: Future[FetchResult]) -> None:
@@ -359,8 +422,7 @@ class P2PKVTier(SecondaryTierManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._lookup.flush()
-        if self._node is not None:
-            self._peers.maintain(self._node)
+        self._maintain()
 
     def drain_jobs(self) -> None:
         """Wait until no load or store touches the primary region. Loads are bounded by
@@ -385,6 +447,9 @@ class P2PKVTier(SecondaryTierManager):
         self.drain_jobs()
         self._stores.shutdown(wait=True)
         self._lookup.shutdown()
+        if self._directory is not None:
+            with contextlib.suppress(Exception):
+                self._directory.close()  # withdraws this engine's claims
         if self._node is not None:
             with contextlib.suppress(Exception):
                 self._node.close()
@@ -402,6 +467,7 @@ class P2PKVTier(SecondaryTierManager):
             "extension": self.extension.to_wire() if self.extension else None,
             "peers": peers,
             "handshakes_refused": refusals,
+            "directory": self._directory.describe() if self._directory else None,
             "node": self._node.stats() if self._node else None,
         }
 
@@ -422,5 +488,9 @@ class P2PKVTier(SecondaryTierManager):
                                            ("inbound", reason))
             self._inbound_refusals = inbound
         stats.set_gauge(Metrics.PEERS, connected)
+        if self._directory is not None:
+            for name, delta in self._directory.deltas().items():
+                stats.increase_counter(name, delta)
+            stats.set_gauge(Metrics.DIRECTORY_REGISTERED, int(self._directory.registered()))
         return stats
 
