@@ -97,6 +97,7 @@ from p2pkv.protocol.sharing import (
     AttachRequested,
     BlocksLocated,
     BlocksReleased,
+    LocatedAbandoned,
     SharingSession,
 )
 
@@ -149,6 +150,7 @@ __all__ = [
     "Limits",
     "LocalProtocolError",
     "Located",
+    "LocatedAbandoned",
     "Lookup",
     "LookupAnswered",
     "LookupRequested",

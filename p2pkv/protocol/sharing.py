@@ -28,6 +28,7 @@ from typing import Any, Final, cast
 from p2pkv.protocol.codes import CAP_SHM_V1, MAX_KEYS, SHM_NONCE_LEN, Code
 from p2pkv.protocol.events import BlockArrived, Event, Output
 from p2pkv.protocol.messages import (
+    Abort,
     Attach,
     Attached,
     Block,
@@ -54,6 +55,7 @@ __all__ = [
     "AttachRequested",
     "BlocksLocated",
     "BlocksReleased",
+    "LocatedAbandoned",
     "SharingSession",
 ]
 
@@ -91,6 +93,14 @@ class BlocksReleased(Event):
 
     req: int
     idx: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LocatedAbandoned(Event):
+    """Server: the client aborted fetch ``req`` after its ``done`` (the two crossed): it
+    reads none of its located blocks any more; unpin whatever it still holds."""
+
+    req: int
 
 
 # Attach progress of a connection.
@@ -247,6 +257,12 @@ class SharingSession(Session):
                        if type(e) is BlockArrived else e for e in out.events)
         return Output(events=events, replies=out.replies)
 
+    def _on_abort_shared(self, msg: Abort, now: float) -> Output:
+        out = Machine._on_abort(self, msg, now)
+        if msg.req in self._finished and self._state is State.READY:
+            return Output(events=(*out.events, LocatedAbandoned(msg.req)), replies=out.replies)
+        return out
+
     def _on_release(self, msg: Release, now: float) -> Output:
         r = self._requests.get(msg.req)
         if r is None and msg.req not in self._finished:
@@ -281,6 +297,7 @@ SHARING_TRANSITIONS: Final = {
     Role.SERVER: _table(Role.SERVER, {
         (State.AWAITING_HELLO, "hello"): SharingSession._on_hello_shared,
         (State.READY, "fetch"): SharingSession._on_fetch_shared,
+        (State.READY, "abort"): SharingSession._on_abort_shared,
         (State.READY, "attach"): SharingSession._on_attach,
         (State.READY, "release"): SharingSession._on_release,
     }),

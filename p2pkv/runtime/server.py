@@ -141,6 +141,8 @@ class Server:
                 self._send(peer.rid, [self._shm.verify(peer.rid, peer.session, ev)])
             elif isinstance(ev, proto.BlocksReleased):
                 self._shm.release(peer.rid, ev.req, ev.idx)
+            elif isinstance(ev, proto.LocatedAbandoned):
+                self._shm.abort(peer.rid, ev.req)
             elif isinstance(ev, (proto.PeerClosed, proto.ProtocolViolated)):
                 if isinstance(ev, proto.ProtocolViolated):
                     self._counters.add("protocol_violations")
