@@ -171,6 +171,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("fetch_timeout", _seconds, 60.0, "seconds a whole fetch may take"),
     Option("heartbeat_timeout", _seconds, 5.0, "seconds of silence before a peer is dead"),
     Option("checksums", _bool, True, "offer per-block xxh3-64 checksums"),
+    Option("shm", _bool, False,
+           "same-host shared memory (shm-v1): the pool lives in /dev/shm and blocks are "
+           "copied from same-host peers' pools"),
     Option("metrics_port", _int(0, 65535), None, "serve Prometheus metrics on this port"),
     Option("curve_secret_key", _str, None, "CURVE secret key file (enables encryption)"),
     Option("curve_authorized", _str, None, "directory of authorized client public keys"),

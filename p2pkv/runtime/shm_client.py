@@ -74,7 +74,7 @@ class SharedReceiver:
         """The server's verdict on our proof."""
         mapping = conn.shm
         if ev.ok and mapping is not None:
-            conn.shm_detail = f"shared memory (segment {mapping.name})"
+            conn.shm_detail = f"segment {mapping.name}, mapped read-only"
             log.info("%s: blocks move through shared memory (%s)", conn.address, mapping.name)
             return
         conn.shm_detail = f"the peer refused the shared-memory proof: {ev.msg}"

@@ -57,7 +57,7 @@ class Outbound:
     closed: bool = False
     #: The peer's pool, mapped read-only once its shared-memory proof was sent (shm-v1).
     shm: MappedSegment | None = None
-    #: How blocks move on this connection and why ("shared memory (...)", or the reason
+    #: How blocks move on this connection and why (the segment used, or the reason
     #: it stays on TCP).
     shm_detail: str = ""
 
