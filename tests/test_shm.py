@@ -26,6 +26,7 @@ from procs import NodeProcess
 from rawpeer import RawPeer, wait_until
 
 from p2pkv import protocol as proto
+from p2pkv.errors import PeerIncompatible
 from p2pkv.node import KeyOutcome, Node, NodeConfig
 from p2pkv.pool import BlockPool
 from p2pkv.shm import SHM_DIR, MappedSegment, remove_stale
@@ -348,3 +349,12 @@ def test_a_node_on_another_host_never_uses_shared_memory() -> None:
         for p in started:
             p.kill()
         pair.close()
+
+
+def test_refusals_are_unchanged_between_shared_memory_nodes() -> None:
+    with node(LAYOUTS[0], **SHM) as v2, node(LAYOUTS[1], **SHM) as v1:
+        with pytest.raises(PeerIncompatible) as excinfo:
+            v1.connect(v2.address)
+        fields = {r.field for r in excinfo.value.reasons}
+        assert "geometry.segments" in fields
+        assert v1.stats().shm_fallbacks == {} and v2.stats().shm_peers_in == 0

@@ -213,6 +213,8 @@ def _bulk_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase]
                          "node_cpu_s_per_gb": res["b_cpu_s_per_gb"],
                          "raw_cpu_s_per_gb": res["a_cpu_s_per_gb"]}))
             node_rx, raw_rx = res["b_rx_cpu_s_per_gb"], res["a_rx_cpu_s_per_gb"]
+            if not node_rx or not raw_rx:
+                continue  # below the clock-tick resolution of /proc (a tiny --quick run)
             rx_ratio = ratio_of(node_rx, raw_rx)
             cpu_rows.append(Row(
                 f"receiver CPU, {case.label}", "CPU s per GB", node_rx, raw_rx, rx_ratio,
