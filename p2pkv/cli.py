@@ -185,7 +185,7 @@ def node_config(settings: Settings, *, listen: str | None = None) -> Any:
             handshake_timeout=v["handshake_timeout"], lookup_timeout=v["lookup_timeout"],
             fetch_timeout=v["fetch_timeout"], heartbeat_timeout=v["heartbeat_timeout"],
             heartbeat_interval=min(1.0, v["heartbeat_timeout"] / 4), curve=curve,
-            identity_policy=v["identity_policy"],
+            identity_policy=v["identity_policy"], shm=v["shm"],
         )
     except ConfigError as exc:
         if str(exc).startswith("listen"):
@@ -373,7 +373,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
                 "run_config": peer.remote_run_config,
                 "capabilities": sorted(peer.capabilities),
                 "extension": peer.remote_extension.to_wire(),
-                "extension_differences": [reason_dict(r) for r in notes]}
+                "extension_differences": [reason_dict(r) for r in notes],
+                "data_path": peer.data_path, "data_path_detail": peer.data_path_detail}
         if args.json:
             print(json.dumps(info, sort_keys=True))
         else:
@@ -382,6 +383,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
             print(f"run config:   {json.dumps(peer.remote_run_config, sort_keys=True)}")
             print(f"extension:    {peer.remote_extension.describe()}")
             print(f"capabilities: {', '.join(sorted(peer.capabilities)) or '(none)'}")
+            path = "shared memory" if peer.data_path == "shm" else "TCP"
+            print(f"data path:    {path} ({peer.data_path_detail})")
             if notes:
                 print("identity extension differences (accepted):")
                 print(refusal_table(notes))

@@ -47,8 +47,11 @@ from p2pkv.runtime.reactor import Reactor
 from p2pkv.runtime.receiver import Receiver, check_destinations
 from p2pkv.runtime.sender import Sender
 from p2pkv.runtime.server import Server
+from p2pkv.runtime.shm_client import SharedReceiver
+from p2pkv.runtime.shm_server import SharedSender
 from p2pkv.runtime.stats import Counters
 from p2pkv.runtime.tuning import WAIT_GRACE
+from p2pkv.shm import ShmUnavailable
 from p2pkv.store import BlockStore
 from p2pkv.transport import bound_address, make_router, start_authenticator, validate_address
 
@@ -98,14 +101,14 @@ class Node:
         self.config = config or NodeConfig()
         self.run_config = run_config
         self.layout = layout
+        #: Why the pool is private although ``NodeConfig.shm`` asked for shared memory.
+        self.shm_unavailable: str | None = None
+        self._own_pool: BlockPool | None = None
         if store is None:
             if (pool_blocks is None) == (pool_bytes is None):
                 raise ConfigError("give exactly one of pool_blocks or pool_bytes")
-            try:
-                pool = (BlockPool(layout, pool_blocks) if pool_blocks is not None
-                        else BlockPool.for_bytes(layout, pool_bytes or 0))
-            except ValueError as exc:
-                raise ConfigError(f"pool: {exc}") from exc
+            pool = self._make_pool(layout, pool_blocks, pool_bytes)
+            self._own_pool = pool
             store = BlockStore(pool)
         elif tuple(store.pool.segment_sizes) != tuple(layout.segment_sizes):
             raise ConfigError(
@@ -117,6 +120,8 @@ class Node:
         self._bpb = layout.bytes_per_block
         window = proto.window_blocks(self.config.window_bytes, self._bpb)
         caps = [proto.CAP_CHECKSUM_XXH3_64] if self.config.checksums else []
+        if self.config.shm:
+            caps.append(proto.CAP_SHM_V1)
         self._deadlines = proto.Deadlines(
             handshake=self.config.handshake_timeout,
             lookup=self.config.lookup_timeout,
@@ -164,16 +169,24 @@ class Node:
         self._reactor = Reactor(f"p2pkv-io-{self.address}")
         self._thread = self._reactor.thread
         sender = Sender(self._router, store, self._bpb, self._counters)
+        # Only a node that opted in offers its segment; a pool shared by the caller's
+        # store is offered too (the caller owns it and removes it).
+        segment = store.pool.segment if self.config.shm else None
+        self._shm_sender = SharedSender(self._router, store, segment, self._bpb,
+                                        self._counters, pin_limit=2 * window)
         self._server = Server(reactor=self._reactor, router=self._router, store=store,
                               hello=self.hello, deadlines=self._deadlines, limits=self._limits,
                               max_peers=self.config.max_peers, sender=sender,
                               counters=self._counters,
-                              identity_policy=self.config.identity_policy)
+                              identity_policy=self.config.identity_policy,
+                              shm=self._shm_sender)
         self._client = Client(reactor=self._reactor, ctx=self._ctx, owner=self, hello=self.hello,
                               deadlines=self._deadlines, limits=self._limits, config=self.config,
                               store=store, budget=proto.CreditBudget(window),
                               receiver=Receiver(store, self._segments, self._bpb, self._counters),
-                              counters=self._counters, max_message=self._max_message)
+                              counters=self._counters, max_message=self._max_message,
+                              shm=SharedReceiver(store, self._segments, self._bpb,
+                                                 self._counters, enabled=self.config.shm))
         # The order the IO loop serves them in, and the order they shut down in.
         self._reactor.add(self._client)
         self._reactor.add(self._server)
@@ -291,6 +304,14 @@ class Node:
             protocol_violations=c["protocol_violations"], store=self.store.stats(),
             fetch_latency_buckets=c.latency_buckets, fetch_latency_sum=c.latency_sum,
             identity_undeclared=c.undeclared,
+            shm_segment=None if self._shm_sender.offer is None else self._shm_sender.offer.name,
+            shm_unavailable=self.shm_unavailable,
+            shm_peers_out=sum(1 for h in handles if h.data_path == "shm"),
+            shm_peers_in=self._shm_sender.attached_peers(),
+            shm_fallbacks={k.removeprefix("shm_fallback."): v for k, v in c.counts.items()
+                           if k.startswith("shm_fallback.")},
+            blocks_sent_shm=c["blocks_sent_shm"], blocks_received_shm=c["blocks_received_shm"],
+            shm_pinned=self._shm_sender.pinned(),
         )
 
     def close(self, timeout: float | None = None) -> None:
@@ -312,6 +333,23 @@ class Node:
         reactor.closed.set()
 
     # ------------------------------------------------------------------ API helpers
+
+    def _make_pool(self, layout: Layout, pool_blocks: int | None,
+                   pool_bytes: int | None) -> BlockPool:
+        """The node's own pool: in shared memory when ``NodeConfig.shm`` asks for it and
+        a segment can be made (otherwise private, and :attr:`shm_unavailable` says why)."""
+        shared = self.config.shm
+        while True:
+            try:
+                if pool_blocks is not None:
+                    return BlockPool(layout, pool_blocks, shared=shared)
+                return BlockPool.for_bytes(layout, pool_bytes or 0, shared=shared)
+            except ValueError as exc:
+                raise ConfigError(f"pool: {exc}") from exc
+            except ShmUnavailable as exc:
+                self.shm_unavailable = str(exc)
+                log.warning("pool stays private (no shared memory): %s", exc)
+                shared = False
 
     def _check_keys(self, keys: Sequence[bytes]) -> tuple[bytes, ...]:
         if isinstance(keys, (bytes, bytearray, str)):  # type: ignore[unreachable]
@@ -353,4 +391,6 @@ class Node:
             with contextlib.suppress(Exception):
                 self._auth.stop()
         self._ctx.term()
+        if self._own_pool is not None:
+            self._own_pool.close()  # the segment's name goes; mapped memory stays valid
         log.info("node %s closed", self.node_id)

@@ -9,6 +9,13 @@ Memory is page-locked (``pin_memory=True``) when CUDA is available, because a
 CUDA engine copies blocks to and from the GPU asynchronously only from pinned
 memory; otherwise it is ordinary pageable memory, aligned by hand.
 
+With ``shared=True`` the pool lives in a named shared-memory segment
+(:class:`p2pkv.shm.SharedSegment`, mode 0600) that same-host peers map read-only
+to copy blocks straight out of it (``protocol/SPEC.md`` §16). Where CUDA is
+available the segment is registered with ``cudaHostRegister`` so it stays
+page-locked; if that fails it is used pageable, and ``memory_kind`` says which.
+Shared memory is opt-in: the default stays private pinned (CUDA) or pageable memory.
+
 Two views of the same bytes are exposed, and neither copies:
 
 - :attr:`BlockPool.kv_tensors`: engine-facing tensors in the model dtype, one
@@ -28,6 +35,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from p2pkv.layout import torch_dtype
+from p2pkv.shm import SharedSegment
 
 if TYPE_CHECKING:
     from p2pkv.layout import KVLayout
@@ -37,7 +45,7 @@ __all__ = ["PAGE_SIZE", "BlockPool", "MemoryKind"]
 logger = logging.getLogger("p2pkv.pool")
 
 PAGE_SIZE = 4096
-MemoryKind = Literal["pinned", "pageable"]
+MemoryKind = Literal["pinned", "pageable", "shared", "shared-pinned"]
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -49,10 +57,14 @@ class BlockPool:
 
     Lifecycle: construct once at start; the memory lives as long as the pool
     (and any view handed out) is referenced. ``pin=None`` pins iff
-    ``torch.cuda.is_available()``; ``pin=True`` without CUDA raises.
+    ``torch.cuda.is_available()``; ``pin=True`` without CUDA raises. ``shared=True``
+    puts the pool in a shared-memory segment (:attr:`segment`); it raises
+    :class:`~p2pkv.shm.ShmUnavailable` when no segment can be made, and :meth:`close`
+    removes the segment's name.
     """
 
-    def __init__(self, layout: KVLayout, num_blocks: int, *, pin: bool | None = None) -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, *, pin: bool | None = None,
+                 shared: bool = False) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         cuda = torch.cuda.is_available()
@@ -68,29 +80,39 @@ class BlockPool:
         self.pinned: bool = pin
         self.memory_kind: MemoryKind = "pinned" if pin else "pageable"
 
+        #: The shared-memory segment holding the pool (``shared=True``), else None.
+        self.segment: SharedSegment | None = None
         # Each region starts on a page boundary: pad every region to whole pages.
         strides = [_round_up(num_blocks * size, PAGE_SIZE) for size in self.segment_sizes]
         total = sum(strides)
-        # One extra page lets us move the start to a page boundary ourselves;
-        # pinned allocations are page-aligned already, but checking is cheap.
-        backing = torch.empty(total + PAGE_SIZE, dtype=torch.uint8, pin_memory=pin)
-        start = -backing.data_ptr() % PAGE_SIZE
+        if shared:
+            self.segment = SharedSegment(self.segment_sizes, num_blocks)
+            backing = torch.frombuffer(self.segment.buffer, dtype=torch.uint8)
+            offsets = list(self.segment.region_offsets)
+            self.memory_kind = "shared"
+            if pin:
+                self.pinned = _register_with_cuda(backing)
+                self.memory_kind = "shared-pinned" if self.pinned else "shared"
+        else:
+            # One extra page lets us move the start to a page boundary ourselves;
+            # pinned allocations are page-aligned already, but checking is cheap.
+            backing = torch.empty(total + PAGE_SIZE, dtype=torch.uint8, pin_memory=pin)
+            start = -backing.data_ptr() % PAGE_SIZE
+            offsets = [start + sum(strides[:i]) for i in range(len(strides))]
         self._backing = backing
         self.nbytes: int = num_blocks * self.bytes_per_block
 
         dtype = torch_dtype(layout.geometry.dtype)
         regions: list[torch.Tensor] = []
         typed: list[torch.Tensor] = []
-        offset = start
-        for size, stride, shape in zip(
-            self.segment_sizes, strides, layout.engine_shapes(num_blocks), strict=True
+        for size, offset, shape in zip(
+            self.segment_sizes, offsets, layout.engine_shapes(num_blocks), strict=True
         ):
             region = backing[offset : offset + num_blocks * size]
             if region.data_ptr() % PAGE_SIZE:  # pragma: no cover - arithmetic guarantees it
                 raise RuntimeError("pool region is not page-aligned")
             regions.append(region)
             typed.append(region.view(dtype).view(shape))
-            offset += stride
         self._regions: tuple[torch.Tensor, ...] = tuple(regions)
         #: Engine-facing typed views, one per region (V1: one, V2: one per layer).
         self.kv_tensors: tuple[torch.Tensor, ...] = tuple(typed)
@@ -111,7 +133,8 @@ class BlockPool:
 
     @classmethod
     def for_bytes(
-        cls, layout: KVLayout, capacity_bytes: int, *, pin: bool | None = None
+        cls, layout: KVLayout, capacity_bytes: int, *, pin: bool | None = None,
+        shared: bool = False,
     ) -> BlockPool:
         """As many whole blocks as fit in ``capacity_bytes`` (at least one)."""
         blocks = capacity_bytes // layout.bytes_per_block
@@ -120,7 +143,13 @@ class BlockPool:
                 f"capacity of {capacity_bytes} bytes holds no block of "
                 f"{layout.bytes_per_block} bytes"
             )
-        return cls(layout, blocks, pin=pin)
+        return cls(layout, blocks, pin=pin, shared=shared)
+
+    def close(self) -> None:
+        """Remove the shared segment's name (idempotent; nothing to do for a private
+        pool). The memory stays valid for as long as the pool is referenced."""
+        if self.segment is not None:
+            self.segment.close()
 
     def segment_views(self, slot: int) -> list[memoryview]:
         """Writable, C-contiguous ``"B"`` views of slot ``slot``, one per segment.
@@ -151,3 +180,19 @@ class BlockPool:
             f"BlockPool(layout={self.layout.name!r}, num_blocks={self.num_blocks}, "
             f"bytes_per_block={self.bytes_per_block}, memory_kind={self.memory_kind!r})"
         )
+
+
+def _register_with_cuda(backing: torch.Tensor) -> bool:
+    """Page-lock a shared mapping for CUDA (``cudaHostRegister``); False when refused."""
+    try:
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        err = cudart.cudaHostRegister(backing.data_ptr(), backing.numel(), 0)
+    except Exception as exc:  # pragma: no cover - needs CUDA
+        logger.warning("cannot page-lock the shared pool for CUDA (%s); it stays pageable",
+                       exc)
+        return False
+    if int(err) != 0:  # pragma: no cover - needs CUDA
+        logger.warning("cudaHostRegister refused the shared pool (error %s); it stays "
+                       "pageable", err)
+        return False
+    return True  # pragma: no cover - needs CUDA

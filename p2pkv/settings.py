@@ -185,6 +185,9 @@ OPTIONS: tuple[Option, ...] = (
            "replaced by this host's address)"),
     Option("directory_ttl", _seconds, 10.0,
            "seconds a Redis registration lives without a heartbeat"),
+    Option("shm", _bool, False,
+           "same-host shared memory (shm-v1): the pool lives in /dev/shm and blocks are "
+           "copied from same-host peers' pools"),
     Option("metrics_port", _int(0, 65535), None, "serve Prometheus metrics on this port"),
     Option("curve_secret_key", _str, None, "CURVE secret key file (enables encryption)"),
     Option("curve_authorized", _str, None, "directory of authorized client public keys"),

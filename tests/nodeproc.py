@@ -113,7 +113,8 @@ def fetch(spec: dict[str, Any], address: str) -> int:
         size = node.layout.bytes_per_block
         corrupt = sum(1 for k in keys if node.get(k) != content(k, size))
         say({"event": "fetched", "stored": len(result.stored), "missing": len(result.missing),
-             "failed": len(result.failed), "corrupt": corrupt, "seconds": seconds})
+             "failed": len(result.failed), "corrupt": corrupt, "seconds": seconds,
+             "data_path": peer.data_path, "data_path_detail": peer.data_path_detail})
     except P2PKVError as exc:
         say({"event": "error", "error": repr(exc)})
         return 1
@@ -153,7 +154,8 @@ def watch(spec: dict[str, Any], address: str) -> int:
         while (node.store.stats().used < target and not future.done()
                and time.monotonic() < deadline):
             time.sleep(0.001)
-        say({"event": "flowing", "done": future.done(), "used": node.store.stats().used})
+        say({"event": "flowing", "done": future.done(), "used": node.store.stats().used,
+             "data_path": peer.data_path})
         try:
             result = future.result(timeout=timeout + 5)
         except Exception as exc:  # reported; the parent judges the type and the timing

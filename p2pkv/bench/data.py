@@ -65,8 +65,51 @@ BULK_CASES: tuple[BulkCase, ...] = (
     BulkCase("seed-v2", "seed V2 (12 x 48 KiB)", "v2", SEED_GEOMETRY, 0.9),
     BulkCase("seed-v1", "seed V1 (1 x 576 KiB)", "v1", SEED_GEOMETRY, 0.9),
     BulkCase("llama3-8b-v2", "Llama-3-8B V2 (32 x 64 KiB)", "v2", preset("llama-3-8b"), 0.9),
-    BulkCase("small-16k", "16 KiB blocks (V1)", "v1", SMALL_16K, 0.5),
+    BulkCase("small-16k", "16 KiB blocks (V1)", "v1", SMALL_16K, 0.6),
 )
+
+SHM_CASES: tuple[BulkCase, ...] = (
+    BulkCase("shm-seed-v2", "seed V2 (12 x 48 KiB)", "v2", SEED_GEOMETRY, 0.6),
+    BulkCase("shm-seed-v1", "seed V1 (1 x 576 KiB)", "v1", SEED_GEOMETRY, 0.6),
+)
+"""Same-host fetches through shared memory (both nodes ``shm=True``); the baseline is a
+plain memcpy of the same bytes in the fetching process, and the target a ratio to it."""
+
+RECEIVER_CPU_TARGET = 1.2
+"""Receiver CPU seconds per GB moved over TCP: at most this multiple of raw pyzmq's."""
+
+
+class MemcpyRound:
+    """The same-host baseline: a plain memcpy of the bytes a fetch moves, block by block
+    (one copy of ``bytes_per_block`` per block, as BRIEF's 8.8 GB/s for 576 KiB), between
+    two buffers of this process that were touched beforehand.
+
+    One copy of the whole dataset would be faster on this machine (glibc switches to
+    non-temporal stores above a size of tens of MiB); ``whole()`` measures that too, for
+    the record."""
+
+    def __init__(self, nbytes: int, bytes_per_block: int) -> None:
+        rng = np.random.default_rng(7)
+        self.src: npt.NDArray[np.uint8] = rng.integers(0, 255, size=nbytes, dtype=np.uint8)
+        self.dst: npt.NDArray[np.uint8] = np.zeros(nbytes, dtype=np.uint8)
+        self.bpb = bytes_per_block
+
+    def run(self) -> tuple[float, int]:
+        self.dst[:1] = 1  # so each round's copy is seen by the check
+        src, dst, bpb = self.src.data, self.dst.data, self.bpb
+        t0 = time.perf_counter()
+        for off in range(0, len(src), bpb):
+            dst[off:off + bpb] = src[off:off + bpb]
+        return time.perf_counter() - t0, int(self.src.nbytes)
+
+    def whole(self) -> float:
+        """GB/s of one memcpy of the whole buffer."""
+        t0 = time.perf_counter()
+        np.copyto(self.dst, self.src)
+        return self.src.nbytes / (time.perf_counter() - t0) / 1e9
+
+    def check(self) -> bool:
+        return bool(np.array_equal(self.dst, self.src))
 
 
 def block_key(dataset: str, index: int) -> bytes:

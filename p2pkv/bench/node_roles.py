@@ -15,6 +15,7 @@ from p2pkv.bench.data import (
     MIB,
     BenchError,
     Dataset,
+    MemcpyRound,
     fd_count,
     lookup_keys,
     proc_status,
@@ -29,7 +30,7 @@ def geometry_from(spec: dict[str, Any]) -> Geometry:
 
 
 def make_node(spec: dict[str, Any], *, pool_blocks: int, checksums: bool = True,
-          curve: Any = None) -> Any:
+              curve: Any = None) -> Any:
     from p2pkv.identity import RunConfig
     from p2pkv.node import Node, NodeConfig
 
@@ -39,7 +40,8 @@ def make_node(spec: dict[str, Any], *, pool_blocks: int, checksums: bool = True,
                "layer_names": [f"model.layers.{i}.self_attn.attn" for i in range(g.num_layers)]}]
     rc = RunConfig.resolve("p2pkv/bench", parallel_agnostic=True, dtype=g.dtype,
                            kv_cache_groups=groups, **layout.identity_flags())
-    cfg = NodeConfig(checksums=checksums, curve=curve, fetch_timeout=120.0)
+    cfg = NodeConfig(checksums=checksums, curve=curve, fetch_timeout=120.0,
+                     shm=bool(spec.get("shm", False)))
     return Node(rc, layout, pool_blocks=pool_blocks, config=cfg)
 
 
@@ -160,19 +162,31 @@ def role_node_client(spec: dict[str, Any]) -> int:
     try:
         for nspec in spec["nodes"]:
             ds = Dataset(nspec["dataset"], nspec["segments"], nspec["blocks"])
-            node = make_node(nspec, pool_blocks=ds.blocks, checksums=nspec.get("checksums", True),
-                         curve=curve_keys(nspec.get("curve")))
+            node = make_node(nspec, pool_blocks=ds.blocks,
+                             checksums=nspec.get("checksums", True),
+                             curve=curve_keys(nspec.get("curve")))
             clients[nspec["id"]] = ClientNode(node, None, ds, nspec["address"],
                                                chunk_keys(ds.bpb))
             clients[nspec["id"]].peer = node.connect(nspec["address"], timeout=30)
+            if nspec.get("shm") and clients[nspec["id"]].peer.data_path != "shm":
+                raise BenchError(f"{nspec['id']}: no shared memory with the server: "
+                                 f"{clients[nspec['id']].peer.data_path_detail}")
+        copies = {m["id"]: MemcpyRound(int(m["bytes"]), int(m["bytes_per_block"]))
+                  for m in spec.get("memcpy", ())}
         say({"event": "ready", "pid": os.getpid()})
 
         def bulk(cmd: dict[str, Any]) -> dict[str, Any]:
-            c = clients[cmd["id"]]
-            seconds, moved = fetch_round(c, clear=bool(cmd.get("clear")))
+            if cmd["id"] in copies:
+                seconds, moved = copies[cmd["id"]].run()
+            else:
+                seconds, moved = fetch_round(clients[cmd["id"]], clear=bool(cmd.get("clear")))
             return {"seconds": seconds, "bytes": moved}
 
         def verify(cmd: dict[str, Any]) -> dict[str, Any]:
+            if cmd["id"] in copies:
+                ok = copies[cmd["id"]].check()
+                return {"good": int(ok), "bad": int(not ok),
+                        "whole_copy_gbps": copies[cmd["id"]].whole()}
             good, bad = verify_node(clients[cmd["id"]])
             return {"good": good, "bad": bad}
 

@@ -19,6 +19,8 @@ from p2pkv.bench.data import (
     GIB,
     KIB,
     MIB,
+    RECEIVER_CPU_TARGET,
+    SHM_CASES,
     BenchError,
     BulkCase,
     percentile,
@@ -97,17 +99,18 @@ def bulk_pair(name: str, rounds: int, nbytes: int, a: tuple[Worker, str],
                pids_b: Sequence[int] = ()) -> dict[str, Any]:
     """Alternate bulk rounds of ``a`` (the baseline) and ``b`` (the case) after one
     untimed warm-up round each (first touch of the receiving pages); verify both.
-    ``pids_*``: processes whose CPU time is charged to that side (sender + receiver)."""
+    ``pids_*``: (sender, receiver) processes whose CPU time is charged to that side; the
+    receiver's share is reported on its own too. GB/s is the median of the rounds."""
     out: dict[str, Any] = {"a_s": [], "b_s": [], "a_bytes": 0, "b_bytes": 0,
-                           "a_cpu": 0.0, "b_cpu": 0.0}
+                           "a_cpu": 0.0, "b_cpu": 0.0, "a_rx_cpu": 0.0, "b_rx_cpu": 0.0}
     timeout = bulk_timeout(nbytes)
 
     def side(which: str, worker: Worker, wid: str, pids: Sequence[int],
              timed: bool = True) -> Callable[[int], None]:
         def run(r: int) -> None:
-            cpu0 = cpu_seconds(pids)
+            cpu0, rx0 = cpu_seconds(pids), cpu_seconds(pids[1:])
             reply = worker.ask({"op": "bulk", "id": wid, "clear": r == rounds - 1}, timeout)
-            cpu = cpu_seconds(pids) - cpu0
+            cpu, rx = cpu_seconds(pids) - cpu0, cpu_seconds(pids[1:]) - rx0
             if int(reply["bytes"]) != nbytes:
                 raise BenchError(f"{worker.name} {wid}: round moved {reply['bytes']} of "
                                  f"{nbytes} bytes")
@@ -115,6 +118,7 @@ def bulk_pair(name: str, rounds: int, nbytes: int, a: tuple[Worker, str],
                 out[f"{which}_s"].append(float(reply["seconds"]))
                 out[f"{which}_bytes"] += int(reply["bytes"])
                 out[f"{which}_cpu"] += cpu
+                out[f"{which}_rx_cpu"] += rx
         return run
 
     log(f"{name}: warm-up, then {rounds} alternating rounds of {nbytes / MIB:.0f} MiB "
@@ -126,11 +130,26 @@ def bulk_pair(name: str, rounds: int, nbytes: int, a: tuple[Worker, str],
     vb = b[0].ask({"op": "verify", "id": b[1]}, 300)
     out["a_verified"] = va["bad"] == 0 and va["good"] > 0
     out["b_verified"] = vb["bad"] == 0 and vb["good"] > 0
-    out["a_gbps"] = out["a_bytes"] / sum(out["a_s"]) / 1e9
-    out["b_gbps"] = out["b_bytes"] / sum(out["b_s"]) / 1e9
-    out["a_cpu_s_per_gb"] = out["a_cpu"] / (out["a_bytes"] / 1e9) if pids_a else None
-    out["b_cpu_s_per_gb"] = out["b_cpu"] / (out["b_bytes"] / 1e9) if pids_b else None
+    out["a_extra"] = {k: v for k, v in va.items() if k not in ("good", "bad")}
+    for x, pids in (("a", pids_a), ("b", pids_b)):
+        gb = out[f"{x}_bytes"] / 1e9
+        out[f"{x}_round_gbps"] = [nbytes / s / 1e9 for s in out[f"{x}_s"]]
+        out[f"{x}_gbps"] = percentile(out[f"{x}_round_gbps"], 50)
+        out[f"{x}_mean_gbps"] = gb / sum(out[f"{x}_s"])
+        out[f"{x}_cpu_s_per_gb"] = out[f"{x}_cpu"] / gb if pids else None
+        out[f"{x}_rx_cpu_s_per_gb"] = out[f"{x}_rx_cpu"] / gb if len(pids) > 1 else None
+    # Ratio of the rounds paired in time (ABBA), for the spread of the ratio itself.
+    out["round_ratios"] = [b / a for a, b in zip(out["a_round_gbps"], out["b_round_gbps"],
+                                                 strict=True)]
     return out
+
+
+def spread(res: dict[str, Any]) -> dict[str, Any]:
+    """min / median / max of the case's rounds, the baseline's and their paired ratios."""
+    def mmm(values: Sequence[float]) -> list[float]:
+        return [min(values), percentile(values, 50), max(values)]
+    return {"node_gbps": mmm(res["b_round_gbps"]), "baseline_gbps": mmm(res["a_round_gbps"]),
+            "ratio": mmm(res["round_ratios"])}
 
 
 def latency_pair(count: int, batches: int, cmd: dict[str, Any], a: tuple[Worker, str],
@@ -155,12 +174,20 @@ def latency_pair(count: int, batches: int, cmd: dict[str, Any], a: tuple[Worker,
 
 def _bench_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase],
                 blocks: dict[str, int], curve_ok: bool) -> list[Row]:
+    rows = _bulk_rows(plan, workers, cases, blocks)
+    rows += _shm_rows(plan, workers, blocks)
+    rows += _other_rows(plan, workers, cases, blocks, curve_ok)
+    return rows
+
+
+def _bulk_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase],
+               blocks: dict[str, int]) -> list[Row]:
+    """TCP bulk fetch per geometry, then the receiver's CPU per GB of each."""
     rows: list[Row] = []
+    cpu_rows: list[Row] = []
     raw, node = workers["raw-client"], workers["node-client"]
     raw_pids = (workers["raw-server"].pid, raw.pid)
     node_pids = (workers["node-server"].pid, node.pid)
-
-    # -- bulk fetch, one geometry at a time
     for case in cases:
         nbytes = blocks[case.name] * case.bytes_per_block
         rounds = rounds_for(plan.bulk_bytes, nbytes)
@@ -177,15 +204,69 @@ def _bench_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase
                 details={"rounds": rounds, "bytes_per_side": res["b_bytes"],
                          "bytes_per_block": case.bytes_per_block, "segments": len(case.segments),
                          "keys_per_fetch": chunk_keys(case.bytes_per_block),
-                         "pipelined_fetches": 2,
-                         "node_round_gbps": [nbytes / s / 1e9 for s in res["b_s"]],
-                         "raw_round_gbps": [nbytes / s / 1e9 for s in res["a_s"]],
+                         "pipelined_fetches": 2, "value": "median of rounds",
+                         "node_round_gbps": res["b_round_gbps"],
+                         "raw_round_gbps": res["a_round_gbps"], "spread": spread(res),
+                         "node_mean_gbps": res["b_mean_gbps"],
+                         "raw_mean_gbps": res["a_mean_gbps"],
                          "raw_verified": res["a_verified"], "node_verified": res["b_verified"],
                          "node_cpu_s_per_gb": res["b_cpu_s_per_gb"],
                          "raw_cpu_s_per_gb": res["a_cpu_s_per_gb"]}))
+            node_rx, raw_rx = res["b_rx_cpu_s_per_gb"], res["a_rx_cpu_s_per_gb"]
+            if not node_rx or not raw_rx:
+                continue  # below the clock-tick resolution of /proc (a tiny --quick run)
+            rx_ratio = ratio_of(node_rx, raw_rx)
+            cpu_rows.append(Row(
+                f"receiver CPU, {case.label}", "CPU s per GB", node_rx, raw_rx, rx_ratio,
+                f"<= {RECEIVER_CPU_TARGET:.1f}x raw",
+                rx_ratio is not None and rx_ratio <= RECEIVER_CPU_TARGET,
+                res["a_verified"] and res["b_verified"],
+                details={"note": "all threads of the fetching process, over the timed rounds",
+                         "node_sender_and_receiver": res["b_cpu_s_per_gb"],
+                         "raw_sender_and_receiver": res["a_cpu_s_per_gb"]}))
         except BenchError as exc:
             rows.append(error_row(f"bulk {case.label}", metric, target, exc))
+    return rows + cpu_rows
 
+
+def _shm_rows(plan: Plan, workers: dict[str, Worker], blocks: dict[str, int]) -> list[Row]:
+    """Same-host fetches through shared memory against a memcpy of the same bytes."""
+    rows: list[Row] = []
+    node = workers["node-client"]
+    node_pids = (workers["node-server"].pid, node.pid)
+    for case in SHM_CASES:
+        nbytes = blocks[case.name] * case.bytes_per_block
+        rounds = rounds_for(plan.bulk_bytes, nbytes)
+        name = f"same-host fetch {case.label}"
+        target = f">= {case.target_ratio:.1f}x memcpy"
+        try:
+            res = bulk_pair(name, rounds, nbytes, (node, f"memcpy-{case.name}"),
+                             (node, case.name), pids_b=node_pids)
+            ratio = ratio_of(res["b_gbps"], res["a_gbps"])
+            rows.append(Row(
+                name, "fetch GB/s", res["b_gbps"], res["a_gbps"], ratio, target,
+                ratio is not None and ratio >= case.target_ratio,
+                res["a_verified"] and res["b_verified"],
+                baseline_kind="memcpy of the same bytes, one copy per block, in the "
+                              "fetching process",
+                details={"rounds": rounds, "bytes_per_side": res["b_bytes"],
+                         "value": "median of rounds", "data_path": "shm (shm-v1)",
+                         "checksums": True, "spread": spread(res),
+                         "node_round_gbps": res["b_round_gbps"],
+                         "memcpy_round_gbps": res["a_round_gbps"],
+                         "memcpy_whole_dataset_gbps": res["a_extra"].get("whole_copy_gbps"),
+                         "node_cpu_s_per_gb": res["b_cpu_s_per_gb"],
+                         "node_receiver_cpu_s_per_gb": res["b_rx_cpu_s_per_gb"]}))
+        except BenchError as exc:
+            rows.append(error_row(name, "fetch GB/s", target, exc))
+    return rows
+
+
+def _other_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase],
+                blocks: dict[str, int], curve_ok: bool) -> list[Row]:
+    rows: list[Row] = []
+    raw, node = workers["raw-client"], workers["node-client"]
+    node_pids = (workers["node-server"].pid, node.pid)
     seed = cases[0]
     seed_bytes = blocks[seed.name] * seed.bytes_per_block
 
@@ -295,13 +376,30 @@ def _bench_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase
     return rows
 
 
+def spread_lines(rows: Sequence[Row]) -> list[str]:
+    """The spread of every bulk row over its rounds (GB/s min / median / max)."""
+    lines = []
+    for r in rows:
+        sp = r.details.get("spread")
+        if not sp:
+            continue
+        n, b, q = sp["node_gbps"], sp["baseline_gbps"], sp["ratio"]
+        lines.append(f"spread {r.case}: p2pkv {n[0]:.3g} / {n[1]:.3g} / {n[2]:.3g}, "
+                     f"baseline {b[0]:.3g} / {b[1]:.3g} / {b[2]:.3g}, paired ratio "
+                     f"{q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f} (min / median / max)")
+    if lines:
+        lines.insert(0, "")
+    return lines
+
+
 def run_bench(*, quick: bool = False, json_path: str | None = None,
               out: IO[str] | None = None) -> int:
     """Run every case; print the table; return 0 iff every case ran and verified."""
     out = out or sys.stdout
     plan = Plan.make(quick)
     cases = BULK_CASES
-    blocks = {c.name: max(4, plan.dataset_bytes // c.bytes_per_block) for c in cases}
+    blocks = {c.name: max(4, plan.dataset_bytes // c.bytes_per_block)
+              for c in (*cases, *SHM_CASES)}
     seed = cases[0]
     curve_ok = bool(zmq.has("curve"))
     hwm = 16
@@ -310,6 +408,11 @@ def run_bench(*, quick: bool = False, json_path: str | None = None,
     server_nodes = [node_spec(c.name, c, blocks[c.name]) for c in cases]
     client_nodes = [node_spec(c.name, c, blocks[c.name]) for c in cases]
     client_nodes.append(node_spec("seed-v2-nosum", seed, blocks[seed.name], checksums=False))
+    for c in SHM_CASES:
+        server_nodes.append(node_spec(c.name, c, blocks[c.name], shm=True))
+        client_nodes.append(node_spec(c.name, c, blocks[c.name], shm=True))
+    memcpy = [{"id": f"memcpy-{c.name}", "bytes": blocks[c.name] * c.bytes_per_block,
+               "bytes_per_block": c.bytes_per_block} for c in SHM_CASES]
     if curve_ok:
         spub, ssec = zmq.curve_keypair()
         cpub, csec = zmq.curve_keypair()
@@ -335,7 +438,8 @@ def run_bench(*, quick: bool = False, json_path: str | None = None,
             spec["address"] = addresses[spec["id"] if spec["id"] != "seed-v2-nosum"
                                         else seed.name]
         log("starting clients")
-        workers["node-client"] = Worker("node-client", "node-client", {"nodes": client_nodes})
+        workers["node-client"] = Worker("node-client", "node-client",
+                                        {"nodes": client_nodes, "memcpy": memcpy})
         workers["raw-client"] = Worker("raw-client", "raw-client",
                                        {"datasets": raw_sets, "hwm": hwm, "address": raw_address})
         workers["mem-node"] = Worker("mem-node", "node-client",
@@ -369,7 +473,8 @@ def run_bench(*, quick: bool = False, json_path: str | None = None,
     }
     print(f"p2pkv bench ({result['mode']}, {elapsed:.0f} s) -- baseline: {BASELINE_KIND}",
           file=out)
-    lines = [f"error: {e}" for e in errors]
+    lines = spread_lines(rows)
+    lines += [f"error: {e}" for e in errors]
     lines += [f"failed: {r.case} {r.metric}: {r.error or 'bytes not verified'}"
               for r in rows_failed]
     return report(rows, lines, result, ok, out, json_path)

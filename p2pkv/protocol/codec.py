@@ -41,6 +41,8 @@ from p2pkv.protocol.codes import (
 from p2pkv.protocol.messages import (
     Abort,
     AbortAck,
+    Attach,
+    Attached,
     Block,
     Bye,
     Credit,
@@ -53,12 +55,14 @@ from p2pkv.protocol.messages import (
     Hello,
     Hits,
     KeyHash,
+    Located,
     Lookup,
     Message,
     Ping,
     Pong,
     Reason,
     Refuse,
+    Release,
     Welcome,
     value_from_wire,
 )
@@ -103,6 +107,7 @@ def _d_greeting(cls: type[Greeting], m: dict[Any, Any], v: int) -> Greeting:
         limits=f.limits(m.get("limits")),
         v=v,
         ext=f.extension(m.get("ext")),
+        shm=f.shm_offer(m.get("shm")),
     )
 
 
@@ -162,7 +167,8 @@ def _d_hits(m: dict[Any, Any], v: int) -> Message:
 
 
 def _d_fetch(m: dict[Any, Any], v: int) -> Message:
-    return Fetch(f.u64(m, "req"), f.keys(m), f.integer(m, "window", 1, MAX_WINDOW))
+    return Fetch(f.u64(m, "req"), f.keys(m), f.integer(m, "window", 1, MAX_WINDOW),
+                 f.flag(m, "shm"))
 
 
 def _d_credit(m: dict[Any, Any], v: int) -> Message:
@@ -205,6 +211,33 @@ def _d_block_checked(m: dict[Any, Any]) -> Message:
         if s is not None and (type(s) is not int or s < 0):
             raise f.wrong("sums[]", "nil or a u64", s)
     return Block(req, idx, sums)
+
+
+def _d_located(m: dict[Any, Any], v: int) -> Message:
+    blk = _d_block(m, v)  # req, idx and sums follow the rules of a block header
+    assert type(blk) is Block
+    slots = f.array(f.field(m, "slots"), "slots", len(blk.idx), len(blk.idx))
+    for s in slots:
+        if type(s) is not int:
+            raise f.wrong("slots[]", "an int", s)
+        if s < 0 or s > U64_MAX:
+            raise f.bounds("slots[]", f"must be a u64, got {s}")
+    return Located(blk.req, blk.idx, slots, blk.sums)
+
+
+def _d_release(m: dict[Any, Any], v: int) -> Message:
+    return Release(f.u64(m, "req"), f.indices(m, "idx", 1, MAX_KEYS))
+
+
+def _d_attach(m: dict[Any, Any], v: int) -> Message:
+    return Attach(f.nonce(m))
+
+
+def _d_attached(m: dict[Any, Any], v: int) -> Message:
+    ok = f.field(m, "ok")
+    if type(ok) is not bool:
+        raise f.wrong("ok", "a bool", ok)
+    return Attached(ok, f.string(m, "msg", 0, MAX_STR_LEN))
 
 
 def _d_done(m: dict[Any, Any], v: int) -> Message:
@@ -258,6 +291,10 @@ _DECODERS: Final[dict[str, Callable[[dict[Any, Any], int], Message]]] = {
     "pong": _d_pong,
     "bye": _d_bye,
     "error": _d_error,
+    "located": _d_located,
+    "release": _d_release,
+    "attach": _d_attach,
+    "attached": _d_attached,
 }
 
 # Messages whose version-1 fields every future major keeps readable, so that peers of
@@ -457,6 +494,15 @@ def _e_greeting(msg: Greeting) -> dict[str, Any]:
         out["limits"] = lim
     if msg.ext is not None and not msg.ext.is_empty:
         out["ext"] = msg.ext.to_wire()
+    if msg.shm is not None:
+        out["shm"] = {"name": msg.shm.name, "size": msg.shm.size}
+    return out
+
+
+def _e_fetch(m: Fetch) -> dict[str, Any]:
+    out = {"t": "fetch", "v": PROTOCOL_MAJOR, "req": m.req, "keys": m.keys, "window": m.window}
+    if m.shm:  # written only when set: a plain fetch keeps its 1.1 bytes
+        out["shm"] = True
     return out
 
 
@@ -489,9 +535,7 @@ _ENCODERS: Final[dict[type, Callable[[Any], dict[str, Any]]]] = {
     Refuse: _e_refuse,
     Lookup: lambda m: {"t": "lookup", "v": PROTOCOL_MAJOR, "req": m.req, "keys": m.keys},
     Hits: lambda m: {"t": "hits", "v": PROTOCOL_MAJOR, "req": m.req, "hits": m.hits},
-    Fetch: lambda m: {
-        "t": "fetch", "v": PROTOCOL_MAJOR, "req": m.req, "keys": m.keys, "window": m.window,
-    },
+    Fetch: _e_fetch,
     Credit: lambda m: {"t": "credit", "v": PROTOCOL_MAJOR, "req": m.req, "n": m.n},
     Block: lambda m: {
         "t": "block", "v": PROTOCOL_MAJOR, "req": m.req, "idx": m.idx, "sums": m.sums,
@@ -505,6 +549,13 @@ _ENCODERS: Final[dict[type, Callable[[Any], dict[str, Any]]]] = {
     Error: lambda m: {
         "t": "error", "v": PROTOCOL_MAJOR, "req": m.req, "code": int(m.code), "msg": m.msg,
     },
+    Located: lambda m: {
+        "t": "located", "v": PROTOCOL_MAJOR, "req": m.req, "idx": m.idx, "slots": m.slots,
+        "sums": m.sums,
+    },
+    Release: lambda m: {"t": "release", "v": PROTOCOL_MAJOR, "req": m.req, "idx": m.idx},
+    Attach: lambda m: {"t": "attach", "v": PROTOCOL_MAJOR, "nonce": m.nonce},
+    Attached: lambda m: {"t": "attached", "v": PROTOCOL_MAJOR, "ok": m.ok, "msg": m.msg},
 }
 
 

@@ -18,6 +18,7 @@ from typing import Final
 
 __all__ = [
     "CAP_CHECKSUM_XXH3_64",
+    "CAP_SHM_V1",
     "MAX_BLOCKS_PER_MESSAGE",
     "MAX_BLOCK_BYTES",
     "MAX_CAPS",
@@ -42,6 +43,8 @@ __all__ = [
     "OUTCOME_SENT",
     "PROTOCOL_MAJOR",
     "PROTOCOL_MINOR",
+    "SHM_NAME_PATTERN",
+    "SHM_NONCE_LEN",
     "U32_MAX",
     "U64_MAX",
     "Code",
@@ -105,6 +108,13 @@ OUTCOME_FAILED: Final = 2
 
 CAP_CHECKSUM_XXH3_64: Final = "checksum-xxh3-64"
 """Capability: every ``block`` carries the xxh3-64 (seed 0) of each block's bytes."""
+CAP_SHM_V1: Final = "shm-v1"
+"""Capability: same-host peers may move blocks through the server's shared-memory pool
+(``welcome.shm``, ``attach``/``attached``, ``located``/``release``; SPEC §16)."""
+SHM_NONCE_LEN: Final = 16
+"""Bytes of the nonce a shared-memory segment holds and an ``attach`` echoes."""
+SHM_NAME_PATTERN: Final = r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}"
+"""A segment name (``welcome.shm.name``): a POSIX shm name without its slash; no path."""
 
 
 class Code(IntEnum):

@@ -26,6 +26,8 @@ from p2pkv.protocol.codes import (
     MAX_RUN_CONFIG_ITEMS,
     MAX_SEGMENTS,
     MAX_WINDOW,
+    SHM_NAME_PATTERN,
+    SHM_NONCE_LEN,
     U32_MAX,
     U64_MAX,
     Code,
@@ -34,6 +36,7 @@ from p2pkv.protocol.messages import (
     AdvertisedLimits,
     Geometry,
     KeyHash,
+    ShmOffer,
 )
 
 _MSGPACK_NAMES: Final[dict[type, str]] = {
@@ -224,3 +227,48 @@ def limits(value: object) -> AdvertisedLimits | None:
         window=optional_positive(lim, "window", MAX_WINDOW),
         in_flight=optional_positive(lim, "in_flight", U32_MAX),
     )
+
+
+def flag(m: dict[Any, Any], name: str) -> bool:
+    """An optional bool: absent or nil is False."""
+    x = m.get(name)
+    if x is None:
+        return False
+    if type(x) is not bool:
+        raise wrong(name, "a bool", x)
+    return x
+
+
+_SHM_NAME: Final = re.compile(SHM_NAME_PATTERN)
+
+
+def shm_offer(value: object) -> ShmOffer | None:
+    """``welcome.shm`` (capability ``shm-v1``): absent or nil is no offer."""
+    if value is None:
+        return None
+    shm = mapping(value, "shm")
+    name = string(shm, "name", 1, 255)
+    if _SHM_NAME.fullmatch(name) is None:
+        raise bounds("shm.name", f"must be a plain shm name ({SHM_NAME_PATTERN}), "
+                     f"got {name[:64]!r}")
+    return ShmOffer(name, integer(shm, "size", 1, U64_MAX))
+
+
+def nonce(m: dict[Any, Any]) -> bytes:
+    x = field(m, "nonce")
+    if type(x) is not bytes:
+        raise wrong("nonce", "bin", x)
+    if len(x) != SHM_NONCE_LEN:
+        raise bounds("nonce", f"must be {SHM_NONCE_LEN} bytes, got {len(x)}")
+    return x
+
+
+def indices(m: dict[Any, Any], name: str, lo: int, hi: int) -> tuple[int, ...]:
+    """An array of ``lo..hi`` ints, each a key index in [0, MAX_KEYS)."""
+    out = array(field(m, name), name, lo, hi)
+    for i in out:
+        if type(i) is not int:
+            raise wrong(f"{name}[]", "an int", i)
+        if i < 0 or i >= MAX_KEYS:
+            raise bounds(f"{name}[]", f"must be in [0, {MAX_KEYS - 1}], got {i}")
+    return out

@@ -24,6 +24,8 @@ __all__ = [
     "Abort",
     "AbortAck",
     "AdvertisedLimits",
+    "Attach",
+    "Attached",
     "Block",
     "Bye",
     "Credit",
@@ -36,12 +38,15 @@ __all__ = [
     "Hello",
     "Hits",
     "KeyHash",
+    "Located",
     "Lookup",
     "Message",
     "Ping",
     "Pong",
     "Reason",
     "Refuse",
+    "Release",
+    "ShmOffer",
     "Welcome",
     "value_from_wire",
     "value_to_wire",
@@ -120,6 +125,15 @@ class AdvertisedLimits:
 
 
 @dataclass(frozen=True, slots=True)
+class ShmOffer:
+    """The server's shared-memory pool (``welcome.shm``, capability ``shm-v1``, SPEC §16):
+    the segment's name (a POSIX shm name without its slash) and its size in bytes."""
+
+    name: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
 class Reason:
     """One reason of a refusal: code, field, both values, one-line meaning.
 
@@ -167,7 +181,8 @@ class Greeting:
     ``rc`` is the full run-config dict and ``fp`` its 16-hex fingerprint; ``v`` is the
     protocol major the sender speaks (kept so a mismatch can be refused with reasons).
     ``ext`` is the identity extension (protocol 1.1); ``None`` when the sender declares
-    nothing, which is also how a 1.0 peer reads.
+    nothing, which is also how a 1.0 peer reads. ``shm`` is the server's shared-memory
+    pool, in a ``welcome`` that negotiated ``shm-v1`` (never in a ``hello``).
     """
 
     TAG: ClassVar[str] = ""
@@ -182,6 +197,7 @@ class Greeting:
     limits: AdvertisedLimits | None = None
     v: int = PROTOCOL_MAJOR
     ext: IdentityExtension | None = None
+    shm: ShmOffer | None = None
 
     @classmethod
     def for_config(
@@ -272,13 +288,18 @@ class Hits:
 
 @dataclass(frozen=True, slots=True)
 class Fetch:
-    """Client → server: send the blocks of ``keys``, at most ``window`` in flight."""
+    """Client → server: send the blocks of ``keys``, at most ``window`` in flight.
+
+    ``shm``: serve it through the shared-memory pool (``located`` instead of ``block``),
+    only after an accepted ``attach`` (SPEC §16).
+    """
 
     TAG: ClassVar[str] = "fetch"
 
     req: int
     keys: tuple[bytes, ...]
     window: int
+    shm: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,6 +327,51 @@ class Block:
     idx: tuple[int, ...]
     sums: tuple[int | None, ...]
     payload: tuple[Frame, ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """Server → client (``shm-v1``): blocks ``idx`` of fetch ``req`` are pinned in the
+    server's shared pool at ``slots``; the client copies them and sends ``release``."""
+
+    TAG: ClassVar[str] = "located"
+
+    req: int
+    idx: tuple[int, ...]
+    slots: tuple[int, ...]
+    sums: tuple[int | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Client → server (``shm-v1``): the blocks ``idx`` of fetch ``req`` were copied (or
+    dropped); the server may unpin them."""
+
+    TAG: ClassVar[str] = "release"
+
+    req: int
+    idx: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """Client → server (``shm-v1``): the nonce read through a read-only mapping of the
+    server's segment, the proof that the client is on the same host and can map it."""
+
+    TAG: ClassVar[str] = "attach"
+
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Attached:
+    """Server → client (``shm-v1``): the verdict on ``attach``; ``ok`` false means every
+    fetch of this connection moves over TCP, ``msg`` says why."""
+
+    TAG: ClassVar[str] = "attached"
+
+    ok: bool
+    msg: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,6 +443,6 @@ class Error:
 
 Message: TypeAlias = (
     Hello | Welcome | Refuse | Lookup | Hits | Fetch | Credit | Block | Done | Abort
-    | AbortAck | Ping | Pong | Bye | Error
+    | AbortAck | Ping | Pong | Bye | Error | Attach | Attached | Located | Release
 )
 """Any p2pkv message."""

@@ -34,6 +34,7 @@ from p2pkv.reports import incompatible
 from p2pkv.runtime.public import FetchResult, KeyOutcome, NodeConfig, PeerHandle, PeerOwner
 from p2pkv.runtime.reactor import Reactor
 from p2pkv.runtime.receiver import Receiver, drain
+from p2pkv.runtime.shm_client import SharedReceiver
 from p2pkv.runtime.state import Outbound, Receiving
 from p2pkv.runtime.stats import Counters
 from p2pkv.runtime.tuning import MONITOR_GRACE_MS, READ_BUDGET, READ_BURST_BYTES
@@ -71,7 +72,7 @@ class Client:
                  owner: PeerOwner, hello: proto.Hello, deadlines: proto.Deadlines,
                  limits: proto.Limits, config: NodeConfig, store: BlockStore,
                  receiver: Receiver, budget: proto.CreditBudget, counters: Counters,
-                 max_message: int) -> None:
+                 max_message: int, shm: SharedReceiver) -> None:
         self._reactor = reactor
         self._ctx = ctx
         self._owner = owner
@@ -84,6 +85,7 @@ class Client:
         self._budget = budget
         self._counters = counters
         self._max_message = max_message
+        self._shm = shm
         self._segments = tuple(hello.geo.seg)
         self._bpb = hello.geo.bpb
         self._curve: CurveKeys | None = config.curve
@@ -110,9 +112,9 @@ class Client:
         sock, monitor = make_dealer(self._ctx, address, max_message_bytes=self._max_message,
                                     curve=self._curve)
         now = time.monotonic()
-        session = proto.Session(proto.Role.CLIENT, self._hello, deadlines=self._deadlines,
-                                limits=self._limits, now=now,
-                                identity_policy=self._config.identity_policy)
+        session = proto.SharingSession(proto.Role.CLIENT, self._hello,
+                                       deadlines=self._deadlines, limits=self._limits, now=now,
+                                       identity_policy=self._config.identity_policy)
         conn = Outbound(next(self._peer_ids), address, sock, monitor, session, fut, deadline)
         with self._lock:
             self._outbound[conn.peer_id] = conn
@@ -153,7 +155,8 @@ class Client:
         # One credit budget per peer, shared by all its fetches: it bounds the data
         # queued towards this node, and so how long a lookup answer can wait behind it.
         window = self._budget.opening_window(conn.credit_state(), len(wanted))
-        msg = conn.session.fetch(tuple(keys[i] for i in wanted), window, now)
+        fetch = conn.session.fetch_shared if conn.session.shared_memory else conn.session.fetch
+        msg = fetch(tuple(keys[i] for i in wanted), window, now)
         conn.fetches[msg.req] = Receiving(msg.req, keys, fut, destinations, now, deadline,
                                           outcomes, wanted)
         self._send(conn, [msg])
@@ -283,17 +286,22 @@ class Client:
             kind = type(ev)
             if kind is proto.BlockArrived or kind is proto.BlockDiscarded:
                 continue
-            if isinstance(ev, proto.HandshakeAccepted):
-                remote = ev.remote
-                handle = PeerHandle(conn.peer_id, conn.address, remote.node, dict(remote.rc),
-                                    remote.fp, frozenset(ev.capabilities), self._owner,
-                                    remote.ext or IdentityExtension())
-                conn.handle = handle
+            if isinstance(ev, proto.BlocksLocated):
+                self._land_located(conn, ev, now)
+            elif isinstance(ev, proto.HandshakeAccepted):
                 self._counters.undeclared(conn.address, ev.warnings)
-                log.info("connected to %s (%s), capabilities %s", conn.address, remote.node,
-                         sorted(ev.capabilities))
-                if not conn.connect_future.done():
-                    conn.connect_future.set_result(handle)
+                log.info("connected to %s (%s), capabilities %s", conn.address,
+                         ev.remote.node, sorted(ev.capabilities))
+                # A same-host peer first gets our shared-memory proof; the connection is
+                # ready once it answered (within the handshake deadline).
+                attach = self._shm.begin(conn)
+                if attach is not None:
+                    self._send(conn, [attach])
+                else:
+                    self._ready(conn)
+            elif isinstance(ev, proto.AttachAnswered):
+                self._shm.answered(conn, ev)
+                self._ready(conn)
             elif isinstance(ev, proto.HandshakeRefused):
                 exc = incompatible(conn.address, self._hello, ev)
                 log.warning("%s", exc)
@@ -328,6 +336,30 @@ class Client:
                 self._drop(conn, ProtocolError(ev.code, ev.msg))
                 return
 
+    def _ready(self, conn: Outbound) -> None:
+        """The handshake (and the shared-memory proof, if any) is over: hand out the peer."""
+        remote = conn.session.remote
+        if remote is None or conn.closed:
+            return
+        handle = PeerHandle(conn.peer_id, conn.address, remote.node, dict(remote.rc),
+                            remote.fp, frozenset(conn.session.capabilities), self._owner,
+                            remote.ext or IdentityExtension(),
+                            "shm" if conn.session.shared_memory else "tcp", conn.shm_detail)
+        conn.handle = handle
+        if not conn.connect_future.done():
+            conn.connect_future.set_result(handle)
+
+    def _land_located(self, conn: Outbound, ev: proto.BlocksLocated, now: float) -> None:
+        """Copy located blocks from the peer's pool, release them, grant credit."""
+        bad = self._shm.land(conn, conn.fetches.get(ev.req), ev)
+        if bad is not None:
+            self._handle(conn, conn.session.receive_malformed(bad, now), now)
+            return
+        self._send(conn, [conn.session.release(ev.req, ev.idx)])
+        conn.received_blocks += len(ev.idx)
+        if not conn.closed:
+            self._refill_credit(conn, now)
+
     def _fail_request(self, conn: Outbound, req: int, exc: P2PKVError) -> None:
         pending = conn.lookups.pop(req, None)
         if pending is not None and not pending[0].done():
@@ -357,6 +389,7 @@ class Client:
             conn.sock.disable_monitor()
         conn.monitor.close(0)
         conn.sock.close(0)
+        self._shm.forget(conn)
         with self._lock:
             self._outbound.pop(conn.peer_id, None)
 

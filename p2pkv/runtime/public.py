@@ -92,6 +92,9 @@ class NodeConfig:
     #: "strict": an identity-extension field only one side declares refuses the peer;
     #: "lenient": it is accepted with a warning, counted in stats().identity_undeclared.
     identity_policy: str = "strict"
+    #: Same-host shared memory (capability shm-v1): the pool lives in a /dev/shm segment
+    #: that proven same-host peers copy from, and this node copies from theirs.
+    shm: bool = False
 
     def __post_init__(self) -> None:
         validate_address(self.listen, what="listen")
@@ -120,6 +123,8 @@ class NodeConfig:
                               f"characters, got {self.key_hash_algo!r}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError("heartbeat_timeout must be longer than heartbeat_interval")
+        if type(self.shm) is not bool:
+            raise ConfigError(f"shm must be a bool, got {self.shm!r}")
 
 
 class PeerOwner(Protocol):
@@ -147,6 +152,10 @@ class PeerHandle:
     _node: PeerOwner = field(repr=False, compare=False)
     #: The peer's identity extension (empty for a peer that declares none, or speaks 1.0).
     remote_extension: IdentityExtension = field(default_factory=IdentityExtension)
+    #: How fetched blocks move: "shm" (copied from the peer's shared pool) or "tcp".
+    data_path: str = "tcp"
+    #: Why: the segment used, or the reason shared memory is not used.
+    data_path_detail: str = ""
 
     def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> list[bool]:
         return self._node.lookup(self, keys, timeout=timeout)
@@ -185,3 +194,19 @@ class NodeStats:
     #: Handshakes accepted under identity_policy="lenient" although only one side
     #: declared this identity-extension field, by field name.
     identity_undeclared: dict[str, int] = field(default_factory=dict)
+    #: This node's shared-memory segment (None: the pool is private).
+    shm_segment: str | None = None
+    #: Why the pool is private although NodeConfig.shm asked for shared memory.
+    shm_unavailable: str | None = None
+    #: Connections this node opened that move blocks through shared memory.
+    shm_peers_out: int = 0
+    #: Peers whose shared-memory proof this node accepted (connected now).
+    shm_peers_in: int = 0
+    #: Connections that negotiated shm-v1 but stayed on TCP, by reason
+    #: (no_segment, cannot_map, refused).
+    shm_fallbacks: dict[str, int] = field(default_factory=dict)
+    #: Blocks moved through shared memory (also counted in blocks_sent/received).
+    blocks_sent_shm: int = 0
+    blocks_received_shm: int = 0
+    #: Blocks pinned for same-host peers that have not released them yet.
+    shm_pinned: int = 0

@@ -20,6 +20,7 @@ from p2pkv.protocol.codes import OUTCOME_FAILED
 from p2pkv.reports import reason_name
 from p2pkv.runtime.reactor import Reactor
 from p2pkv.runtime.sender import Sender
+from p2pkv.runtime.shm_server import SharedSender
 from p2pkv.runtime.state import Inbound, Sending
 from p2pkv.runtime.stats import Counters
 from p2pkv.runtime.tuning import READ_BUDGET
@@ -38,7 +39,7 @@ class Server:
     def __init__(self, *, reactor: Reactor, router: zmq.Socket[bytes], store: BlockStore,
                  hello: proto.Hello, deadlines: proto.Deadlines, limits: proto.Limits,
                  max_peers: int, sender: Sender, counters: Counters,
-                 identity_policy: str = "strict") -> None:
+                 identity_policy: str = "strict", shm: SharedSender) -> None:
         self._router = router
         self._store = store
         self._hello = hello
@@ -47,6 +48,7 @@ class Server:
         self._max_peers = max_peers
         self._identity_policy = identity_policy
         self._sender = sender
+        self._shm = shm
         self._counters = counters
         self._inbound: dict[bytes, Inbound] = {}
         reactor.register(router, self._read)
@@ -81,9 +83,10 @@ class Server:
                     self._send(rid, [proto.Bye(proto.Code.UNAVAILABLE,
                                                f"peer limit reached ({self._max_peers})")])
                     continue
-                session = proto.Session(proto.Role.SERVER, self._hello,
-                                        deadlines=self._deadlines, limits=self._limits, now=now,
-                                        identity_policy=self._identity_policy)
+                session = proto.SharingSession(proto.Role.SERVER, self._hello,
+                                               deadlines=self._deadlines, limits=self._limits,
+                                               now=now, identity_policy=self._identity_policy,
+                                               shm_offer=self._shm.offer)
                 session.start(now)
                 peer = Inbound(rid, session)
                 self._inbound[rid] = peer
@@ -132,7 +135,14 @@ class Server:
                                             [OUTCOME_FAILED] * len(ev.keys))
             elif isinstance(ev, proto.AbortRequested):
                 peer.jobs.pop(ev.req, None)
+                self._shm.abort(peer.rid, ev.req)
                 self._send(peer.rid, [peer.session.abort_ack(ev.req)])
+            elif isinstance(ev, proto.AttachRequested):
+                self._send(peer.rid, [self._shm.verify(peer.rid, peer.session, ev)])
+            elif isinstance(ev, proto.BlocksReleased):
+                self._shm.release(peer.rid, ev.req, ev.idx)
+            elif isinstance(ev, proto.LocatedAbandoned):
+                self._shm.abort(peer.rid, ev.req)
             elif isinstance(ev, (proto.PeerClosed, proto.ProtocolViolated)):
                 if isinstance(ev, proto.ProtocolViolated):
                     self._counters.add("protocol_violations")
@@ -160,6 +170,7 @@ class Server:
         peer.closed = True
         peer.jobs.clear()
         self._inbound.pop(peer.rid, None)
+        self._shm.forget(peer.rid)
 
     # -- sending blocks ------------------------------------------------------------------
 
@@ -170,7 +181,9 @@ class Server:
                 if peer.closed:
                     break
                 try:
-                    if not self._sender.send_job(peer.rid, peer.session, job):
+                    shared = peer.session.shared_fetch(job.req)
+                    sender = self._shm if shared else self._sender
+                    if not sender.send_job(peer.rid, peer.session, job):
                         self._drop(peer)
                         continue
                     if job.next_index >= len(job.keys):
@@ -190,6 +203,7 @@ class Server:
 
     def busy_wait_ms(self) -> int | None:
         if any(j.next_index < len(j.keys) and i.session.window_left(j.req) > 0
+               and (not i.session.shared_fetch(j.req) or self._shm.can_send(i.rid))
                for i in self._inbound.values() for j in i.jobs.values()):
             return 0
         return self._sender.busy_wait_ms()
@@ -219,4 +233,5 @@ class Server:
             self._drop(peer)
         # Whatever ZeroMQ still holds is dropped with LINGER 0; unpin it.
         self._sender.ledger.release_all()
+        self._shm.release_all()
         self._router.close(0)

@@ -17,6 +17,7 @@ import zmq
 
 from p2pkv import protocol as proto
 from p2pkv.runtime.public import FetchResult, KeyOutcome, PeerHandle
+from p2pkv.shm import MappedSegment
 
 __all__ = ["Inbound", "Outbound", "Receiving", "Sending"]
 
@@ -46,7 +47,7 @@ class Outbound:
     address: str
     sock: zmq.Socket[bytes]
     monitor: zmq.Socket[bytes]
-    session: proto.Session
+    session: proto.SharingSession
     connect_future: Future[PeerHandle]
     handshake_deadline: float
     handle: PeerHandle | None = None
@@ -54,6 +55,11 @@ class Outbound:
     fetches: dict[int, Receiving] = field(default_factory=dict)
     received_blocks: int = 0
     closed: bool = False
+    #: The peer's pool, mapped read-only once its shared-memory proof was sent (shm-v1).
+    shm: MappedSegment | None = None
+    #: How blocks move on this connection and why (the segment used, or the reason
+    #: it stays on TCP).
+    shm_detail: str = ""
 
     def credit_state(self) -> list[proto.FetchCredit]:
         """The session's credit counts of this connection's running fetches."""
@@ -80,6 +86,6 @@ class Inbound:
     """A peer connected to this node's ROUTER (identified by its routing id)."""
 
     rid: bytes
-    session: proto.Session
+    session: proto.SharingSession
     jobs: collections.OrderedDict[int, Sending] = field(default_factory=collections.OrderedDict)
     closed: bool = False

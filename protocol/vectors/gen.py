@@ -81,6 +81,10 @@ def expected(wire: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     fields = {k: v for k, v in wire.items() if k not in ("t", "v")}
     if wire["t"] in ("hello", "welcome", "refuse"):
         fields.setdefault("ext", None)  # protocol 1.1: no ext map = nothing declared
+    if wire["t"] in ("hello", "welcome"):
+        fields.setdefault("shm", None)  # shm-v1 (section 16): no segment offered
+    if wire["t"] == "fetch":
+        fields.setdefault("shm", False)  # shm-v1: absent = served with block messages
     fields.update(overrides)
     return {"type": wire["t"], "fields": jsonable(fields)}
 
@@ -529,6 +533,74 @@ def extension_vectors() -> dict[str, Any]:
             "kv_memory_layout": layouts}
 
 
+def shm_vectors() -> dict[str, Any]:
+    """Capability shm-v1 (SPEC 16): its messages, their errors, and a segment header."""
+    messages: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
+
+    def add(name: str, wire: dict[str, Any], exp: dict[str, Any]) -> None:
+        messages.append({"name": name, "frames": [pack(wire).hex()], "segments": None,
+                         "message": exp})
+
+    def bad(name: str, wire: dict[str, Any], code: int) -> None:
+        errors.append({"name": name, "frames": [pack(wire).hex()], "segments": None,
+                       "code": code})
+
+    offer = {"name": "p2pkv-4242-123456-0011223344556677", "size": 9441280}
+    w = greeting("welcome", "node-b", V2_RC, V2_FP, [49152] * 12, minor=1,
+                 caps=[CHECKSUM, "shm-v1"], shm=offer)
+    add("welcome_offers_segment", w, expected(w, limits=None, v=1))
+    fe = {"t": "fetch", "v": 1, "req": 9, "keys": [b"a", b"b"], "window": 16, "shm": True}
+    add("fetch_shared", fe, expected(fe))
+    nonce = bytes(range(16))
+    at = {"t": "attach", "v": 1, "nonce": nonce}
+    add("attach", at, expected(at))
+    for ok, text in ((True, ""), (False, "nonce does not match")):
+        ad = {"t": "attached", "v": 1, "ok": ok, "msg": text}
+        add(f"attached_{'accepted' if ok else 'refused'}", ad, expected(ad))
+    lo = {"t": "located", "v": 1, "req": 9, "idx": [0, 1], "slots": [17, 0],
+          "sums": [1, 2**64 - 1]}
+    add("located", lo, expected(lo))
+    lo2 = {"t": "located", "v": 1, "req": 9, "idx": [3], "slots": [2**64 - 1], "sums": [None]}
+    add("located_no_checksum_max_slot", lo2, expected(lo2))
+    rl = {"t": "release", "v": 1, "req": 9, "idx": [0, 1, 3]}
+    add("release", rl, expected(rl))
+
+    hello = greeting("hello", "n", V1_RC, V1_FP, [4096])
+    bad("welcome_shm_name_with_slash", {**w, "shm": {**offer, "name": "../etc/x"}},
+        OUT_OF_BOUNDS)
+    bad("welcome_shm_name_leading_dot", {**w, "shm": {**offer, "name": ".hidden"}},
+        OUT_OF_BOUNDS)
+    bad("welcome_shm_not_a_map", {**w, "shm": "p2pkv-1"}, WRONG_TYPE)
+    bad("welcome_shm_size_zero", {**w, "shm": {**offer, "size": 0}}, OUT_OF_BOUNDS)
+    bad("hello_shm_without_name", {**hello, "shm": {"size": 1}}, MISSING_FIELD)
+    bad("fetch_shm_not_bool", {**fe, "shm": 1}, WRONG_TYPE)
+    bad("attach_nonce_short", {**at, "nonce": nonce[:15]}, OUT_OF_BOUNDS)
+    bad("attach_nonce_str", {**at, "nonce": "0" * 16}, WRONG_TYPE)
+    bad("attached_ok_int", {"t": "attached", "v": 1, "ok": 1, "msg": ""}, WRONG_TYPE)
+    bad("located_slots_length", {**lo, "slots": [1]}, OUT_OF_BOUNDS)
+    bad("located_without_slots", {k: v for k, v in lo.items() if k != "slots"},
+        MISSING_FIELD)
+    bad("located_negative_slot", {**lo, "slots": [1, -1]}, OUT_OF_BOUNDS)
+    bad("release_no_indices", {**rl, "idx": []}, OUT_OF_BOUNDS)
+    bad("release_index_too_large", {**rl, "idx": [16384]}, OUT_OF_BOUNDS)
+
+    # A segment header (SPEC 16.2), written out field by field.
+    boot = bytes.fromhex("6a1e5d1c2b3a49f8a7c6d5e4f3a2b1c0")
+    regions = [(8192 + i * 65536, 49152) for i in range(2)]
+    fixed = struct.pack("<8sII16s16sQQQQIIQ", b"P2PKVSHM", 1, 4096, nonce, boot,
+                        4026531840, 4242, 8192 + 2 * 65536, 1, 2, 1, 4026531836)
+    table = b"".join(struct.pack("<QQ", off, seg) for off, seg in regions)
+    header = {"name": "header_two_regions_one_slot", "nonce": nonce.hex(),
+              "boot_id": boot.hex(), "netns": 4026531840, "owner_pid": 4242,
+              "total": 8192 + 2 * 65536, "slots": 1, "ready": 1, "pidns": 4026531836,
+              "regions": [{"offset": o, "segment": g} for o, g in regions],
+              "header_bytes": 4096, "bytes": (fixed + table).hex()}
+    return {"about": "capability shm-v1 (protocol/SPEC.md section 16): messages as in "
+                     "messages.json, errors as in errors.json, and a segment header",
+            "messages": messages, "errors": errors, "headers": [header]}
+
+
 def main() -> None:
     (HERE / "messages.json").write_text(json.dumps(
         {"about": "frames (hex) -> decoded message; see protocol/SPEC.md section 14",
@@ -547,6 +619,7 @@ def main() -> None:
          "vectors": fill_vectors()}, indent=1) + "\n")
     (HERE / "extension.json").write_text(json.dumps(
         extension_vectors(), indent=1, ensure_ascii=False) + "\n")
+    (HERE / "shm.json").write_text(json.dumps(shm_vectors(), indent=1) + "\n")
 
 
 if __name__ == "__main__":

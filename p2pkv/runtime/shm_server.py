@@ -1,0 +1,159 @@
+"""The serving side of ``shm-v1``: check a peer's proof, locate blocks, hold their pins.
+
+A peer that negotiated ``shm-v1`` gets this node's segment in the ``welcome``; its
+``attach`` must echo the nonce that exists only inside the segment (a peer that cannot
+map the segment cannot know it). After an accepted attach, a fetch that asks for shared
+memory is answered with ``located`` messages: each block is pinned in the store and its
+slot sent instead of its bytes. A pin lasts until the peer's ``release``, an ``abort``
+of the fetch, or the end of the connection — a peer that dies or goes silent ends it at
+its heartbeat deadline — so nothing the peer may still be copying is ever overwritten,
+and nothing a dead peer held stays pinned.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Iterable
+
+import zmq
+
+from p2pkv import protocol as proto
+from p2pkv.protocol.codes import OUTCOME_MISSING, OUTCOME_SENT
+from p2pkv.runtime.state import Sending
+from p2pkv.runtime.stats import Counters
+from p2pkv.shm import SharedSegment
+from p2pkv.store import BlockReader, BlockStore
+
+__all__ = ["SharedSender"]
+
+log = logging.getLogger("p2pkv.node")
+
+_BATCH: int = 1024
+"""Most blocks per ``located`` message (its header is a few bytes per block)."""
+
+
+class SharedSender:
+    """Proof checks, ``located`` answers and the pins they hold (IO thread only).
+
+    ``pin_limit`` bounds the blocks one peer may hold pinned at once, whatever credit it
+    grants: a peer that never releases cannot pin the whole pool.
+    """
+
+    def __init__(self, sock: zmq.Socket[bytes], store: BlockStore,
+                 segment: SharedSegment | None, bytes_per_block: int, counters: Counters,
+                 *, pin_limit: int) -> None:
+        self._sock = sock
+        self._store = store
+        self._segment = segment
+        self._bpb = bytes_per_block
+        self._counters = counters
+        self._pin_limit = max(1, pin_limit)
+        # Pins by peer, fetch and index.
+        self._pins: dict[bytes, dict[int, dict[int, BlockReader]]] = {}
+        self._attached: set[bytes] = set()
+
+    @property
+    def offer(self) -> proto.ShmOffer | None:
+        """What the ``welcome`` names: this node's segment, if its pool has one."""
+        seg = self._segment
+        return None if seg is None or seg.closed else proto.ShmOffer(seg.name, seg.size)
+
+    def attached_peers(self) -> int:
+        return len(self._attached)
+
+    def pinned(self) -> int:
+        """Blocks pinned for located answers not yet released, over all peers."""
+        return sum(len(p) for peers in self._pins.values() for p in peers.values())
+
+    # -- the proof -----------------------------------------------------------------------
+
+    def verify(self, rid: bytes, session: proto.SharingSession,
+               ev: proto.AttachRequested) -> proto.Attached:
+        """The verdict on a peer's ``attach``: its nonce must be the segment's."""
+        seg = self._segment
+        ok = seg is not None and not seg.closed and hmac.compare_digest(ev.nonce, seg.nonce)
+        if ok:
+            self._attached.add(rid)
+            self._counters.add("shm_attached")
+            log.info("peer %s proved it maps segment %s: blocks go through shared memory",
+                     rid.hex(), seg.name if seg else "-")
+            return session.attach_verdict(True, "")
+        self._counters.add("shm_attach_refused")
+        log.warning("peer %s echoed a wrong shared-memory nonce; it gets TCP", rid.hex())
+        return session.attach_verdict(False, "the nonce does not match this node's segment")
+
+    # -- located answers -----------------------------------------------------------------
+
+    def can_send(self, rid: bytes) -> bool:
+        return sum(len(p) for p in self._pins.get(rid, {}).values()) < self._pin_limit
+
+    def send_job(self, rid: bytes, session: proto.SharingSession, job: Sending) -> bool:
+        """Locate what the credit of ``job`` and the pin limit allow. False: the peer is
+        unreachable (the caller drops it, which releases its pins)."""
+        store = self._store
+        n = len(job.keys)
+        checksums = session.checksums
+        peer_pins = self._pins.setdefault(rid, {})
+        held = sum(len(p) for p in peer_pins.values())
+        credit = min(session.window_left(job.req), self._pin_limit - held)
+        while credit > 0 and job.next_index < n:
+            start = job.next_index
+            stop = proto.next_batch(start, n, credit, _BATCH)
+            job.next_index = stop
+            idx: list[int] = []
+            readers: list[BlockReader] = []
+            for i, reader in zip(range(start, stop), store.acquire_read_many(job.keys[start:stop]),
+                                 strict=True):
+                if reader is None:
+                    job.outcomes[i] = OUTCOME_MISSING
+                else:
+                    idx.append(i)
+                    readers.append(reader)
+            credit -= len(idx)
+            if not idx:
+                continue
+            pins = peer_pins.setdefault(job.req, {})
+            pins.update(zip(idx, readers, strict=True))
+            sums = [r.checksum for r in readers] if checksums else None
+            msg = session.located(job.req, idx, [r.slot for r in readers], sums)
+            try:
+                self._sock.send_multipart([rid, *proto.encode(msg)], flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                log.info("peer %s unreachable while locating blocks (%s)", rid.hex(), exc)
+                return False
+            for i in idx:
+                job.outcomes[i] = OUTCOME_SENT
+            self._counters.add("blocks_sent", len(idx))
+            self._counters.add("bytes_sent", len(idx) * self._bpb)
+            self._counters.add("blocks_sent_shm", len(idx))
+        return True
+
+    # -- pins ----------------------------------------------------------------------------
+
+    def release(self, rid: bytes, req: int, idx: Iterable[int]) -> None:
+        """The peer copied blocks ``idx`` of fetch ``req``; indices it does not hold are
+        ignored (a release may cross an abort)."""
+        pins = self._pins.get(rid, {}).get(req)
+        if not pins:
+            return
+        readers = [r for r in (pins.pop(i, None) for i in idx) if r is not None]
+        if not pins:
+            self._pins[rid].pop(req, None)
+        self._store.release_many(readers)
+
+    def abort(self, rid: bytes, req: int) -> None:
+        """The fetch was aborted: the peer reads none of its blocks any more."""
+        pins = self._pins.get(rid, {}).pop(req, None)
+        if pins:
+            self._store.release_many(pins.values())
+
+    def forget(self, rid: bytes) -> None:
+        """The connection ended (bye, heartbeat deadline, violation): unpin everything."""
+        self._attached.discard(rid)
+        for pins in self._pins.pop(rid, {}).values():
+            self._store.release_many(pins.values())
+
+    def release_all(self) -> None:
+        for rid in list(self._pins):
+            self.forget(rid)
