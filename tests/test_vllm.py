@@ -253,15 +253,17 @@ def test_tier_identity_equals_vllm_file_mapper() -> None:
     assert "cannot be bound" in bad["listen taken"]
 
 
-def test_tier_driven_like_vllms_tiering_manager() -> None:
+@pytest.mark.parametrize("path", ["tcp", "shm"])
+def test_tier_driven_like_vllms_tiering_manager(path: str) -> None:
     """Two tiers without an engine, called as vLLM's tiering manager calls them: a store
     survives the primary slots being reused, lookups answer RETRY then HIT/MISS, a load
     lands byte-exact in other slots, a key nobody holds fails alone, and a peer with
-    another model revision is refused with the reason in stats() and in the metrics."""
+    another model revision is refused with the reason in stats() and in the metrics.
+    With ``"shm": true`` (engines on one host) the chunks come over shared memory."""
     if not VLLM_PY.exists():
         pytest.fail(f"no vLLM environment at {VLLM_PY}")
-    out = subprocess.run([str(VLLM_PY), str(TIER_CHECK)], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([str(VLLM_PY), str(TIER_CHECK), *(["--shm"] if path == "shm" else [])],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     checks = {c["check"]: c for c in (json.loads(line) for line in out.stdout.splitlines()
                                        if line.startswith("{"))}
@@ -269,6 +271,8 @@ def test_tier_driven_like_vllms_tiering_manager() -> None:
     assert checks["lookup"]["answers"] == ["HIT", "HIT", "HIT", "HIT", "MISS"]
     load = checks["load"]
     assert load["success"] and load["successful_keys"] is None and load["equal"]
+    assert load["data_path"] == [path]
+    assert load["received_shm"] == (4 if path == "shm" else 0)
     partial = checks["partial"]
     assert not partial["success"] and partial["successful"] == ["01010101"]
     assert partial["equal"]

@@ -90,9 +90,10 @@ def main() -> int:
     raw_a, view_a = region()
     raw_b, view_b = region()
     _raw_c, view_c = region()
-    a = P2PKVTier(spec, view_a, "P2PKVTier", listen=addr_a, model_revision="r1")
+    shm = "--shm" in sys.argv  # same-host engines: the pool in shared memory
+    a = P2PKVTier(spec, view_a, "P2PKVTier", listen=addr_a, model_revision="r1", shm=shm)
     b = P2PKVTier(spec, view_b, "P2PKVTier", listen=addr_b, peers=[addr_a],
-                  model_revision="r1", lookup_timeout=2.0)
+                  model_revision="r1", lookup_timeout=2.0, shm=shm)
     c = P2PKVTier(spec, view_c, "P2PKVTier", listen=addr_c, peers=[addr_a],
                   model_revision="r2", lookup_timeout=2.0)
     try:
@@ -120,9 +121,13 @@ def main() -> int:
         # B loads the four chunks into primary slots 4..7 (not the same slots as A).
         b.submit_load(TransferJob(2, keys, np.arange(4, 8), True, req_b))
         loaded = wait_finished(b, 2)
+        node_b = b.node
+        assert node_b is not None
         report("load", success=loaded.success, successful_keys=loaded.successful_keys,
                equal=bytes(raw_b[4 * row:8 * row]) == original,
-               transfer_bytes=loaded.transfer_bytes)
+               transfer_bytes=loaded.transfer_bytes,
+               data_path=[p.data_path for p in node_b.peers()],
+               received_shm=node_b.stats().blocks_received_shm)
 
         # A load of a key nobody said it holds fails that key only.
         b.submit_load(TransferJob(3, [keys[0], absent], np.array([0, 1]), True, req_b))

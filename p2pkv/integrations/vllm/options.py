@@ -24,7 +24,7 @@ TIER_OPTIONS: tuple[str, ...] = (
     "handshake_timeout", "lookup_timeout", "fetch_timeout", "heartbeat_timeout",
     "curve_secret_key", "curve_authorized", "curve_server_key", "reconnect_interval",
     "identity_policy", "kv_memory_layout", "model_revision", "model_overrides",
-    "directory", "directory_ttl", "advertise",
+    "directory", "directory_ttl", "advertise", "shm",
 )
 _DEFAULT_RECONNECT = 2.0
 #: Defaults that differ from ``serve``'s: a scheduler waits on lookups, so silence
