@@ -26,10 +26,16 @@ import pytest
 import zmq
 import zmq.auth
 from nodeproc import content, keys_for
-from rawpeer import RawPeer, SilentRouter, free_port, raw_hello
+from rawpeer import FakeServer, RawPeer, SilentRouter, free_port, raw_hello
 
-from p2pkv.errors import ConfigError, P2PKVError, PeerIncompatible, TransportHandshakeFailed
-from p2pkv.protocol import encode
+from p2pkv.errors import (
+    ConfigError,
+    P2PKVError,
+    PeerIncompatible,
+    ProtocolError,
+    TransportHandshakeFailed,
+)
+from p2pkv.protocol import Code, Refuse, encode
 from p2pkv.transport import CurveKeys, load_authorized_keys
 
 pytestmark = pytest.mark.timeout(120)
@@ -169,9 +175,24 @@ def test_curve_client_against_plaintext_server(nodes: Any, keys: Any) -> None:
     assert server.stats().handshakes_accepted == 0
 
 
-def test_peer_incompatible_always_has_reasons() -> None:
+def test_peer_incompatible_always_has_reasons(nodes: Any) -> None:
     with pytest.raises(ValueError, match="at least one reason"):
         PeerIncompatible("refused", reasons=[])
+    # A peer that refuses without a compatibility reason (it found the hello malformed)
+    # is a protocol failure with its code, not an incompatibility with no reasons.
+    client = nodes(SMALL, handshake_timeout=30.0)
+    server = FakeServer(client.hello)
+    local = client.hello
+    server.welcome = Refuse(Code.UNEXPECTED, "hello not understood", (), "fake-server",
+                            local.rc, local.fp, local.geo, local.khash)  # type: ignore[assignment]
+    try:
+        with pytest.raises(ProtocolError) as info:
+            client.connect(server.address)
+        assert info.value.code == Code.UNEXPECTED
+        assert "hello not understood" in str(info.value)
+        assert not isinstance(info.value, PeerIncompatible)
+    finally:
+        server.close()
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
