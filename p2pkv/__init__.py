@@ -12,6 +12,7 @@ from typing import Any
 
 from p2pkv.errors import (
     ConfigError,
+    LocalLimitExceeded,
     P2PKVError,
     PeerGone,
     PeerIncompatible,
@@ -19,6 +20,7 @@ from p2pkv.errors import (
     ProtocolError,
     StoreFullError,
     TransferFailed,
+    TransportHandshakeFailed,
 )
 from p2pkv.identity import FieldDiff, IdentityExtension, RunConfig, diff
 
@@ -43,6 +45,7 @@ __all__ = [
     "ConfigError",
     "FieldDiff",
     "IdentityExtension",
+    "LocalLimitExceeded",
     "P2PKVError",
     "PeerGone",
     "PeerIncompatible",
@@ -51,6 +54,7 @@ __all__ = [
     "RunConfig",
     "StoreFullError",
     "TransferFailed",
+    "TransportHandshakeFailed",
     "__version__",
     "diff",
     *sorted(_LAZY),

@@ -3,7 +3,9 @@
 Subcommands: ``serve``, ``fingerprint``, ``probe``, ``fetch``, ``demo``, ``keygen``,
 ``bench``, ``cluster``, ``cluster-bench``. Exit codes: 0 success; 2 bad configuration
 (nothing started); 3 peer refused the handshake; 4 peer unreachable, lost or timed out;
-5 ``fetch``: a block was missing, failed or did not match the fill rule; 1 anything else.
+5 ``fetch``: a block was missing, failed or did not match the fill rule; 6 ZeroMQ's
+security handshake failed (CurveZMQ required or not offered, key not accepted, no
+answer); 1 anything else.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from p2pkv.errors import ConfigError, P2PKVError, PeerIncompatible, PeerTimeout
+from p2pkv.errors import (
+    ConfigError,
+    P2PKVError,
+    PeerIncompatible,
+    PeerTimeout,
+    TransportHandshakeFailed,
+)
 from p2pkv.fill import MAX_FILL_BLOCKS, fill_block, fill_keys, first_mismatch
 from p2pkv.identity import canonical_model_overrides, extension_diff
 from p2pkv.reports import reason_dict, refusal_table, remote_identity
@@ -31,6 +39,7 @@ EXIT_CONFIG = 2
 EXIT_REFUSED = 3
 EXIT_UNREACHABLE = 4
 EXIT_MISMATCH = 5
+EXIT_TRANSPORT = 6
 
 log = logging.getLogger("p2pkv.cli")
 
@@ -179,12 +188,19 @@ def node_config(settings: Settings, *, listen: str | None = None) -> Any:
     # above should fail at once.
     from p2pkv.node import NodeConfig
 
+    interval = v["heartbeat_interval"]
+    if interval is None:
+        interval = min(1.0, v["heartbeat_timeout"] / 4)
+    elif interval >= v["heartbeat_timeout"]:
+        raise ConfigError(f"--heartbeat-interval: must be shorter than --heartbeat-timeout "
+                          f"({v['heartbeat_timeout']:g}), got {interval:g}")
     try:
         return NodeConfig(
             listen=listen or v["listen"], key_hash_seed=v["key_seed"], checksums=v["checksums"],
             handshake_timeout=v["handshake_timeout"], lookup_timeout=v["lookup_timeout"],
-            fetch_timeout=v["fetch_timeout"], heartbeat_timeout=v["heartbeat_timeout"],
-            heartbeat_interval=min(1.0, v["heartbeat_timeout"] / 4), curve=curve,
+            fetch_timeout=v["fetch_timeout"], fetch_idle_timeout=v["fetch_idle_timeout"],
+            abort_timeout=v["abort_timeout"], close_timeout=v["close_timeout"],
+            heartbeat_timeout=v["heartbeat_timeout"], heartbeat_interval=interval, curve=curve,
             identity_policy=v["identity_policy"], shm=v["shm"],
         )
     except ConfigError as exc:
@@ -336,6 +352,14 @@ def _handshake(node: Any, args: argparse.Namespace, fingerprint: str) -> Any:
             print(f"local fingerprint:  {fingerprint}")
             print(refusal_table(exc.reasons))
         return EXIT_REFUSED
+    except TransportHandshakeFailed as exc:
+        # Not a refusal: the peers never compared identities, there is no table.
+        if args.json:
+            print(json.dumps({"verdict": "transport-handshake-failed", "address": args.address,
+                              "kind": exc.kind, "error": exc.detail}, sort_keys=True))
+        else:
+            print(f"TRANSPORT HANDSHAKE FAILED with {args.address} ({exc.kind}): {exc.detail}")
+        return EXIT_TRANSPORT
     except (PeerTimeout, P2PKVError, OSError) as exc:
         # Any failure to reach the peer (timeout, refused or lost connection,
         # unresolvable host) is "unreachable", exit 4.

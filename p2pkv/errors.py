@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ConfigError",
+    "LocalLimitExceeded",
     "P2PKVError",
     "PeerGone",
     "PeerIncompatible",
@@ -21,6 +22,7 @@ __all__ = [
     "ProtocolError",
     "StoreFullError",
     "TransferFailed",
+    "TransportHandshakeFailed",
 ]
 
 
@@ -52,8 +54,12 @@ class PeerIncompatible(P2PKVError):
     fingerprints differ. Both are seen from this node's side (local vs remote).
     """
 
-    def __init__(self, message: str, reasons: Sequence[Any] = (),
+    def __init__(self, message: str, reasons: Sequence[Any],
                  diff: Sequence[FieldDiff] = ()) -> None:
+        if not reasons:
+            # A refusal always says what differs; anything else has its own error type
+            # (ProtocolError, TransportHandshakeFailed).
+            raise ValueError("PeerIncompatible needs at least one reason")
         super().__init__(message)
         self.reasons = list(reasons)
         self.diff = list(diff)
@@ -73,6 +79,43 @@ class TransferFailed(P2PKVError):
     """The peer turned a request down as a whole (too many keys, too many requests in
     flight, unavailable); the connection stays up. Per-key fetch failures are not raised:
     they are outcomes in the :class:`~p2pkv.node.FetchResult`."""
+
+
+class TransportHandshakeFailed(P2PKVError, ConnectionError):
+    """ZeroMQ's own security handshake failed, before any p2pkv message was exchanged.
+
+    Reported from the socket monitor's handshake events. ``kind`` says what happened:
+
+    * ``"curve-required"``: the server requires CurveZMQ, this node connected in plaintext;
+    * ``"curve-not-offered"``: this node uses CurveZMQ, the server speaks plaintext;
+    * ``"key-rejected"``: the server did not accept this node's CURVE public key;
+    * ``"no-answer"``: the server closed the security handshake without an answer (with
+      CurveZMQ: the server public key given is not this server's);
+    * ``"protocol"``: another ZMTP handshake error (``detail`` names it).
+
+    No reasons table exists for these: the peers never compared identities.
+    """
+
+    def __init__(self, message: str, kind: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.detail = detail
+
+
+class LocalLimitExceeded(P2PKVError):
+    """A request goes over a limit of this node (or one the peer advertised), so it was
+    not sent: more keys than ``max_keys_per_request`` (or the peer's ``max_keys``), or
+    ``max_inflight_requests`` (or the peer's in-flight limit) requests already running on
+    the connection. Nothing is wrong with the peer; retry later or split the request.
+
+    ``limit`` names the limit, ``allowed`` its value, ``requested`` what was asked.
+    """
+
+    def __init__(self, message: str, *, limit: str, allowed: int, requested: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.allowed = allowed
+        self.requested = requested
 
 
 class StoreFullError(P2PKVError):

@@ -28,6 +28,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -35,7 +36,7 @@ from typing import Any, TypeVar
 import zmq
 
 from p2pkv import protocol as proto
-from p2pkv.errors import ConfigError, P2PKVError, PeerTimeout
+from p2pkv.errors import ConfigError, LocalLimitExceeded, PeerGone, PeerTimeout
 from p2pkv.identity import IdentityExtension, RunConfig
 from p2pkv.keys import check_keys
 from p2pkv.layout import Layout
@@ -49,6 +50,7 @@ from p2pkv.runtime.sender import Sender
 from p2pkv.runtime.server import Server
 from p2pkv.runtime.shm_client import SharedReceiver
 from p2pkv.runtime.shm_server import SharedSender
+from p2pkv.runtime.state import FetchTicket
 from p2pkv.runtime.stats import Counters
 from p2pkv.runtime.tuning import WAIT_GRACE
 from p2pkv.shm import ShmUnavailable
@@ -70,6 +72,17 @@ log = logging.getLogger("p2pkv.node")
 logging.getLogger("p2pkv").addHandler(logging.NullHandler())
 
 _T = TypeVar("_T")
+
+
+def _seconds(timeout: float | None, default: float) -> float:
+    """A call's ``timeout``: None is the configured default, 0 is zero (not the
+    default), a negative or non-number is a ValueError."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+            0 <= timeout < float("inf")):
+        raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+    return float(timeout)
 
 
 class Node:
@@ -166,6 +179,10 @@ class Node:
         self.address = bound_address(self._router)
 
         self._counters = Counters()
+        # Fetch futures -> their tickets, for abort(); entries go with their futures.
+        self._tickets: weakref.WeakKeyDictionary[Future[FetchResult], FetchTicket] = (
+            weakref.WeakKeyDictionary())
+        self._tickets_lock = threading.Lock()
         self._reactor = Reactor(f"p2pkv-io-{self.address}")
         self._thread = self._reactor.thread
         sender = Sender(self._router, store, self._bpb, self._counters)
@@ -213,14 +230,17 @@ class Node:
         if allow is not None and address not in allow:
             raise ConfigError(f"peer address {address!r} is not in the connect allowlist")
         fut: Future[PeerHandle] = Future()
-        deadline = time.monotonic() + (timeout or self.config.handshake_timeout)
+        deadline = time.monotonic() + _seconds(timeout, self.config.handshake_timeout)
         self._reactor.submit(fut, lambda: self._client.connect(address, fut, deadline))
         return fut
 
     def connect(self, address: str, *, timeout: float | None = None) -> PeerHandle:
         """Connect and handshake. Raises :class:`PeerIncompatible` (with the diff) when
-        either side refuses, :class:`PeerTimeout` when no answer comes in time."""
-        t = timeout or self.config.handshake_timeout
+        either side refuses, :class:`TransportHandshakeFailed` when ZeroMQ's security
+        handshake fails (CurveZMQ required, key not accepted, no answer),
+        :class:`PeerTimeout` when no answer comes in time (``timeout=0``: at once,
+        nothing is attempted)."""
+        t = _seconds(timeout, self.config.handshake_timeout)
         return self._wait(self.connect_async(address, timeout=t), t)
 
     def lookup_async(self, peer: PeerHandle, keys: Sequence[bytes], *,
@@ -230,14 +250,15 @@ class Node:
         if not keys:
             fut.set_result([])
             return fut
-        deadline = time.monotonic() + (timeout or self.config.lookup_timeout)
+        deadline = time.monotonic() + _seconds(timeout, self.config.lookup_timeout)
         self._reactor.submit(fut, lambda: self._client.lookup(peer.peer_id, keys, fut, deadline))
         return fut
 
     def lookup(self, peer: PeerHandle, keys: Sequence[bytes], *,
                timeout: float | None = None) -> list[bool]:
-        """Which of ``keys`` the peer holds, in order."""
-        t = timeout or self.config.lookup_timeout
+        """Which of ``keys`` the peer holds, in order (``timeout=0``: PeerTimeout at
+        once for a non-empty ``keys``, nothing is sent)."""
+        t = _seconds(timeout, self.config.lookup_timeout)
         return self._wait(self.lookup_async(peer, keys, timeout=t), t)
 
     def fetch_async(self, peer: PeerHandle, keys: Sequence[bytes], *,
@@ -249,8 +270,10 @@ class Node:
         """Fetch blocks from ``peer`` into the local store; per-key outcome in the result.
 
         Keys already held locally are not fetched again (reported as stored).
+        ``timeout=0``: only those; anything to fetch from the peer is PeerTimeout at
+        once, nothing is sent.
         """
-        t = timeout or self.config.fetch_timeout
+        t = _seconds(timeout, self.config.fetch_timeout)
         return self._wait(self.fetch_async(peer, keys, timeout=t), t)
 
     def fetch_into(self, peer: PeerHandle, keys: Sequence[bytes],
@@ -258,8 +281,9 @@ class Node:
                    timeout: float | None = None) -> FetchResult:
         """Fetch blocks straight into caller-owned buffers (one writable buffer per
         segment per key, e.g. views of an engine's pinned staging tensors). Nothing is
-        written to the local store. A failed key's buffers may hold partial data."""
-        t = timeout or self.config.fetch_timeout
+        written to the local store. A failed key's buffers may hold partial data.
+        ``timeout=0``: PeerTimeout at once, nothing is sent or written."""
+        t = _seconds(timeout, self.config.fetch_timeout)
         return self._wait(self.fetch_into_async(peer, keys, destinations, timeout=t), t)
 
     def fetch_into_async(self, peer: PeerHandle, keys: Sequence[bytes],
@@ -268,6 +292,25 @@ class Node:
         keys = self._check_keys(keys)
         checked = check_destinations(destinations, len(keys), self._segments)
         return self._fetch_async(peer, keys, checked, timeout)
+
+    def abort(self, future: Future[FetchResult], *, timeout: float | None = None) -> bool:
+        """Stop a fetch started with ``fetch_async``/``fetch_into_async``.
+
+        Same as ``future.cancel()`` (the peer is sent ``abort``; nothing more is written
+        into the fetch's buffers or the store once this returns; the keys can be fetched
+        again), and then waits up to ``timeout`` (default ``abort_timeout``) for the
+        peer to confirm that it stopped (``abort_ack``) or for the connection to end
+        (a peer that does not confirm within ``abort_timeout`` is disconnected).
+        Returns False when the fetch had already finished (nothing to stop).
+        """
+        if not future.cancel():
+            return False
+        with self._tickets_lock:
+            ticket = self._tickets.get(future)
+        t = _seconds(timeout, self.config.abort_timeout)
+        if ticket is not None and not ticket.stopped.wait(t + WAIT_GRACE):
+            raise PeerTimeout(f"the peer did not confirm the abort within {t:.1f}s")
+        return True
 
     def disconnect(self, peer: PeerHandle) -> None:
         """Say bye to a peer and fail anything still waiting on it."""
@@ -321,10 +364,10 @@ class Node:
         reactor = self._reactor
         if reactor.closed.is_set():
             return
-        t = self.config.close_timeout if timeout is None else timeout
-        deadline = time.monotonic() + t
-        with contextlib.suppress(P2PKVError):
-            reactor.submit(Future(), lambda: reactor.begin_close(deadline))
+        t = _seconds(timeout, self.config.close_timeout)
+        # From here on every call fails with PeerGone; what was queued before either
+        # runs or fails, so every future a caller holds completes.
+        reactor.begin_close(time.monotonic() + t)
         if threading.current_thread() is reactor.thread:
             return  # called from a future's callback: the loop ends once this returns
         reactor.thread.join(t + 5.0)
@@ -355,9 +398,11 @@ class Node:
         if isinstance(keys, (bytes, bytearray, str)):  # type: ignore[unreachable]
             raise ValueError("keys must be a sequence of bytes keys, not a single key")
         out = tuple(keys)
-        if len(out) > self.config.max_keys_per_request:
-            raise ValueError(f"{len(out)} keys exceed max_keys_per_request="
-                             f"{self.config.max_keys_per_request}; split the request")
+        limit = self.config.max_keys_per_request
+        if len(out) > limit:
+            raise LocalLimitExceeded(f"{len(out)} keys exceed max_keys_per_request={limit}; "
+                                     "split the request", limit="max_keys_per_request",
+                                     allowed=limit, requested=len(out))
         return check_keys(out, MAX_KEY_LEN)
 
     def _fetch_async(self, peer: PeerHandle, keys: Sequence[bytes],
@@ -368,10 +413,26 @@ class Node:
         if not checked:
             fut.set_result(FetchResult((), (), {}, 0, 0, 0.0))
             return fut
-        deadline = time.monotonic() + (timeout or self.config.fetch_timeout)
+        deadline = time.monotonic() + _seconds(timeout, self.config.fetch_timeout)
+        ticket = FetchTicket()
         self._reactor.submit(fut, lambda: self._client.fetch(peer.peer_id, checked, destinations,
-                                                             fut, deadline))
+                                                             fut, deadline, ticket))
+        with self._tickets_lock:
+            self._tickets[fut] = ticket
+        fut.add_done_callback(lambda f: self._fetch_done(f, ticket))
         return fut
+
+    def _fetch_done(self, fut: Future[FetchResult], ticket: FetchTicket) -> None:
+        """Runs where the future completed: in the caller's thread for ``cancel()``."""
+        if not fut.cancelled():
+            return
+        # Before cancel() returns: no landing into this fetch's buffers is in progress
+        # (the ticket's lock), and none starts after (the flag).
+        ticket.cancel()
+        try:
+            self._reactor.submit(Future(), lambda: self._client.abort_fetch(ticket))
+        except PeerGone:
+            ticket.stopped.set()  # the node is closing: its peers are told bye
 
     @staticmethod
     def _wait(fut: Future[_T], timeout: float) -> _T:

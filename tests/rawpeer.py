@@ -255,14 +255,18 @@ class ThrottlingProxy:
     running" is a fact rather than a race. Bytes towards the server pass unthrottled.
     When either side closes or resets, the relay closes the other side at once and drops
     what it has not delivered, as a crashed or vanished peer would.
+
+    ``upstream_rcvbuf`` fixes the receive buffer of the connection to the server (no
+    autotuning), so that little of what the server sends can wait in the kernel.
     """
 
     _CHUNK = 65536
 
-    def __init__(self, upstream: str, rate: float) -> None:
+    def __init__(self, upstream: str, rate: float, upstream_rcvbuf: int | None = None) -> None:
         host, port = upstream.removeprefix("tcp://").rsplit(":", 1)
         self._upstream = (host, int(port))
         self._rate = rate
+        self._rcvbuf = upstream_rcvbuf
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(16)
@@ -280,8 +284,13 @@ class ThrottlingProxy:
             except (TimeoutError, OSError):
                 continue
             try:
-                server = socket.create_connection(self._upstream, timeout=5)
+                server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                if self._rcvbuf is not None:
+                    server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._rcvbuf)
+                server.settimeout(5)
+                server.connect(self._upstream)
             except OSError:
+                server.close()
                 client.close()
                 continue
             thread = threading.Thread(target=self._relay, args=(client, server), daemon=True)

@@ -3,13 +3,16 @@
 Keys come from the real CLI (``p2pkv-node keygen DIR --name NAME``, zmq.auth format).
 A server node with ``CurveKeys(server_pub, server_sec, None, {authorized client pubs})``
 accepts an authorized client (byte-exact fetch) and rejects an unauthorized key and a
-plaintext client within the handshake timeout, with a P2PKVError (PeerIncompatible
-today: the ZeroMQ security handshake fails, reported through the socket monitor).
+plaintext client within the handshake timeout: the ZeroMQ security handshake fails,
+which the socket monitor reports, and the client raises TransportHandshakeFailed saying
+what happened (never a PeerIncompatible without reasons). ``probe`` prints it and exits
+6 (issue 11).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import stat
@@ -23,10 +26,16 @@ import pytest
 import zmq
 import zmq.auth
 from nodeproc import content, keys_for
-from rawpeer import RawPeer, SilentRouter, free_port, raw_hello
+from rawpeer import FakeServer, RawPeer, SilentRouter, free_port, raw_hello
 
-from p2pkv.errors import ConfigError, P2PKVError, PeerIncompatible
-from p2pkv.protocol import encode
+from p2pkv.errors import (
+    ConfigError,
+    P2PKVError,
+    PeerIncompatible,
+    ProtocolError,
+    TransportHandshakeFailed,
+)
+from p2pkv.protocol import Code, Refuse, encode
 from p2pkv.transport import CurveKeys, load_authorized_keys
 
 pytestmark = pytest.mark.timeout(120)
@@ -96,6 +105,14 @@ def test_authorized_client_fetches_byte_exact(nodes: Any, keys: Any, who: str) -
     assert server.stats().handshakes_accepted == 1
 
 
+# What the client is told, by case: the kind of TransportHandshakeFailed and a phrase.
+FAILURES = {
+    "stranger": ("key-rejected", "did not accept this node's CURVE public key"),
+    "plaintext": ("curve-required", "the server requires CurveZMQ"),
+    "wrong-server-key": ("no-answer", "without an answer"),
+}
+
+
 @pytest.mark.parametrize("who", ["stranger", "plaintext", "wrong-server-key"])
 def test_unauthorized_or_plaintext_client_cannot_handshake(
         nodes: Any, keys: Any, who: str) -> None:
@@ -115,10 +132,14 @@ def test_unauthorized_or_plaintext_client_cannot_handshake(
         client.connect(server.address)
     elapsed = time.monotonic() - t0
     assert elapsed < 30.0 - SLACK, f"took {elapsed:.2f}s"
-    # The ZeroMQ security handshake fails and the node reports it as PeerIncompatible
-    # (a stranger's key is rejected by ZAP; a plaintext client speaks the NULL
-    # mechanism; a wrong server key fails the CURVE handshake).
-    assert isinstance(info.value, PeerIncompatible), repr(info.value)
+    # The ZeroMQ security handshake fails and the node says which way, from the
+    # monitor's events: a stranger's key is rejected by ZAP; a plaintext client speaks
+    # the NULL mechanism; a server that cannot decrypt (wrong server key) hangs up.
+    assert isinstance(info.value, TransportHandshakeFailed), repr(info.value)
+    assert not isinstance(info.value, PeerIncompatible)
+    kind, phrase = FAILURES[who]
+    assert info.value.kind == kind, repr(info.value)
+    assert phrase in str(info.value), str(info.value)
     assert client.peers() == []
     assert client.store.stats().used == 0
     assert server.stats().handshakes_accepted == 0
@@ -129,7 +150,7 @@ def test_unauthorized_or_plaintext_client_cannot_handshake(
 
 def test_wrong_server_key_error_type_is_stable(nodes: Any, keys: Any) -> None:
     """The first connects race the CURVE failure against the hello being queued; the
-    error type must not depend on who wins."""
+    error type (and what it says happened) must not depend on who wins."""
     server = curve_server(nodes, keys)
     pub, sec = keys["client1"]
     kinds = []
@@ -138,8 +159,77 @@ def test_wrong_server_key_error_type_is_stable(nodes: Any, keys: Any) -> None:
                        curve=CurveKeys(pub, sec, keys["stranger"][0], None))
         with pytest.raises(P2PKVError) as info:
             client.connect(server.address)
-        kinds.append(type(info.value).__name__)
-    assert set(kinds) == {"PeerIncompatible"}, kinds
+        kinds.append(f"{type(info.value).__name__}:{getattr(info.value, 'kind', '')}")
+    assert set(kinds) == {"TransportHandshakeFailed:no-answer"}, kinds
+
+
+def test_curve_client_against_plaintext_server(nodes: Any, keys: Any) -> None:
+    """The other mismatch: this side encrypts, the server does not."""
+    server = nodes({**SMALL, "blocks": BLOCKS})
+    client = nodes({**SMALL, "blocks": BLOCKS}, curve=client_curve(keys, "client1"),
+                   handshake_timeout=30.0)
+    with pytest.raises(TransportHandshakeFailed) as info:
+        client.connect(server.address)
+    assert info.value.kind == "curve-not-offered", repr(info.value)
+    assert "the server speaks plaintext" in str(info.value)
+    assert server.stats().handshakes_accepted == 0
+
+
+def test_peer_incompatible_always_has_reasons(nodes: Any) -> None:
+    with pytest.raises(ValueError, match="at least one reason"):
+        PeerIncompatible("refused", reasons=[])
+    # A peer that refuses without a compatibility reason (it found the hello malformed)
+    # is a protocol failure with its code, not an incompatibility with no reasons.
+    client = nodes(SMALL, handshake_timeout=30.0)
+    server = FakeServer(client.hello)
+    local = client.hello
+    server.welcome = Refuse(Code.UNEXPECTED, "hello not understood", (), "fake-server",
+                            local.rc, local.fp, local.geo, local.khash)  # type: ignore[assignment]
+    try:
+        with pytest.raises(ProtocolError) as info:
+            client.connect(server.address)
+        assert info.value.code == Code.UNEXPECTED
+        assert "hello not understood" in str(info.value)
+        assert not isinstance(info.value, PeerIncompatible)
+    finally:
+        server.close()
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    script = Path(sys.executable).with_name("p2pkv-node")
+    cmd = ([str(script)] if script.exists() else
+           [sys.executable, "-c", "import sys; from p2pkv.cli import main; sys.exit(main())"])
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("who", ["stranger", "plaintext"])
+def test_probe_reports_a_failed_transport_handshake(
+        nodes: Any, keys: Any, tmp_path: Path, who: str) -> None:
+    """As an operator tries it: probe a CURVE server with an unauthorized key, or in
+    plaintext. It says what happened (no empty refusal table) and exits 6."""
+    server = curve_server(nodes, keys)
+    # The probe uses the identity of the nodes under test (nodeproc's "small" geometry).
+    identity = ["--model", "test/model", "--layers", "4", "--kv-heads", "2", "--head-dim", "16",
+                "--handshake-timeout", "20"]
+    curve_args: list[str] = []
+    if who == "stranger":
+        base = tmp_path / "keys"
+        keygen(base, "stranger")
+        server_key = base / "server.key"
+        server_key.write_text(
+            "metadata\ncurve\n    public-key = \"" + keys["server"][0].decode() + "\"\n")
+        curve_args = ["--curve-secret-key", str(base / "stranger.key_secret"),
+                      "--curve-server-key", str(server_key)]
+    done = run_cli("probe", server.address, *identity, *curve_args)
+    assert done.returncode == 6, (done.returncode, done.stdout, done.stderr)
+    assert "TRANSPORT HANDSHAKE FAILED" in done.stdout, done.stdout
+    assert FAILURES[who][1] in done.stdout, done.stdout
+    assert "REFUSED" not in done.stdout and "FIELD" not in done.stdout
+    done = run_cli("probe", server.address, *identity, *curve_args, "--json")
+    assert done.returncode == 6, (done.stdout, done.stderr)
+    verdict = json.loads(done.stdout)
+    assert verdict["verdict"] == "transport-handshake-failed", verdict
+    assert verdict["kind"] == FAILURES[who][0] and verdict["address"] == server.address
 
 
 def test_plaintext_raw_socket_never_reaches_the_protocol(nodes: Any, keys: Any) -> None:

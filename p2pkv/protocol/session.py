@@ -209,6 +209,17 @@ class Session(Machine):
         """Unfinished requests on this connection."""
         return len(self._requests)
 
+    @property
+    def request_limit(self) -> int:
+        """Client: the most unfinished requests it may have (its own limit, or the
+        peer's advertised ``in_flight`` when smaller)."""
+        return self._request_limit()
+
+    @property
+    def key_limit(self) -> int:
+        """Client: the most keys one request may carry (the peer's ``max_keys``)."""
+        return self._peer_max_keys()
+
     def is_pending(self, req: int) -> bool:
         return req in self._requests
 

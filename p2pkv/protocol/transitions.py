@@ -157,15 +157,19 @@ class Machine:
             limit = min(limit, remote.limits.max_keys)
         return limit
 
+    def _request_limit(self) -> int:
+        limit = self._limits.max_in_flight
+        remote = self._remote
+        if remote is not None and remote.limits is not None and remote.limits.in_flight:
+            limit = min(limit, remote.limits.in_flight)
+        return limit
+
     def _open_request(self, kind: str, keys: tuple[bytes, ...], deadline: float,
                       granted: int) -> int:
         if self._role is not Role.CLIENT:
             raise LocalProtocolError(Code.UNEXPECTED, f"{kind}: only the client sends requests")
         self._require_ready(kind)
-        limit = self._limits.max_in_flight
-        remote = self._remote
-        if remote is not None and remote.limits is not None and remote.limits.in_flight:
-            limit = min(limit, remote.limits.in_flight)
+        limit = self._request_limit()
         if len(self._requests) >= limit:
             raise LocalProtocolError(
                 Code.TOO_MANY_IN_FLIGHT, f"{kind}: {len(self._requests)} requests in flight "

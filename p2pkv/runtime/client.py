@@ -22,31 +22,29 @@ import zmq
 
 from p2pkv import protocol as proto
 from p2pkv.errors import (
+    LocalLimitExceeded,
     P2PKVError,
     PeerGone,
-    PeerIncompatible,
     PeerTimeout,
     ProtocolError,
     TransferFailed,
+    TransportHandshakeFailed,
 )
 from p2pkv.identity import IdentityExtension
 from p2pkv.reports import incompatible
 from p2pkv.runtime.public import FetchResult, KeyOutcome, NodeConfig, PeerHandle, PeerOwner
-from p2pkv.runtime.reactor import Reactor
+from p2pkv.runtime.reactor import Reactor, fail, resolve
 from p2pkv.runtime.receiver import Receiver, drain
 from p2pkv.runtime.shm_client import SharedReceiver
-from p2pkv.runtime.state import Outbound, Receiving
+from p2pkv.runtime.state import FetchTicket, Outbound, Receiving
 from p2pkv.runtime.stats import Counters
 from p2pkv.runtime.tuning import MONITOR_GRACE_MS, READ_BUDGET, READ_BURST_BYTES
 from p2pkv.store import BlockStore
-from p2pkv.transport import CurveKeys, make_dealer, monitor_events
+from p2pkv.transport import CurveKeys, handshake_failure, make_dealer, monitor_messages
 
-__all__ = ["Client", "request_error"]
+__all__ = ["Client", "admit", "refusal_error", "request_error"]
 
 log = logging.getLogger("p2pkv.node")
-
-_AUTH_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 def request_error(address: str, ev: proto.RequestFailed) -> P2PKVError:
@@ -55,14 +53,43 @@ def request_error(address: str, ev: proto.RequestFailed) -> P2PKVError:
     code = int(ev.code)
     if code in (proto.Code.PEER_TIMEOUT, proto.Code.TIMEOUT):
         return PeerTimeout(text)
-    if 100 <= code < 200:
-        return PeerIncompatible(text)
-    if 300 <= code < 400:
+    if 100 <= code < 200 or 300 <= code < 400:
+        # 1xx: the handshake was refused, which ends the connection. PeerIncompatible
+        # is raised only by the handshake itself, with its reasons.
         return PeerGone(text)
     if code in (proto.Code.OUT_OF_BOUNDS, proto.Code.TOO_MANY_IN_FLIGHT, proto.Code.UNAVAILABLE):
         # The peer turned this request down; the connection stays up.
         return TransferFailed(text)
     return ProtocolError(code, text)
+
+
+def admit(conn: Outbound, nkeys: int, what: str, deadline: float) -> None:
+    """Local limits and the caller's deadline, checked before a request is sent."""
+    session = conn.session
+    if nkeys > session.key_limit:
+        raise LocalLimitExceeded(
+            f"{what} of {nkeys} keys: {conn.address} accepts at most {session.key_limit} "
+            "keys per request; split the request", limit="max_keys",
+            allowed=session.key_limit, requested=nkeys)
+    if session.in_flight >= session.request_limit:
+        raise LocalLimitExceeded(
+            f"{what}: {session.in_flight} requests already in flight to {conn.address} "
+            f"(limit {session.request_limit}); wait for one to finish",
+            limit="max_inflight_requests", allowed=session.request_limit,
+            requested=session.in_flight + 1)
+    if time.monotonic() >= deadline:  # timeout=0: nothing is sent
+        raise PeerTimeout(f"{what} on {conn.address}: the timeout expired before the "
+                          "request could be sent")
+
+
+def refusal_error(address: str, hello: proto.Hello, ev: proto.HandshakeRefused) -> P2PKVError:
+    """A refused handshake's error: PeerIncompatible with its reasons, or, refused for a
+    protocol violation (a malformed or unexpected greeting), a ProtocolError."""
+    if ev.reasons:
+        return incompatible(address, hello, ev)
+    who = "refused by" if ev.by_remote else "refused"
+    return ProtocolError(ev.code, f"handshake {who} {address}: {ev.msg} "
+                         f"[{proto.code_name(ev.code)}]")
 
 
 class Client:
@@ -105,9 +132,16 @@ class Client:
     def connect(self, address: str, fut: Future[PeerHandle], deadline: float) -> None:
         if not fut.set_running_or_notify_cancel():
             return
+        if time.monotonic() >= deadline:  # timeout=0: nothing is attempted
+            fut.set_exception(PeerTimeout(f"connect to {address}: the timeout expired "
+                                          "before the handshake could start"))
+            return
         max_peers = self._config.max_peers
-        if sum(1 for c in self._outbound.values() if not c.closed) >= max_peers:
-            fut.set_exception(P2PKVError(f"peer limit reached (max_peers={max_peers})"))
+        live = sum(1 for c in self._outbound.values() if not c.closed)
+        if live >= max_peers:
+            fut.set_exception(LocalLimitExceeded(
+                f"peer limit reached (max_peers={max_peers})", limit="max_peers",
+                allowed=max_peers, requested=live + 1))
             return
         sock, monitor = make_dealer(self._ctx, address, max_message_bytes=self._max_message,
                                     curve=self._curve)
@@ -127,14 +161,17 @@ class Client:
         if not fut.set_running_or_notify_cancel():
             return
         conn = self._ready_conn(peer_id)
+        admit(conn, len(keys), "lookup", deadline)
         msg = conn.session.lookup(keys, time.monotonic())
         conn.lookups[msg.req] = (fut, deadline)
         self._send(conn, [msg])
 
     def fetch(self, peer_id: int, keys: tuple[bytes, ...],
               destinations: Sequence[Sequence[memoryview]] | None,
-              fut: Future[FetchResult], deadline: float) -> None:
-        if not fut.set_running_or_notify_cancel():
+              fut: Future[FetchResult], deadline: float, ticket: FetchTicket) -> None:
+        # The future is never marked running: its caller may cancel it at any time
+        # (see FetchTicket), and every result is set only if it is still pending.
+        if fut.done():
             return
         conn = self._ready_conn(peer_id)
         now = time.monotonic()
@@ -149,17 +186,33 @@ class Client:
         else:
             wanted = list(range(len(keys)))
         if not wanted:
-            fut.set_result(FetchResult(keys, tuple(o or KeyOutcome.STORED for o in outcomes),
-                                       {}, 0, 0, 0.0))
+            resolve(fut, FetchResult(keys, tuple(o or KeyOutcome.STORED for o in outcomes),
+                                     {}, 0, 0, 0.0))
             return
+        admit(conn, len(wanted), "fetch", deadline)
         # One credit budget per peer, shared by all its fetches: it bounds the data
         # queued towards this node, and so how long a lookup answer can wait behind it.
         window = self._budget.opening_window(conn.credit_state(), len(wanted))
         fetch = conn.session.fetch_shared if conn.session.shared_memory else conn.session.fetch
         msg = fetch(tuple(keys[i] for i in wanted), window, now)
         conn.fetches[msg.req] = Receiving(msg.req, keys, fut, destinations, now, deadline,
-                                          outcomes, wanted)
+                                          outcomes, wanted, ticket=ticket)
+        ticket.peer_id, ticket.req = conn.peer_id, msg.req
         self._send(conn, [msg])
+
+    def abort_fetch(self, ticket: FetchTicket) -> None:
+        """The caller cancelled a fetch: tell the peer, give its credit to the others.
+        ``ticket.stopped`` is set once the peer confirmed (or nothing can arrive)."""
+        conn = self._outbound.get(ticket.peer_id)
+        recv = None if conn is None or ticket.req is None else conn.fetches.pop(ticket.req, None)
+        if conn is None or conn.closed or recv is None:
+            ticket.stopped.set()  # never sent, already over, or the connection is gone
+            return
+        now = time.monotonic()
+        conn.aborting[recv.req] = ticket
+        self._send(conn, [conn.session.abort(recv.req, now)])
+        if not conn.closed:
+            self._refill_credit(conn, now)
 
     def disconnect(self, peer_id: int, fut: Future[None]) -> None:
         conn = self._outbound.get(peer_id)
@@ -195,14 +248,19 @@ class Client:
     def _on_monitor(self, conn: Outbound, now: float) -> None:
         if conn.closed:
             return
-        events = monitor_events(conn.monitor)
-        if not events:
+        messages = monitor_messages(conn.monitor)
+        if not messages:
             return
-        if any(e in _AUTH_FAILED for e in events):
-            self._drop(conn, PeerIncompatible(
-                f"{conn.address} rejected the ZeroMQ security handshake (CURVE keys or "
-                "plaintext/encrypted mismatch)"))
-        elif any(e in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) for e in events):
+        events = [event for event, _ in messages]
+        for event, value in messages:
+            failure = handshake_failure(event, value, curve=self._curve is not None,
+                                        address=conn.address)
+            if failure is not None:
+                kind, text = failure
+                self._drop(conn, TransportHandshakeFailed(
+                    f"{conn.address}: ZeroMQ security handshake failed: {text}", kind, text))
+                return
+        if any(e in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) for e in events):
             if conn.handle is None:
                 self._drop(conn, PeerGone(
                     f"could not connect to {conn.address} (refused, or closed during the "
@@ -260,7 +318,15 @@ class Client:
             self._handle(conn, conn.session.receive(msg, now), now)
 
     def _land(self, conn: Outbound, msg: proto.Block, now: float) -> None:
-        bad = self._receiver.land(conn.sock, conn.fetches.get(msg.req), msg)
+        recv = conn.fetches.get(msg.req)
+        ticket = recv.ticket if recv is not None else None
+        if ticket is None:
+            bad = self._receiver.land(conn.sock, recv, msg)
+        else:
+            # A cancelled fetch's frames are read and dropped: not one more byte goes
+            # into its buffers once cancel() returned (FetchTicket).
+            with ticket.lock:
+                bad = self._receiver.land(conn.sock, None if ticket.cancelled else recv, msg)
         if bad is not None:
             self._handle(conn, conn.session.receive_malformed(bad, now), now)
             return
@@ -303,7 +369,7 @@ class Client:
                 self._shm.answered(conn, ev)
                 self._ready(conn)
             elif isinstance(ev, proto.HandshakeRefused):
-                exc = incompatible(conn.address, self._hello, ev)
+                exc = refusal_error(conn.address, self._hello, ev)
                 log.warning("%s", exc)
                 self._drop(conn, exc)
                 return
@@ -314,10 +380,12 @@ class Client:
             elif isinstance(ev, proto.FetchFinished):
                 recv = conn.fetches.pop(ev.req, None)
                 if recv is not None:
-                    result = self._receiver.finish(recv, ev.outcomes, now)
-                    if not recv.future.done():
-                        recv.future.set_result(result)
+                    resolve(recv.future, self._receiver.finish(recv, ev.outcomes, now))
                     self._refill_credit(conn, now)  # its budget goes to the others
+            elif isinstance(ev, proto.AbortAcknowledged):
+                ticket = conn.aborting.pop(ev.req, None)
+                if ticket is not None:
+                    ticket.stopped.set()
             elif isinstance(ev, proto.RequestFailed):
                 self._fail_request(conn, ev.req, request_error(conn.address, ev))
             elif isinstance(ev, proto.RequestTimedOut):
@@ -351,7 +419,14 @@ class Client:
 
     def _land_located(self, conn: Outbound, ev: proto.BlocksLocated, now: float) -> None:
         """Copy located blocks from the peer's pool, release them, grant credit."""
-        bad = self._shm.land(conn, conn.fetches.get(ev.req), ev)
+        recv = conn.fetches.get(ev.req)
+        ticket = recv.ticket if recv is not None else None
+        if ticket is None:
+            bad = self._shm.land(conn, recv, ev)
+        else:
+            # As over TCP: nothing is copied into a cancelled fetch's buffers (FetchTicket).
+            with ticket.lock:
+                bad = self._shm.land(conn, None if ticket.cancelled else recv, ev)
         if bad is not None:
             self._handle(conn, conn.session.receive_malformed(bad, now), now)
             return
@@ -365,8 +440,11 @@ class Client:
         if pending is not None and not pending[0].done():
             pending[0].set_exception(exc)
         recv = conn.fetches.pop(req, None)
-        if recv is not None and not recv.future.done():
-            recv.future.set_exception(exc)
+        if recv is not None:
+            fail(recv.future, exc)
+        ticket = conn.aborting.pop(req, None)
+        if ticket is not None:
+            ticket.stopped.set()
 
     def _drop(self, conn: Outbound, exc: P2PKVError) -> None:
         if conn.closed:
@@ -379,10 +457,14 @@ class Client:
             if not fut.done():
                 fut.set_exception(exc)
         for recv in conn.fetches.values():
-            if not recv.future.done():
-                recv.future.set_exception(exc)
+            fail(recv.future, exc)
+            if recv.ticket is not None:
+                recv.ticket.stopped.set()
+        for ticket in conn.aborting.values():
+            ticket.stopped.set()
         conn.lookups.clear()
         conn.fetches.clear()
+        conn.aborting.clear()
         self._reactor.unregister(conn.sock)
         self._reactor.unregister(conn.monitor)
         with contextlib.suppress(zmq.ZMQError):
@@ -427,10 +509,9 @@ class Client:
                     conn.fetches.pop(req, None)
                     with contextlib.suppress(ProtocolError):
                         self._send(conn, [conn.session.abort(req, now)])
-                    if not recv.future.done():
-                        recv.future.set_exception(PeerTimeout(
-                            f"fetch of {len(recv.keys)} blocks from {conn.address} did not "
-                            "finish within its deadline"))
+                    fail(recv.future, PeerTimeout(
+                        f"fetch of {len(recv.keys)} blocks from {conn.address} did not "
+                        "finish within its deadline"))
             for req, (fut, deadline) in list(conn.lookups.items()):
                 if now >= deadline:
                     conn.lookups.pop(req, None)

@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, Protocol
 
 import zmq
@@ -32,7 +32,7 @@ from p2pkv.errors import P2PKVError, PeerGone
 from p2pkv.runtime.tuning import DEADLINE_CHECK_S
 from p2pkv.transport import Wakeup
 
-__all__ = ["Participant", "Reactor"]
+__all__ = ["Participant", "Reactor", "fail", "resolve"]
 
 log = logging.getLogger("p2pkv.node")
 
@@ -66,7 +66,14 @@ class Reactor:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # (future, command): a command that never runs (the node closed first) fails
+        # its future, so every future a caller holds completes.
+        self._commands: queue.SimpleQueue[tuple[Future[Any], Callable[[], None]]] = (
+            queue.SimpleQueue())
+        # Guards "still accepting commands" together with the enqueueing, so that no
+        # command slips into the queue after the IO thread drained it for the last time.
+        self._accept_lock = threading.Lock()
+        self._accepting = True
         self._wakeup = Wakeup()
         self._poller = zmq.Poller()
         self._poller.register(self._wakeup.fileno(), zmq.POLLIN)
@@ -110,10 +117,10 @@ class Reactor:
     def submit(self, fut: Future[Any], command: Callable[[], None]) -> None:
         """Run ``command`` on the IO thread; an exception it raises fails ``fut``.
 
-        Raises :class:`PeerGone` once the node is closing.
+        Raises :class:`PeerGone` once the node is closing. A command accepted here
+        either runs, or (the node closed before it could) fails ``fut`` with
+        :class:`PeerGone`.
         """
-        if self.closing:
-            raise PeerGone("node is closed")
 
         def guarded() -> None:
             try:
@@ -121,16 +128,25 @@ class Reactor:
             except Exception as exc:  # report on the future, never kill the IO thread
                 if not isinstance(exc, (P2PKVError, ValueError)):
                     log.exception("command failed")
-                if not fut.done():
-                    fut.set_exception(exc)
+                fail(fut, exc)
 
-        self._commands.put(guarded)
+        with self._accept_lock:
+            if not self._accepting or self.closing:
+                raise PeerGone("node is closed")
+            self._commands.put((fut, guarded))
         self._wakeup.notify()
 
-    def begin_close(self, deadline: float) -> None:
-        """IO thread: stop once idle, or at ``deadline`` at the latest."""
-        self._closing = True
-        self._close_deadline = deadline
+    def begin_close(self, deadline: float) -> bool:
+        """Any thread: accept no more commands; the IO thread stops once idle, or at
+        ``deadline`` at the latest. False when the close had already begun."""
+        with self._accept_lock:
+            if not self._accepting:
+                return False
+            self._accepting = False
+            self._close_deadline = deadline
+            self._closing = True
+        self._wakeup.notify()
+        return True
 
     # -- the IO thread ---------------------------------------------------------------------
 
@@ -182,20 +198,42 @@ class Reactor:
     def _run_commands(self) -> None:
         while True:
             try:
-                command = self._commands.get_nowait()
+                _, command = self._commands.get_nowait()
             except queue.Empty:
                 return
             command()
 
     def _shutdown(self) -> None:
+        with self._accept_lock:
+            self._accepting = False
+            self._closing = True
         for p in self._participants:
-            p.shutdown()
+            try:
+                p.shutdown()
+            except Exception:  # pragma: no cover - a bug; the others must still close
+                log.exception("shutdown of %s failed", type(p).__name__)
+        # Commands accepted but never run: their callers are told, not left waiting.
+        gone = PeerGone("node closed before the request could start")
         while True:
             try:
-                self._commands.get_nowait()
+                fut, _ = self._commands.get_nowait()
             except queue.Empty:
                 break
+            fail(fut, gone)
         self._wakeup.close()
         self._on_exit()
-        self._closing = True
         self.closed.set()
+
+
+def resolve(fut: Future[Any], value: Any) -> None:
+    """Set ``fut``'s result unless it is already done (cancelled by its caller, failed)."""
+    if not fut.done():
+        with contextlib.suppress(InvalidStateError):
+            fut.set_result(value)
+
+
+def fail(fut: Future[Any], exc: BaseException) -> None:
+    """Fail ``fut`` unless it is already done (cancelled by its caller, resolved)."""
+    if not fut.done():
+        with contextlib.suppress(InvalidStateError):
+            fut.set_exception(exc)

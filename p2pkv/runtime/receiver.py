@@ -74,8 +74,20 @@ class Receiver:
 
         The session has already checked the header (known fetch, fresh indices, within
         the granted window, checksum presence as negotiated). Returns the framing
-        violation when the message does not carry the frames it announced.
+        violation when the message does not carry the frames it announced. Whatever
+        happens (an unexpected exception included), no slot stays "being written":
+        a key stuck there could never be fetched again.
         """
+        writers: list[BlockWriter] = []
+        try:
+            return self._land(sock, recv, msg, writers)
+        finally:
+            for writer in writers:
+                if not writer.done:
+                    writer.abort()
+
+    def _land(self, sock: zmq.Socket[bytes], recv: Receiving | None, msg: proto.Block,
+              writers: list[BlockWriter]) -> ProtocolError | None:
         store = self._store
         segments = self._segments
         nseg = len(segments)
@@ -98,6 +110,7 @@ class Receiver:
                             recv.errors[key_index] = (
                                 "the block was being written by another fetch at the time")
                         else:
+                            writers.append(writer)
                             views = writer.views
             # libzmq delivers a multipart message whole, so one "more frames?" check
             # per block suffices: a message that ends early shows up as a frame of the

@@ -4,7 +4,7 @@ Each block's segments go to ZeroMQ straight from the pool with ``copy=False``; s
 under :data:`~p2pkv.runtime.tuning.ZERO_COPY_MIN` are copied into libzmq instead (cheaper
 than tracking them). A sent block stays pinned in the store (so it is never evicted or
 overwritten) until ZeroMQ's tracker says libzmq let go of its memory; the
-:class:`SendLedger` keeps those pins in send order and releases them.
+:class:`SendLedger` keeps those pins in send order, per peer, and releases them.
 
 How many blocks go out, and in which batches, is decided by the session's window and
 :mod:`p2pkv.protocol.flow`; this module only moves them.
@@ -30,30 +30,42 @@ log = logging.getLogger("p2pkv.node")
 
 
 class SendLedger:
-    """Blocks handed to ZeroMQ without a copy, pinned until libzmq let go of them."""
+    """Blocks handed to ZeroMQ without a copy, pinned until libzmq let go of them.
+
+    One queue per peer (routing id): libzmq frees the frames of one connection in the
+    order it sends them, but connections progress independently, so a peer that stops
+    reading holds back only its own pins, never those of the others.
+    """
 
     def __init__(self, store: BlockStore) -> None:
         self._store = store
-        # (tracker, readers) in send order; readers are released once libzmq let go.
-        self._inflight: collections.deque[
-            tuple[zmq.MessageTracker, list[BlockReader]]] = collections.deque()
+        # rid -> (tracker, readers) in send order; released once libzmq let go.
+        self._inflight: dict[bytes, collections.deque[
+            tuple[zmq.MessageTracker, list[BlockReader]]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._inflight)
 
-    def hold(self, tracker: zmq.MessageTracker, readers: list[BlockReader]) -> None:
-        self._inflight.append((tracker, readers))
+    def hold(self, rid: bytes, tracker: zmq.MessageTracker, readers: list[BlockReader]) -> None:
+        queue = self._inflight.get(rid)
+        if queue is None:
+            queue = self._inflight[rid] = collections.deque()
+        queue.append((tracker, readers))
 
     def reap(self) -> None:
-        """Unpin every message libzmq has released (they are released in send order)."""
-        q = self._inflight
-        while q and q[0][0].done:
-            self._store.release_many(q.popleft()[1])
+        """Unpin every message libzmq has released (in send order, per peer)."""
+        for rid, q in list(self._inflight.items()):
+            while q and q[0][0].done:
+                self._store.release_many(q.popleft()[1])
+            if not q:
+                del self._inflight[rid]
 
     def release_all(self) -> None:
         """Unpin everything; the socket was closed with LINGER 0, so ZeroMQ dropped it."""
-        while self._inflight:
-            self._store.release_many(self._inflight.popleft()[1])
+        for q in self._inflight.values():
+            while q:
+                self._store.release_many(q.popleft()[1])
+        self._inflight.clear()
 
 
 class Sender:
@@ -99,9 +111,16 @@ class Sender:
             credit -= len(idx)
             if not idx:
                 continue
-            sums = [r.checksum for r in readers] if checksums else None
-            head = proto.encode_head(session.block(job.req, idx, sums))
-            if not self._send_message(rid, head, readers):
+            try:
+                sums = [r.checksum for r in readers] if checksums else None
+                head = proto.encode_head(session.block(job.req, idx, sums))
+                sent = self._send_message(rid, head, readers)
+            except BaseException:
+                # Not handed to the ledger: unpin here, whatever went wrong, or the
+                # blocks stay pinned forever (never evicted, never overwritten).
+                self._store.release_many(readers)
+                raise
+            if not sent:
                 return False
             for i in idx:
                 job.outcomes[i] = OUTCOME_SENT
@@ -141,5 +160,5 @@ class Sender:
         if tracker is None:
             self._store.release_many(readers)  # every segment was copied into libzmq
         else:
-            self.ledger.hold(tracker, readers)
+            self.ledger.hold(rid, tracker, readers)
         return True

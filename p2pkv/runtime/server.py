@@ -4,12 +4,17 @@ Each peer that writes to the ROUTER gets a server :class:`~p2pkv.protocol.Sessio
 keyed by its routing id. The session enforces the handshake (a refused peer is told
 why, then forgotten); this module answers lookups from the store, keeps the fetch jobs
 peers opened, and hands them to the :class:`~p2pkv.runtime.sender.Sender` round robin,
-as their credit allows. A peer that misbehaves or becomes unreachable costs only itself.
+as their credit allows. A peer that misbehaves or becomes unreachable costs only itself:
+one that stops reading (a frozen process, a zero TCP window) is declared dead after its
+heartbeat deadline and its TCP connection is cut, so that libzmq drops what it still
+queued for it and the blocks pinned for those sends are released.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from collections.abc import Iterable
 
 import zmq
@@ -25,6 +30,7 @@ from p2pkv.runtime.state import Inbound, Sending
 from p2pkv.runtime.stats import Counters
 from p2pkv.runtime.tuning import READ_BUDGET
 from p2pkv.store import BlockStore
+from p2pkv.transport import cut_connection, peer_of
 
 __all__ = ["Server"]
 
@@ -51,11 +57,15 @@ class Server:
         self._shm = shm
         self._counters = counters
         self._inbound: dict[bytes, Inbound] = {}
+        # The IO thread changes _inbound under this lock; stats() reads it under it.
+        self._lock = threading.Lock()
         reactor.register(router, self._read)
 
     def ready_peers(self) -> int:
         """How many peers completed the handshake (read from any thread, for stats)."""
-        return sum(1 for i in self._inbound.values() if i.session.state is proto.State.READY)
+        with self._lock:
+            peers = list(self._inbound.values())
+        return sum(1 for i in peers if i.session.state is proto.State.READY)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -63,9 +73,10 @@ class Server:
         sock = self._router
         for _ in range(READ_BUDGET):
             try:
-                rid = sock.recv(zmq.NOBLOCK)
+                frame = sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            rid = frame.bytes
             if not sock.getsockopt(zmq.RCVMORE):
                 continue  # an empty message carries nothing to answer
             head = sock.recv(zmq.NOBLOCK)
@@ -89,7 +100,11 @@ class Server:
                                                shm_offer=self._shm.offer)
                 session.start(now)
                 peer = Inbound(rid, session)
-                self._inbound[rid] = peer
+                with contextlib.suppress(zmq.ZMQError):
+                    peer.fd = int(frame.get(zmq.SRCFD))
+                    peer.address = peer_of(peer.fd)
+                with self._lock:
+                    self._inbound[rid] = peer
             try:
                 try:
                     msg = proto.decode_head(head, extra)
@@ -101,7 +116,7 @@ class Server:
             except Exception:
                 # A bug must cost one peer, never the node.
                 log.exception("internal error serving peer %s; dropping it", rid.hex())
-                self._drop(peer)
+                self._drop(peer, cut=True)
 
     def _handle(self, peer: Inbound, out: proto.Output) -> None:
         # Handshake verdicts are counted before the answer goes out, so that a peer that
@@ -150,7 +165,10 @@ class Server:
                                 peer.rid.hex(), ev.msg, proto.code_name(ev.code))
                 else:
                     log.info("peer %s closed: %s", peer.rid.hex(), ev.msg)
-                self._drop(peer)
+                # A peer silent past its heartbeat deadline may have stopped reading:
+                # cut its connection so libzmq lets go of what it queued for it.
+                self._drop(peer, cut=isinstance(ev, proto.PeerClosed) and not ev.by_remote
+                           and ev.code == proto.Code.PEER_TIMEOUT)
                 return
 
     def _send(self, rid: bytes, messages: Iterable[proto.Message]) -> bool:
@@ -162,15 +180,20 @@ class Server:
                 log.info("peer %s unreachable (%s); dropping its state", rid.hex(), exc)
                 peer = self._inbound.get(rid)
                 if peer is not None:
-                    self._drop(peer)
+                    self._drop(peer, cut=True)
                 return False
         return True
 
-    def _drop(self, peer: Inbound) -> None:
+    def _drop(self, peer: Inbound, *, cut: bool = False) -> None:
+        """Forget a peer; ``cut``: also close its TCP connection (see the module doc)."""
         peer.closed = True
         peer.jobs.clear()
-        self._inbound.pop(peer.rid, None)
+        with self._lock:
+            self._inbound.pop(peer.rid, None)
         self._shm.forget(peer.rid)
+        if cut and peer.address is not None and cut_connection(peer.fd, peer.address):
+            log.info("cut the connection of peer %s (%s:%d)", peer.rid.hex(), *peer.address)
+            peer.address = None
 
     # -- sending blocks ------------------------------------------------------------------
 
@@ -184,7 +207,7 @@ class Server:
                     shared = peer.session.shared_fetch(job.req)
                     sender = self._shm if shared else self._sender
                     if not sender.send_job(peer.rid, peer.session, job):
-                        self._drop(peer)
+                        self._drop(peer, cut=True)
                         continue
                     if job.next_index >= len(job.keys):
                         peer.jobs.pop(job.req, None)
@@ -193,7 +216,12 @@ class Server:
                     # One peer's trouble must never stop the node serving the others.
                     log.warning("dropping peer %s while serving request %d: %s",
                                 peer.rid.hex(), job.req, exc)
-                    self._drop(peer)
+                    self._drop(peer, cut=True)
+                except Exception:
+                    # A bug must cost one peer, never the node (or its IO thread).
+                    log.exception("internal error serving request %d of peer %s; dropping "
+                                  "it", job.req, peer.rid.hex())
+                    self._drop(peer, cut=True)
 
     # -- the reactor's participant hooks -------------------------------------------------
 

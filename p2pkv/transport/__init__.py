@@ -15,9 +15,13 @@ from p2pkv.transport.sockets import (
     Wakeup,
     bound_address,
     configure_common,
+    cut_connection,
+    handshake_failure,
     make_dealer,
     make_router,
     monitor_events,
+    monitor_messages,
+    peer_of,
     validate_address,
 )
 
@@ -26,10 +30,14 @@ __all__ = [
     "Wakeup",
     "bound_address",
     "configure_common",
+    "cut_connection",
+    "handshake_failure",
     "load_authorized_keys",
     "make_dealer",
     "make_router",
     "monitor_events",
+    "monitor_messages",
+    "peer_of",
     "start_authenticator",
     "validate_address",
 ]

@@ -7,8 +7,10 @@ sockets to the protocol core. All sockets created here are owned by the node's I
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
+import socket
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -20,9 +22,14 @@ __all__ = [
     "Wakeup",
     "bound_address",
     "configure_common",
+    "cut_connection",
+    "handshake_failure",
     "make_dealer",
     "make_router",
     "monitor_events",
+    "monitor_messages",
+    "peer_of",
+    "server_mechanism",
     "validate_address",
 ]
 
@@ -163,3 +170,136 @@ def monitor_events(monitor: zmq.Socket[bytes]) -> list[int]:
         except zmq.ZMQError:
             return events
         events.append(int(message["event"]))
+
+
+def monitor_messages(monitor: zmq.Socket[bytes]) -> list[tuple[int, int]]:
+    """Drain a socket monitor without blocking; return (event, value) pairs."""
+    out: list[tuple[int, int]] = []
+    while True:
+        try:
+            message = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # zmq.Again included: nothing more to read
+            return out
+        out.append((int(message["event"]), int(message["value"])))
+
+
+def handshake_failure(event: int, value: int, *, curve: bool,
+                      address: str) -> tuple[str, str] | None:
+    """What a failed ZeroMQ security handshake with ``address`` means, from the
+    connecting side's monitor event: ``(kind, text)``, or None for any other event.
+    ``curve``: whether this side connected with CurveZMQ. The kinds are those of
+    :class:`~p2pkv.errors.TransportHandshakeFailed`.
+
+    A server that sees a mechanism mismatch first may hang up before this side read
+    its greeting (the event is then "no detail", EPIPE): :func:`server_mechanism` then
+    asks the server which mechanism it speaks (a blocking check of at most 0.25 s, on
+    this failure path only), so the verdict does not depend on that race.
+    """
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        mechanism = server_mechanism(address)
+        if mechanism == ("NULL" if curve else "CURVE"):
+            event, value = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                            zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        # The server's ZAP handler answered with a status code (400: key not allowed).
+        return ("key-rejected",
+                f"the server did not accept this node's CURVE public key (ZAP status "
+                f"{value}): it is not among the server's authorized client keys")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            if curve:
+                return ("curve-not-offered",
+                        "security mechanism mismatch: this node connects with CurveZMQ, "
+                        "the server speaks plaintext")
+            return ("curve-required",
+                    "security mechanism mismatch: the server requires CurveZMQ "
+                    "encryption, this node connected in plaintext (give it a CURVE key "
+                    "pair and the server's public key)")
+        name = _protocol_error_name(value)
+        return ("protocol", f"ZeroMQ handshake protocol error {name}")
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        why = errno.errorcode.get(value, str(value))
+        if curve:
+            return ("no-answer",
+                    f"the server closed the CurveZMQ handshake without an answer ({why}): "
+                    "the server public key given is probably not this server's")
+        return ("no-answer", f"the server closed the ZeroMQ handshake without an answer "
+                             f"({why})")
+    return None
+
+
+def _protocol_error_name(value: int) -> str:
+    for name in dir(zmq):
+        if name.startswith("PROTOCOL_ERROR_") and getattr(zmq, name) == value:
+            return f"{name} ({value:#x})"
+    return f"{value:#x}"
+
+
+def peer_of(fd: int) -> tuple[str, int] | None:
+    """The remote address of the TCP connection behind libzmq's descriptor ``fd``
+    (ZMQ_SRCFD of a received frame), or None when it is not a connected socket."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        peer = sock.getpeername()
+    except OSError:
+        return None
+    finally:
+        sock.close()  # closes the duplicate only
+    return (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else None
+
+
+def cut_connection(fd: int, peer: tuple[str, int]) -> bool:
+    """Shut down the TCP connection behind ``fd`` if it still leads to ``peer``.
+
+    libzmq then closes that connection at once and drops everything it still queued
+    for it (zero-copy frames included: their trackers complete). This is the only way
+    to take back what a ROUTER queued for one peer that stopped reading: ZeroMQ's own
+    heartbeat cannot fire while a send is stuck behind a zero TCP window. The address
+    check guards against a descriptor number libzmq already reused.
+    """
+    if peer_of(fd) != peer:
+        return False
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        return False
+    finally:
+        sock.close()
+    return True
+
+
+_ZMTP_SIGNATURE = b"\xff" + b"\0" * 8 + b"\x7f"
+_GREETING_BYTES = 64
+_MECHANISM = slice(12, 32)
+
+
+def server_mechanism(address: str, timeout: float = 0.25) -> str | None:
+    """The security mechanism (``"NULL"``, ``"CURVE"``, ...) a ZMTP 3 server at
+    ``tcp://HOST:PORT`` announces in its greeting, or None when it does not say within
+    ``timeout``. Sends only the signature and major version (not a mechanism of its
+    own), so the server has nothing to refuse before it sent its greeting."""
+    match = _ADDRESS.match(address)
+    if match is None:
+        return None
+    host = match.group(1).strip("[]")
+    try:
+        with socket.create_connection((host, int(match.group(2))), timeout=timeout) as sock:
+            sock.sendall(_ZMTP_SIGNATURE + b"\x03")
+            data = b""
+            while len(data) < _GREETING_BYTES:
+                chunk = sock.recv(_GREETING_BYTES - len(data))
+                if not chunk:
+                    break
+                data += chunk
+    except OSError:
+        return None
+    if len(data) < _GREETING_BYTES or data[:1] != b"\xff" or data[9:10] != b"\x7f":
+        return None
+    return data[_MECHANISM].rstrip(b"\0").decode("ascii", "replace") or None
