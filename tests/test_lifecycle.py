@@ -160,11 +160,50 @@ def test_cancel_holds_while_the_io_thread_is_mid_read(nodes: Any) -> None:
         proxy.close()
 
 
+def test_cancel_over_shared_memory_copies_nothing_more(nodes: Any) -> None:
+    """The same guarantee over shm-v1, where the consumer copies located blocks out of
+    the producer's pool itself: once cancel() returned, nothing more is copied."""
+    blocks = 3000  # 8 KiB blocks, two of credit at a time: 1,500 round trips
+    producer, keys = producer_with(nodes, {**SMALL, "blocks": blocks}, shm=True)
+    consumer = nodes({**SMALL, "blocks": 4}, shm=True, window_bytes=1)
+    peer = consumer.connect(producer.address)
+    if peer.data_path != "shm":
+        pytest.skip(f"no shared memory between two nodes here: {peer.data_path_detail}")
+    dests = buffers(consumer, blocks)
+    fut = consumer.fetch_into_async(peer, keys, [[memoryview(b) for b in bufs]
+                                                 for bufs in dests], timeout=60)
+    in_callback, resume = threading.Event(), threading.Event()
+
+    def hold_io_thread(_: Future[list[bool]]) -> None:
+        in_callback.set()
+        resume.wait(10)
+
+    lookup = consumer.lookup_async(peer, keys[:1], timeout=30)
+    lookup.add_done_callback(hold_io_thread)
+    assert in_callback.wait(30)
+    assert not fut.done(), "the fetch ended before the IO thread could be held"
+    time.sleep(0.3)  # located blocks queue up behind the lookup answer
+    assert fut.cancel()
+    frozen = [[bytes(b) for b in bufs] for bufs in dests]
+    resume.set()
+    assert wait_until(lambda: _steady(producer), 20.0)
+    assert peer.lookup(keys[:1], timeout=30) == [True]
+    assert [[bytes(b) for b in bufs] for bufs in dests] == frozen, \
+        "caller buffers written after cancel() returned"
+    assert touched(dests) < blocks
+    assert wait_until(lambda: producer.stats().shm_pinned == 0, 20.0), \
+        "the producer still pins blocks of the cancelled fetch"
+
+
 def _steady(node: Any) -> bool:
     """The producer stopped sending (nothing new within a short pause)."""
-    before = node.stats().blocks_sent
+    def sent() -> tuple[int, int]:
+        stats = node.stats()
+        return stats.blocks_sent, stats.blocks_sent_shm
+
+    before = sent()
     time.sleep(0.3)
-    return node.stats().blocks_sent == before
+    return sent() == before
 
 
 def test_abort_confirms_and_frees_the_pool(nodes: Any) -> None:
