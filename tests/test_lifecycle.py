@@ -162,30 +162,43 @@ def test_cancel_holds_while_the_io_thread_is_mid_read(nodes: Any) -> None:
 
 def test_cancel_over_shared_memory_copies_nothing_more(nodes: Any) -> None:
     """The same guarantee over shm-v1, where the consumer copies located blocks out of
-    the producer's pool itself: once cancel() returned, nothing more is copied."""
-    blocks = 3000  # 8 KiB blocks, two of credit at a time: 1,500 round trips
+    the producer's pool itself: once cancel() returned, nothing more is copied.
+
+    The fetch and a lookup are submitted from the IO thread itself, in that order; the
+    lookup's answer comes back first and its callback holds the IO thread while the
+    fetch's located blocks queue up behind it, and the test cancels."""
+    blocks = 64  # 8 KiB blocks, two of credit at a time
     producer, keys = producer_with(nodes, {**SMALL, "blocks": blocks}, shm=True)
     consumer = nodes({**SMALL, "blocks": 4}, shm=True, window_bytes=1)
     peer = consumer.connect(producer.address)
     if peer.data_path != "shm":
         pytest.skip(f"no shared memory between two nodes here: {peer.data_path_detail}")
     dests = buffers(consumer, blocks)
-    fut = consumer.fetch_into_async(peer, keys, [[memoryview(b) for b in bufs]
-                                                 for bufs in dests], timeout=60)
-    in_callback, resume = threading.Event(), threading.Event()
+    views = [[memoryview(b) for b in bufs] for bufs in dests]
+    started: list[Future[Any]] = []
+    held, resume = threading.Event(), threading.Event()
 
     def hold_io_thread(_: Future[list[bool]]) -> None:
-        in_callback.set()
+        held.set()
         resume.wait(10)
 
-    lookup = consumer.lookup_async(peer, keys[:1], timeout=30)
-    lookup.add_done_callback(hold_io_thread)
-    assert in_callback.wait(30)
-    assert not fut.done(), "the fetch ended before the IO thread could be held"
-    time.sleep(0.3)  # located blocks queue up behind the lookup answer
-    assert fut.cancel()
-    frozen = [[bytes(b) for b in bufs] for bufs in dests]
-    resume.set()
+    def start_from_the_io_thread(_: Future[list[bool]]) -> None:
+        started.append(consumer.fetch_into_async(peer, keys, views, timeout=60))
+        consumer.lookup_async(peer, keys[:1], timeout=30).add_done_callback(hold_io_thread)
+
+    consumer.lookup_async(peer, keys[:1], timeout=30).add_done_callback(
+        start_from_the_io_thread)
+    try:
+        assert held.wait(30)
+        fut = started[0]
+        # The producer answered the lookup at once and located the fetch's first window
+        # right after: those located blocks wait behind the held IO thread.
+        assert wait_until(lambda: producer.stats().blocks_sent_shm >= 1, 20.0)
+        assert not fut.done()
+        assert fut.cancel()
+        frozen = [[bytes(b) for b in bufs] for bufs in dests]
+    finally:
+        resume.set()
     assert wait_until(lambda: _steady(producer), 20.0)
     assert peer.lookup(keys[:1], timeout=30) == [True]
     assert [[bytes(b) for b in bufs] for bufs in dests] == frozen, \

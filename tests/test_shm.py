@@ -26,7 +26,7 @@ from procs import NodeProcess
 from rawpeer import RawPeer, wait_until
 
 from p2pkv import protocol as proto
-from p2pkv.errors import PeerIncompatible
+from p2pkv.errors import LocalLimitExceeded, PeerIncompatible
 from p2pkv.node import KeyOutcome, Node, NodeConfig
 from p2pkv.pool import BlockPool
 from p2pkv.shm import SHM_DIR, MappedSegment, remove_stale
@@ -168,7 +168,7 @@ def test_lookups_and_refusals_behave_as_over_tcp() -> None:
             peer = n.connect(a.address)
             assert peer.data_path == ("shm" if n is b else "tcp")
             assert peer.lookup(keys[:3] + keys_for(1, offset=50)) == [True] * 3 + [False]
-            with pytest.raises(ValueError, match=r"1\.\.4 keys"):
+            with pytest.raises(LocalLimitExceeded, match=r"at most 4 keys"):
                 peer.fetch(keys[:5])  # more keys than the server advertised it serves
             assert peer.fetch(keys[:4]).stored == keys[:4]
             # Already held locally: reported stored, nothing moves.

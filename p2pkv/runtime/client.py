@@ -15,7 +15,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 
 import zmq
@@ -248,25 +248,10 @@ class Client:
     def _on_monitor(self, conn: Outbound, now: float) -> None:
         if conn.closed:
             return
-        messages = monitor_messages(conn.monitor)
-        if not messages:
-            return
-        events = [event for event, _ in messages]
-        for event, value in messages:
-            failure = handshake_failure(event, value, curve=self._curve is not None,
-                                        address=conn.address)
-            if failure is not None:
-                kind, text = failure
-                self._drop(conn, TransportHandshakeFailed(
-                    f"{conn.address}: ZeroMQ security handshake failed: {text}", kind, text))
-                return
-        if any(e in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) for e in events):
-            if conn.handle is None:
-                self._drop(conn, PeerGone(
-                    f"could not connect to {conn.address} (refused, or closed during the "
-                    "handshake)"))
-            else:
-                self._drop(conn, PeerGone(f"connection to {conn.address} was lost"))
+        failure = _monitor_failure(conn, monitor_messages(conn.monitor),
+                                   curve=self._curve is not None)
+        if failure is not None:
+            self._drop(conn, failure)
 
     def _on_readable(self, conn: Outbound, now: float) -> None:
         if conn.closed:
@@ -318,15 +303,10 @@ class Client:
             self._handle(conn, conn.session.receive(msg, now), now)
 
     def _land(self, conn: Outbound, msg: proto.Block, now: float) -> None:
-        recv = conn.fetches.get(msg.req)
-        ticket = recv.ticket if recv is not None else None
-        if ticket is None:
-            bad = self._receiver.land(conn.sock, recv, msg)
-        else:
-            # A cancelled fetch's frames are read and dropped: not one more byte goes
-            # into its buffers once cancel() returned (FetchTicket).
-            with ticket.lock:
-                bad = self._receiver.land(conn.sock, None if ticket.cancelled else recv, msg)
+        # A cancelled fetch's frames are read and dropped: not one more byte goes into
+        # its buffers once cancel() returned (FetchTicket).
+        bad = _unless_cancelled(conn.fetches.get(msg.req),
+                                lambda recv: self._receiver.land(conn.sock, recv, msg))
         if bad is not None:
             self._handle(conn, conn.session.receive_malformed(bad, now), now)
             return
@@ -406,27 +386,16 @@ class Client:
 
     def _ready(self, conn: Outbound) -> None:
         """The handshake (and the shared-memory proof, if any) is over: hand out the peer."""
-        remote = conn.session.remote
-        if remote is None or conn.closed:
-            return
-        handle = PeerHandle(conn.peer_id, conn.address, remote.node, dict(remote.rc),
-                            remote.fp, frozenset(conn.session.capabilities), self._owner,
-                            remote.ext or IdentityExtension(),
-                            "shm" if conn.session.shared_memory else "tcp", conn.shm_detail)
-        conn.handle = handle
-        if not conn.connect_future.done():
-            conn.connect_future.set_result(handle)
+        if conn.session.remote is not None and not conn.closed:
+            conn.handle = _peer_handle(conn, self._owner)
+            if not conn.connect_future.done():
+                conn.connect_future.set_result(conn.handle)
 
     def _land_located(self, conn: Outbound, ev: proto.BlocksLocated, now: float) -> None:
         """Copy located blocks from the peer's pool, release them, grant credit."""
-        recv = conn.fetches.get(ev.req)
-        ticket = recv.ticket if recv is not None else None
-        if ticket is None:
-            bad = self._shm.land(conn, recv, ev)
-        else:
-            # As over TCP: nothing is copied into a cancelled fetch's buffers (FetchTicket).
-            with ticket.lock:
-                bad = self._shm.land(conn, None if ticket.cancelled else recv, ev)
+        # As over TCP: nothing is copied into a cancelled fetch's buffers (FetchTicket).
+        bad = _unless_cancelled(conn.fetches.get(ev.req),
+                                lambda recv: self._shm.land(conn, recv, ev))
         if bad is not None:
             self._handle(conn, conn.session.receive_malformed(bad, now), now)
             return
@@ -484,14 +453,10 @@ class Client:
         return None
 
     def next_deadline(self) -> float | None:
-        nxt: float | None = None
-        for c in self._outbound.values():
-            d = c.session.next_deadline()
-            if d is not None:
-                nxt = d if nxt is None else min(nxt, d)
-            for r in c.fetches.values():
-                nxt = r.deadline if nxt is None else min(nxt, r.deadline)
-        return nxt
+        deadlines = [d for c in self._outbound.values()
+                     for d in (c.session.next_deadline(), *(r.deadline for r in c.fetches.values()))
+                     if d is not None]
+        return min(deadlines, default=None)
 
     def idle(self) -> bool:
         return not any(c.lookups or c.fetches for c in self._outbound.values() if not c.closed)
@@ -527,3 +492,43 @@ class Client:
             if not conn.closed:
                 self._send(conn, conn.session.close(proto.Code.SHUTDOWN, "node closing").replies)
             self._drop(conn, gone)
+
+
+def _monitor_failure(conn: Outbound, messages: list[tuple[int, int]], *,
+                     curve: bool) -> P2PKVError | None:
+    """What the socket monitor's events mean for a connection: a failed security
+    handshake, a lost connection, or nothing."""
+    for event, value in messages:
+        failure = handshake_failure(event, value, curve=curve, address=conn.address)
+        if failure is not None:
+            kind, text = failure
+            return TransportHandshakeFailed(
+                f"{conn.address}: ZeroMQ security handshake failed: {text}", kind, text)
+    if any(event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) for event, _ in messages):
+        if conn.handle is None:
+            return PeerGone(f"could not connect to {conn.address} (refused, or closed during "
+                            "the handshake)")
+        return PeerGone(f"connection to {conn.address} was lost")
+    return None
+
+
+def _unless_cancelled(recv: Receiving | None,
+                      land: Callable[[Receiving | None], ProtocolError | None]
+                      ) -> ProtocolError | None:
+    """Land a message for ``recv`` holding its ticket's lock, or for nobody (the data is
+    consumed and dropped) once the fetch was cancelled."""
+    ticket = recv.ticket if recv is not None else None
+    if ticket is None:
+        return land(recv)
+    with ticket.lock:
+        return land(None if ticket.cancelled else recv)
+
+
+def _peer_handle(conn: Outbound, owner: PeerOwner) -> PeerHandle:
+    """The handle of a connection whose handshake (and shared-memory proof) is over."""
+    remote = conn.session.remote
+    assert remote is not None
+    return PeerHandle(conn.peer_id, conn.address, remote.node, dict(remote.rc), remote.fp,
+                      frozenset(conn.session.capabilities), owner,
+                      remote.ext or IdentityExtension(),
+                      "shm" if conn.session.shared_memory else "tcp", conn.shm_detail)

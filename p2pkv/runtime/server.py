@@ -133,6 +133,10 @@ class Server:
                 self._counters.refused(reason_name(code) for code in codes)
                 log.warning("refused peer %s: %s", peer.rid.hex(),
                             "; ".join(r.describe() for r in ev.reasons))
+            elif isinstance(ev, proto.LocatedAbandoned):
+                # An abort that crossed its done: unpin before the abort_ack goes out,
+                # so a peer holding the ack never sees the blocks pinned.
+                self._shm.abort(peer.rid, ev.req)
         if out.replies and not self._send(peer.rid, out.replies):
             return
         for ev in out.events:
@@ -156,8 +160,6 @@ class Server:
                 self._send(peer.rid, [self._shm.verify(peer.rid, peer.session, ev)])
             elif isinstance(ev, proto.BlocksReleased):
                 self._shm.release(peer.rid, ev.req, ev.idx)
-            elif isinstance(ev, proto.LocatedAbandoned):
-                self._shm.abort(peer.rid, ev.req)
             elif isinstance(ev, (proto.PeerClosed, proto.ProtocolViolated)):
                 if isinstance(ev, proto.ProtocolViolated):
                     self._counters.add("protocol_violations")
