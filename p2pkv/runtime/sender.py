@@ -19,6 +19,7 @@ import zmq
 
 from p2pkv import protocol as proto
 from p2pkv.protocol.codes import OUTCOME_MISSING, OUTCOME_SENT
+from p2pkv.runtime.packing import PackedSender, packs
 from p2pkv.runtime.state import Sending
 from p2pkv.runtime.stats import Counters
 from p2pkv.runtime.tuning import REAP_TICK_MS, ZERO_COPY_MIN
@@ -66,6 +67,8 @@ class Sender:
         self._bpb = bytes_per_block
         self._batch_limit = proto.batch_limit(bytes_per_block)
         self._counters = counters
+        self._pack = packs(store.pool.segment_sizes)
+        self.packed = PackedSender(sock, store, self._batch_limit * bytes_per_block)
         self.ledger = SendLedger(store)
 
     def busy_wait_ms(self) -> int | None:
@@ -80,6 +83,7 @@ class Sender:
         store = self._store
         n = len(job.keys)
         checksums = session.checksums
+        packed = self._pack and session.packed_blocks
         credit = session.window_left(job.req)
         while credit > 0 and job.next_index < n:
             # Pin the next candidates in one store call; a missing key uses no credit,
@@ -100,8 +104,9 @@ class Sender:
             if not idx:
                 continue
             sums = [r.checksum for r in readers] if checksums else None
-            head = proto.encode_head(session.block(job.req, idx, sums))
-            if not self._send_message(rid, head, readers):
+            head = proto.encode_head(session.block(job.req, idx, sums, packed=packed))
+            if not (self.packed.send(rid, head, readers) if packed
+                    else self._send_message(rid, head, readers)):
                 return False
             for i in idx:
                 job.outcomes[i] = OUTCOME_SENT
