@@ -11,6 +11,7 @@ makes the fetch fail with a protocol error — the node neither crashes nor hang
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nodeproc import content, keys_for, make_node
 from rawpeer import CorruptingProxy, FakeServer, wait_until
+from test_protocol_vectors import VECTORS, as_vector, frames_of
 
 from p2pkv import KeyOutcome
 from p2pkv import protocol as proto
@@ -30,6 +32,8 @@ from p2pkv.runtime.packing import packs
 from p2pkv.store import BlockStore
 
 pytestmark = pytest.mark.timeout(120)
+
+PACKED_VECTORS = json.loads((VECTORS / "packed.json").read_text())
 
 LAYOUTS = [
     {"layout": "v2", "geometry": "seed"},  # 12 x 48 KiB: one block per packed message
@@ -298,6 +302,34 @@ def test_random_packed_messages_fail_cleanly(made: list[Any], idx: list[int], sk
             thing.close()
     made.clear()
     consumer.close(timeout=1.0)
+
+
+# ------------------------------------------------------------------ vectors (SPEC §14.8)
+
+
+@pytest.mark.parametrize("vector", PACKED_VECTORS["messages"],
+                         ids=[v["name"] for v in PACKED_VECTORS["messages"]])
+def test_packed_message_vector_decodes_and_reencodes(vector: dict[str, Any]) -> None:
+    msg = proto.decode(frames_of(vector), vector["segments"])
+    assert as_vector(msg) == vector["message"]
+    again = proto.decode([bytes(f) for f in proto.encode(msg)], vector["segments"])
+    assert as_vector(again) == vector["message"]
+
+
+@pytest.mark.parametrize("vector", PACKED_VECTORS["errors"],
+                         ids=[v["name"] for v in PACKED_VECTORS["errors"]])
+def test_packed_error_vector_raises_its_code(vector: dict[str, Any]) -> None:
+    with pytest.raises(ProtocolError) as excinfo:
+        proto.decode(frames_of(vector), vector["segments"])
+    assert excinfo.value.code == vector["code"], excinfo.value.message
+
+
+def test_an_unpacked_block_keeps_its_bytes() -> None:
+    """Without pk the header is byte for byte what a peer without packed-v1 sends."""
+    plain = proto.encode_head(Block(9, (0, 2), (1, 2)))
+    assert plain == msgpack.packb({"t": "block", "v": 1, "req": 9, "idx": [0, 2],
+                                   "sums": [1, 2]}, use_bin_type=True)
+    assert msgpack.unpackb(proto.encode_head(Block(9, (0,), (1,), pk=True)))["pk"] is True
 
 
 # ------------------------------------------------------------------ the store's batches
