@@ -73,10 +73,6 @@ class PackedSender:
             if len(self._free) < STAGING_KEPT:
                 self._free.append(buf)
 
-    def release_all(self) -> None:
-        """Forget every buffer; the socket was closed with LINGER 0."""
-        self._inflight.clear()
-
     def send(self, rid: bytes, head: bytes, readers: list[BlockReader]) -> bool:
         """``head``, then the segments of ``readers`` in one frame; the blocks are
         unpinned once copied. False: the peer is unreachable."""
