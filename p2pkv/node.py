@@ -135,6 +135,8 @@ class Node:
         caps = [proto.CAP_CHECKSUM_XXH3_64] if self.config.checksums else []
         if self.config.shm:
             caps.append(proto.CAP_SHM_V1)
+        if self.config.packed_blocks:
+            caps.append(proto.CAP_PACKED_V1)
         self._deadlines = proto.Deadlines(
             handshake=self.config.handshake_timeout,
             lookup=self.config.lookup_timeout,

@@ -359,6 +359,74 @@ class BlockStore:
             self._writing[key] = slot
         return BlockWriter(self, key, slot, self._pool.segment_views(slot))
 
+    def begin_write_many(
+        self, keys: Sequence[bytes]
+    ) -> list[BlockWriter | StoreFullError | None]:
+        """:meth:`begin_write` for each key, under one lock (a batch of received blocks).
+
+        Per key: its writer; None when it is already stored or being written (a key
+        repeated in ``keys`` too); once no slot is left, the :class:`StoreFullError`, for
+        that key and every later one that needed a slot. Writers taken stay valid.
+        """
+        if not keys_well_formed(keys, MAX_KEY_BYTES):
+            check_keys(keys, MAX_KEY_BYTES, what="block store keys")
+        taken: list[int | StoreFullError | None] = []
+        full: StoreFullError | None = None
+        with self._lock:
+            entries, writing = self._entries, self._writing
+            for key in keys:
+                if key in entries or key in writing:
+                    taken.append(None)
+                elif full is not None:
+                    taken.append(full)
+                else:
+                    try:
+                        writing[key] = slot = self._take_slot_locked()
+                    except StoreFullError as exc:
+                        full = exc
+                    taken.append(full or slot)
+        views = self._pool.segment_views
+        return [BlockWriter(self, key, t, views(t)) if type(t) is int else t  # type: ignore[misc]
+                for key, t in zip(keys, taken, strict=True)]
+
+    def commit_many(self, writers: Sequence[BlockWriter],
+                    expected_checksums: Sequence[int | None]) -> list[ChecksumMismatch | None]:
+        """:meth:`BlockWriter.commit` for each writer, under one lock; per writer, the
+        :class:`ChecksumMismatch` of a block that failed its check (dropped), else None.
+
+        Raises :class:`StoreError` (committing nothing) if a writer is already finished,
+        ValueError if an expected checksum is not a u64. A writer belongs to one thread.
+        """
+        if len(writers) != len(expected_checksums):
+            raise ValueError(f"{len(writers)} writers, {len(expected_checksums)} checksums")
+        actual: list[int | None] = []
+        for writer, want in zip(writers, expected_checksums, strict=True):
+            if want is not None and (type(want) is not int or not 0 <= want < 2**64):
+                raise ValueError(f"expected_checksum must be a u64, got {want!r}")
+            if writer.done:
+                raise StoreError(f"write of block {writer.key.hex()} is already finished")
+            if want is None:
+                actual.append(None)
+                continue
+            # Hashing outside the lock is safe: each slot belongs to its writer.
+            actual.append(block_checksum(writer.views))
+        out: list[ChecksumMismatch | None] = []
+        with self._lock:
+            for writer, want, got in zip(writers, expected_checksums, actual, strict=True):
+                writer._done = True
+                del self._writing[writer.key]
+                if got is not None and got != want:
+                    assert want is not None
+                    self._free.append(writer.slot)
+                    self._checksum_failures += 1
+                    out.append(ChecksumMismatch(writer.key, want, got))
+                    continue
+                self._entries[writer.key] = _Entry(writer.slot, got)
+                out.append(None)
+                if self._listeners:
+                    self._notify_locked(writer.key, True)
+        return out
+
     def _take_slot_locked(self) -> int:
         if self._free:
             return self._free.pop()
@@ -375,35 +443,9 @@ class BlockStore:
         )
 
     def _commit(self, writer: BlockWriter, expected_checksum: int | None) -> None:
-        actual: int | None = None
-        if expected_checksum is not None:
-            if (
-                isinstance(expected_checksum, bool)
-                or not isinstance(expected_checksum, int)
-                or not 0 <= expected_checksum < 2**64
-            ):
-                raise ValueError(f"expected_checksum must be a u64, got {expected_checksum!r}")
-            if writer.done:
-                raise StoreError(f"write of block {writer.key.hex()} is already finished")
-            # Hashing outside the lock is safe: the slot belongs to this writer.
-            actual = block_checksum(writer.views)
-        with self._lock:
-            if writer.done:
-                raise StoreError(f"write of block {writer.key.hex()} is already finished")
-            writer._done = True
-            del self._writing[writer.key]
-            if actual is not None and actual != expected_checksum:
-                self._free.append(writer.slot)
-                self._checksum_failures += 1
-                mismatch = True
-            else:
-                self._entries[writer.key] = _Entry(writer.slot, actual)
-                mismatch = False
-                if self._listeners:
-                    self._notify_locked(writer.key, True)
-        if mismatch:
-            assert expected_checksum is not None and actual is not None
-            raise ChecksumMismatch(writer.key, expected_checksum, actual)
+        (mismatch,) = self.commit_many((writer,), (expected_checksum,))
+        if mismatch is not None:
+            raise mismatch
 
     def _abort(self, writer: BlockWriter) -> None:
         with self._lock:

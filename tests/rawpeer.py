@@ -402,11 +402,17 @@ class CorruptingProxy:
             self.blocks_seen += 1
             if self.blocks_seen < self.first or (self.blocks_seen - self.first) % self.every:
                 continue
-            seg = self.blocks_seen % per_block
-            pos = 1 + n * per_block + seg
-            frame = bytearray(frames[pos])
-            frame[len(frame) // 2] ^= 0x5A
-            frames[pos] = bytes(frame)
+            if head.get("pk"):  # packed-v1: one frame, the blocks back to back
+                bpb = len(frames[1]) // len(idx)
+                frame = bytearray(frames[1])
+                frame[n * bpb + bpb // 2] ^= 0x5A
+                frames[1] = bytes(frame)
+            else:
+                seg = self.blocks_seen % per_block
+                pos = 1 + n * per_block + seg
+                frame = bytearray(frames[pos])
+                frame[len(frame) // 2] ^= 0x5A
+                frames[pos] = bytes(frame)
             if i < len(keys):
                 self.corrupted.append(keys[i])
         return frames

@@ -49,7 +49,7 @@ values = st.recursive(
     scalars,
     lambda children: st.lists(children, max_size=5)
     | st.dictionaries(st.text(max_size=8) | st.sampled_from(
-        ["t", "v", "req", "keys", "idx", "sums", "rc", "geo", "seg", "bpb"]), children,
+        ["t", "v", "req", "keys", "idx", "sums", "rc", "geo", "seg", "bpb", "pk"]), children,
         max_size=5),
     max_leaves=30,
 )

@@ -41,9 +41,10 @@ from p2pkv.errors import (
     PeerTimeout,
     ProtocolError,
 )
+from p2pkv.runtime.packing import PackedSender
 from p2pkv.runtime.sender import Sender
 from p2pkv.settings import load_settings
-from p2pkv.store import BlockWriter
+from p2pkv.store import BlockStore, BlockWriter
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -253,21 +254,35 @@ def test_abort_confirms_and_frees_the_pool(nodes: Any) -> None:
 # ---------------------------------------------------------------------- leaks
 
 
+@pytest.mark.parametrize("packed", [False, True])
 def test_unexpected_error_while_receiving_leaks_no_writer_slot(
-        nodes: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    producer, keys = producer_with(nodes, {**SMALL, "blocks": 4})
+        nodes: Any, monkeypatch: pytest.MonkeyPatch, packed: bool) -> None:
+    """Plain block messages commit block by block, packed ones (packed-v1) in one call:
+    a failure in either leaves no slot "being written"."""
+    producer, keys = producer_with(nodes, {**SMALL, "blocks": 4}, packed_blocks=packed)
     consumer = nodes({**SMALL, "blocks": 4})
     peer = consumer.connect(producer.address)
-    real_commit = BlockWriter.commit
     calls = {"n": 0}
+    if packed:
+        real_many = BlockStore.commit_many
 
-    def failing_commit(self: BlockWriter, expected_checksum: int | None = None) -> None:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("injected failure in the receive path")
-        real_commit(self, expected_checksum)
+        def failing_many(self: BlockStore, writers: Any, sums: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected failure in the receive path")
+            return real_many(self, writers, sums)
 
-    monkeypatch.setattr(BlockWriter, "commit", failing_commit)
+        monkeypatch.setattr(BlockStore, "commit_many", failing_many)
+    else:
+        real_commit = BlockWriter.commit
+
+        def failing_commit(self: BlockWriter, expected_checksum: int | None = None) -> None:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected failure in the receive path")
+            real_commit(self, expected_checksum)
+
+        monkeypatch.setattr(BlockWriter, "commit", failing_commit)
     with pytest.raises(P2PKVError):  # a bug costs the connection, never the node
         consumer.fetch(peer, keys, timeout=30)
     assert calls["n"] >= 1
@@ -281,19 +296,22 @@ def test_unexpected_error_while_receiving_leaks_no_writer_slot(
     assert all(consumer.get(k) == content(k, size) for k in keys)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 def test_unexpected_error_while_sending_leaks_no_pin(
-        nodes: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    producer, keys = producer_with(nodes, {**SEED_V2, "blocks": 8})
-    real_send = Sender._send_message
+        nodes: Any, monkeypatch: pytest.MonkeyPatch, packed: bool) -> None:
+    producer, keys = producer_with(nodes, {**SEED_V2, "blocks": 8}, packed_blocks=packed)
+    owner: Any = PackedSender if packed else Sender
+    name = "send" if packed else "_send_message"
+    real_send = getattr(owner, name)
     calls = {"n": 0}
 
-    def failing_send(self: Sender, rid: bytes, head: bytes, readers: Any) -> bool:
+    def failing_send(self: Any, rid: bytes, head: bytes, readers: Any) -> bool:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected failure in the send path")
-        return real_send(self, rid, head, readers)
+        return bool(real_send(self, rid, head, readers))
 
-    monkeypatch.setattr(Sender, "_send_message", failing_send)
+    monkeypatch.setattr(owner, name, failing_send)
     consumer = nodes({**SEED_V2, "blocks": 8}, fetch_idle_timeout=3.0)
     peer = consumer.connect(producer.address)
     with pytest.raises(P2PKVError):

@@ -42,6 +42,8 @@ def as_vector(msg: Message) -> dict[str, Any]:
     fields = {f.name: jsonable(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
     if fields.get("payload") == []:
         del fields["payload"]
+    if fields.get("pk") is False:  # packed-v1 (SPEC 17): listed only when set
+        del fields["pk"]
     return {"type": msg.TAG, "fields": fields}
 
 

@@ -95,10 +95,11 @@ class ClientNode:
 
 
 def fetch_round(c: ClientNode, *, depth: int = 2, clear: bool = False,
-                timeout: float = 120.0) -> tuple[float, int]:
+                timeout: float = 120.0) -> tuple[float, int, float]:
     """Discard every block locally, then fetch the whole dataset back (pipelined
     ``fetch_async`` of ``c.chunk`` keys each, ``depth`` in flight). Only the fetching is
-    timed. Raises :class:`BenchError` unless every byte moved."""
+    timed: seconds, bytes moved, and this process's CPU seconds (all threads) meanwhile.
+    Raises :class:`BenchError` unless every byte moved."""
     node, ds = c.node, c.ds
     for key in ds.keys:
         node.store.discard(key)
@@ -119,7 +120,7 @@ def fetch_round(c: ClientNode, *, depth: int = 2, clear: bool = False,
                              f"errors {dict(list(r.errors.items())[:3])}")
         return int(r.nbytes)
 
-    t0 = time.perf_counter()
+    cpu0, t0 = time.process_time(), time.perf_counter()
     for start in range(0, ds.blocks, c.chunk):
         part = ds.keys[start:start + c.chunk]
         inflight.append((node.fetch_async(c.peer, part, timeout=timeout), len(part)))
@@ -127,7 +128,7 @@ def fetch_round(c: ClientNode, *, depth: int = 2, clear: bool = False,
             moved += settle()
     while inflight:
         moved += settle()
-    return time.perf_counter() - t0, moved
+    return time.perf_counter() - t0, moved, time.process_time() - cpu0
 
 
 def verify_node(c: ClientNode) -> tuple[int, int]:
@@ -178,9 +179,9 @@ def role_node_client(spec: dict[str, Any]) -> int:
         def bulk(cmd: dict[str, Any]) -> dict[str, Any]:
             if cmd["id"] in copies:
                 seconds, moved = copies[cmd["id"]].run()
-            else:
-                seconds, moved = fetch_round(clients[cmd["id"]], clear=bool(cmd.get("clear")))
-            return {"seconds": seconds, "bytes": moved}
+                return {"seconds": seconds, "bytes": moved}
+            seconds, moved, cpu = fetch_round(clients[cmd["id"]], clear=bool(cmd.get("clear")))
+            return {"seconds": seconds, "bytes": moved, "cpu": cpu}
 
         def verify(cmd: dict[str, Any]) -> dict[str, Any]:
             if cmd["id"] in copies:

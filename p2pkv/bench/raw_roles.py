@@ -141,7 +141,8 @@ def role_raw_server(spec: dict[str, Any]) -> int:
 
 
 def raw_fetch_round(sock: zmq.Socket[bytes], bufs: _RawBuffers, *,
-                    clear: bool = False) -> tuple[float, int]:
+                    clear: bool = False) -> tuple[float, int, float]:
+    """One request for the whole dataset: seconds, bytes, this process's CPU seconds."""
     ds = bufs.ds
     if clear:
         bufs.clear()
@@ -149,7 +150,7 @@ def raw_fetch_round(sock: zmq.Socket[bytes], bufs: _RawBuffers, *,
     sizes = ds.segments
     nseg = len(sizes)
     got = 0
-    t0 = time.perf_counter()
+    cpu0, t0 = time.process_time(), time.perf_counter()
     sock.send_multipart([b"B", ds.name.encode(), str(ds.blocks).encode()])
     while got < ds.blocks:
         if not sock.poll(30_000):
@@ -161,7 +162,7 @@ def raw_fetch_round(sock: zmq.Socket[bytes], bufs: _RawBuffers, *,
                 if sock.recv_into(row[s]) != sizes[s]:
                     raise BenchError("raw frame of the wrong size")
         got += nb
-    return time.perf_counter() - t0, got * ds.bpb
+    return time.perf_counter() - t0, got * ds.bpb, time.process_time() - cpu0
 
 
 def role_raw_client(spec: dict[str, Any]) -> int:
@@ -180,9 +181,9 @@ def role_raw_client(spec: dict[str, Any]) -> int:
         say({"event": "ready", "pid": os.getpid()})
 
         def bulk(cmd: dict[str, Any]) -> dict[str, Any]:
-            seconds, moved = raw_fetch_round(bulk_sock, buffers[cmd["id"]],
-                                             clear=bool(cmd.get("clear")))
-            return {"seconds": seconds, "bytes": moved}
+            seconds, moved, cpu = raw_fetch_round(bulk_sock, buffers[cmd["id"]],
+                                                  clear=bool(cmd.get("clear")))
+            return {"seconds": seconds, "bytes": moved, "cpu": cpu}
 
         def verify(cmd: dict[str, Any]) -> dict[str, Any]:
             good, bad = buffers[cmd["id"]].verify()

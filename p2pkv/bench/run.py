@@ -100,7 +100,10 @@ def bulk_pair(name: str, rounds: int, nbytes: int, a: tuple[Worker, str],
     """Alternate bulk rounds of ``a`` (the baseline) and ``b`` (the case) after one
     untimed warm-up round each (first touch of the receiving pages); verify both.
     ``pids_*``: (sender, receiver) processes whose CPU time is charged to that side; the
-    receiver's share is reported on its own too. GB/s is the median of the rounds."""
+    receiver's share is reported on its own too: the CPU its process spent in the timed
+    fetch when the worker reports it (``cpu``; not the untimed set-up of a round, such
+    as discarding the blocks fetched last round), else from ``/proc`` around the whole
+    command. GB/s is the median of the rounds."""
     out: dict[str, Any] = {"a_s": [], "b_s": [], "a_bytes": 0, "b_bytes": 0,
                            "a_cpu": 0.0, "b_cpu": 0.0, "a_rx_cpu": 0.0, "b_rx_cpu": 0.0}
     timeout = bulk_timeout(nbytes)
@@ -111,6 +114,8 @@ def bulk_pair(name: str, rounds: int, nbytes: int, a: tuple[Worker, str],
             cpu0, rx0 = cpu_seconds(pids), cpu_seconds(pids[1:])
             reply = worker.ask({"op": "bulk", "id": wid, "clear": r == rounds - 1}, timeout)
             cpu, rx = cpu_seconds(pids) - cpu0, cpu_seconds(pids[1:]) - rx0
+            if "cpu" in reply and len(pids) > 1:  # the timed fetch only
+                cpu, rx = cpu - rx + float(reply["cpu"]), float(reply["cpu"])
             if int(reply["bytes"]) != nbytes:
                 raise BenchError(f"{worker.name} {wid}: round moved {reply['bytes']} of "
                                  f"{nbytes} bytes")

@@ -19,6 +19,7 @@ from p2pkv.protocol.codec import (
 )
 from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
+    CAP_PACKED_V1,
     CAP_SHM_V1,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
@@ -104,6 +105,7 @@ from p2pkv.protocol.sharing import (
 __all__ = [
     "BATCH_BYTES",
     "CAP_CHECKSUM_XXH3_64",
+    "CAP_PACKED_V1",
     "CAP_SHM_V1",
     "EXTENSION_CODES",
     "PROTOCOL_MAJOR",

@@ -26,10 +26,8 @@ from p2pkv.protocol.codes import (
     MAX_KEYS,
     MAX_MAP_LEN,
     MAX_NODE_ID_LEN,
-    MAX_PAYLOAD_FRAMES,
     MAX_REASONS,
     MAX_RUN_CONFIG_ITEMS,
-    MAX_SEGMENTS,
     MAX_STR_LEN,
     MAX_WINDOW,
     OUTCOME_FAILED,
@@ -65,6 +63,12 @@ from p2pkv.protocol.messages import (
     Release,
     Welcome,
     value_from_wire,
+)
+from p2pkv.protocol.payload import (
+    check_block_frames,
+    check_payload_sizes,
+    frame_size,
+    segments_for,
 )
 
 __all__ = [
@@ -180,10 +184,12 @@ def _d_block(m: dict[Any, Any], v: int) -> Message:
     req = m.get("req")
     idx = m.get("idx")
     sums = m.get("sums")
+    pk = m.get("pk", False)
     if (
         type(req) is int and 0 <= req <= U64_MAX
         and type(idx) is tuple and 0 < len(idx) <= MAX_BLOCKS_PER_MESSAGE
         and type(sums) is tuple and len(sums) == len(idx)
+        and (pk is False or pk is True)
     ):
         for i in idx:
             if type(i) is not int or i < 0 or i >= MAX_KEYS:
@@ -193,7 +199,7 @@ def _d_block(m: dict[Any, Any], v: int) -> Message:
                 if s is not None and (type(s) is not int or s < 0):
                     break
             else:
-                return Block(req, idx, sums)
+                return Block(req, idx, sums, (), pk)
     return _d_block_checked(m)
 
 
@@ -210,10 +216,12 @@ def _d_block_checked(m: dict[Any, Any]) -> Message:
     for s in sums:
         if s is not None and (type(s) is not int or s < 0):
             raise f.wrong("sums[]", "nil or a u64", s)
-    return Block(req, idx, sums)
+    return Block(req, idx, sums, (), f.flag(m, "pk"))
 
 
 def _d_located(m: dict[Any, Any], v: int) -> Message:
+    if "pk" in m:  # a block's key, unknown to located: ignored (§3)
+        m = {k: x for k, x in m.items() if k != "pk"}
     blk = _d_block(m, v)  # req, idx and sums follow the rules of a block header
     assert type(blk) is Block
     slots = f.array(f.field(m, "slots"), "slots", len(blk.idx), len(blk.idx))
@@ -313,22 +321,6 @@ _UNPACK_OPTIONS: Final[dict[str, Any]] = {
 }
 
 
-def frame_size(frame: Frame) -> int:
-    """Size of a frame in bytes (a memoryview's ``nbytes``, not its item count).
-
-    Raises :class:`~p2pkv.errors.ProtocolError` (``MALFORMED``) for a non-buffer.
-    """
-    kind = type(frame)
-    if kind is bytes or kind is bytearray:
-        return len(frame)
-    try:
-        return memoryview(frame).nbytes
-    except TypeError:
-        raise ProtocolError(
-            Code.MALFORMED, f"a frame must be bytes-like, got {kind.__name__}"
-        ) from None
-
-
 def _unpack_head(frame0: object) -> dict[Any, Any]:
     size = frame_size(frame0)  # type: ignore[arg-type]
     if size > MAX_HEAD_BYTES:
@@ -386,37 +378,12 @@ def decode_head(
     except ProtocolError as exc:
         raise ProtocolError(exc.code, f"{tag}: {exc.message}") from None
     if type(msg) is Block:
-        per_block = None if segments is None else len(segments)
-        if per_block is not None and len(msg.idx) * per_block > MAX_PAYLOAD_FRAMES:
-            raise ProtocolError(
-                Code.OUT_OF_BOUNDS,
-                f"block: {len(msg.idx)} blocks × {per_block} segments exceed "
-                f"{MAX_PAYLOAD_FRAMES} payload frames",
-            )
-        if more_frames is not None:
-            _check_block_frame_count(len(msg.idx), more_frames, per_block)
+        check_block_frames(msg, more_frames, segments)
     elif more_frames:
         raise ProtocolError(
             Code.FRAME_COUNT, f"{tag}: takes no payload frames, got {more_frames}"
         )
     return msg
-
-
-def _check_block_frame_count(blocks: int, frames: int, per_block: int | None) -> None:
-    if per_block is not None:
-        if frames != blocks * per_block:
-            raise ProtocolError(
-                Code.FRAME_COUNT,
-                f"block: {blocks} block(s) × {per_block} segment(s) need "
-                f"{blocks * per_block} payload frames, got {frames}",
-            )
-        return
-    if frames < blocks or frames % blocks or frames // blocks > MAX_SEGMENTS:
-        raise ProtocolError(
-            Code.FRAME_COUNT,
-            f"block: {frames} payload frames is not 1..{MAX_SEGMENTS} per block "
-            f"for {blocks} block(s)",
-        )
 
 
 def decode(
@@ -439,23 +406,15 @@ def decode(
     if type(msg) is not Block:
         return msg
     payload = payload[1:]
-    sizes = [frame_size(frame) for frame in payload]
-    if segments is not None:
-        per_block = len(segments)
-        for i, got in enumerate(sizes):
-            want = segments[i % per_block]
-            if got != want:
-                raise ProtocolError(
-                    Code.FRAME_COUNT,
-                    f"block: payload frame {i} (block {i // per_block}, segment "
-                    f"{i % per_block}) is {got} bytes, segment size is {want}",
-                )
-    return Block(msg.req, msg.idx, msg.sums, payload)
+    check_payload_sizes(msg, payload, segments)
+    return Block(msg.req, msg.idx, msg.sums, payload, msg.pk)
 
 
-def segments_for(block: Block, segments: Sequence[int]) -> tuple[int, ...]:
-    """The size of each payload frame of ``block``, in wire order (block-major)."""
-    return tuple(segments) * len(block.idx)
+def _e_block(m: Block) -> dict[str, Any]:
+    out = {"t": "block", "v": PROTOCOL_MAJOR, "req": m.req, "idx": m.idx, "sums": m.sums}
+    if m.pk:  # written only when set: an unpacked block keeps its 1.1 bytes
+        out["pk"] = True
+    return out
 
 
 # ---------------------------------------------------------------------------- encoders
@@ -537,9 +496,7 @@ _ENCODERS: Final[dict[type, Callable[[Any], dict[str, Any]]]] = {
     Hits: lambda m: {"t": "hits", "v": PROTOCOL_MAJOR, "req": m.req, "hits": m.hits},
     Fetch: _e_fetch,
     Credit: lambda m: {"t": "credit", "v": PROTOCOL_MAJOR, "req": m.req, "n": m.n},
-    Block: lambda m: {
-        "t": "block", "v": PROTOCOL_MAJOR, "req": m.req, "idx": m.idx, "sums": m.sums,
-    },
+    Block: _e_block,
     Done: lambda m: {"t": "done", "v": PROTOCOL_MAJOR, "req": m.req, "outcomes": m.outcomes},
     Abort: lambda m: {"t": "abort", "v": PROTOCOL_MAJOR, "req": m.req},
     AbortAck: lambda m: {"t": "abort_ack", "v": PROTOCOL_MAJOR, "req": m.req},

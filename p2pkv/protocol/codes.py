@@ -18,6 +18,7 @@ from typing import Final
 
 __all__ = [
     "CAP_CHECKSUM_XXH3_64",
+    "CAP_PACKED_V1",
     "CAP_SHM_V1",
     "MAX_BLOCKS_PER_MESSAGE",
     "MAX_BLOCK_BYTES",
@@ -31,6 +32,7 @@ __all__ = [
     "MAX_KEY_LEN",
     "MAX_MAP_LEN",
     "MAX_NODE_ID_LEN",
+    "MAX_PACKED_BYTES",
     "MAX_PAYLOAD_FRAMES",
     "MAX_REASONS",
     "MAX_RUN_CONFIG_DEPTH",
@@ -84,6 +86,9 @@ MAX_BLOCKS_PER_MESSAGE: Final = 1024
 """Most blocks in one ``block`` message (``idx`` entries)."""
 MAX_PAYLOAD_FRAMES: Final = 16384
 """Most payload frames after frame 0 (``len(idx) * len(geo.seg)``)."""
+MAX_PACKED_BYTES: Final = MAX_HEAD_BYTES
+"""Largest packed payload frame (``packed-v1``): ``len(idx) * geo.bpb`` of a packed
+``block``. Equal to MAX_HEAD_BYTES, which every receiver's transport accepts."""
 MAX_WINDOW: Final = 2**20
 """Largest ``window`` of a fetch and largest ``n`` of one ``credit``."""
 MAX_REASONS: Final = 256
@@ -111,6 +116,9 @@ CAP_CHECKSUM_XXH3_64: Final = "checksum-xxh3-64"
 CAP_SHM_V1: Final = "shm-v1"
 """Capability: same-host peers may move blocks through the server's shared-memory pool
 (``welcome.shm``, ``attach``/``attached``, ``located``/``release``; SPEC §16)."""
+CAP_PACKED_V1: Final = "packed-v1"
+"""Capability: a ``block`` may carry all its blocks in one payload frame (``pk``), the
+segments of its blocks back to back, block-major (SPEC §17)."""
 SHM_NONCE_LEN: Final = 16
 """Bytes of the nonce a shared-memory segment holds and an ``attach`` echoes."""
 SHM_NAME_PATTERN: Final = r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}"

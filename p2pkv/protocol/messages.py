@@ -319,6 +319,8 @@ class Block:
     ``sums`` holds one xxh3-64 per block, or ``None`` entries when checksums were not
     negotiated. ``payload`` holds ``len(idx) * len(geo.seg)`` frames, block-major; it is
     empty for a header decoded alone (:func:`~p2pkv.protocol.codec.decode_head`).
+    ``pk`` (capability ``packed-v1``, SPEC §17): the payload is one frame instead, the
+    same bytes back to back (``len(idx) * geo.bpb`` bytes).
     """
 
     TAG: ClassVar[str] = "block"
@@ -327,6 +329,7 @@ class Block:
     idx: tuple[int, ...]
     sums: tuple[int | None, ...]
     payload: tuple[Frame, ...] = field(default=(), repr=False)
+    pk: bool = False
 
 
 @dataclass(frozen=True, slots=True)

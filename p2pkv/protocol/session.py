@@ -28,7 +28,15 @@ from p2pkv.errors import ConfigError, ProtocolError
 from p2pkv.identity import IDENTITY_POLICIES
 from p2pkv.keys import check_keys
 from p2pkv.protocol.codec import MajorVersionMismatch, decode
-from p2pkv.protocol.codes import MAX_KEY_LEN, MAX_WINDOW, OUTCOME_SENT, U64_MAX, Code
+from p2pkv.protocol.codes import (
+    CAP_PACKED_V1,
+    MAX_KEY_LEN,
+    MAX_PACKED_BYTES,
+    MAX_WINDOW,
+    OUTCOME_SENT,
+    U64_MAX,
+    Code,
+)
 from p2pkv.protocol.events import (
     NOTHING,
     AbortAcknowledged,
@@ -194,6 +202,11 @@ class Session(Machine):
     def checksums(self) -> bool:
         """Whether every block carries an xxh3-64 (``checksum-xxh3-64`` negotiated)."""
         return self._checksums
+
+    @property
+    def packed_blocks(self) -> bool:
+        """Whether a ``block`` may carry its blocks in one frame (``packed-v1``)."""
+        return CAP_PACKED_V1 in self._caps
 
     @property
     def segments(self) -> tuple[int, ...] | None:
@@ -427,16 +440,24 @@ class Session(Machine):
         idx: Sequence[int],
         sums: Sequence[int | None] | None = None,
         payload: Sequence[Frame] = (),
+        *,
+        packed: bool = False,
     ) -> Block:
         """Server: blocks ``idx`` of fetch ``req``; must fit the granted window.
 
         ``sums`` is required when checksums were negotiated and must be omitted otherwise.
+        ``packed``: the payload goes as one frame (``packed-v1``, which must have been
+        negotiated, and at most MAX_PACKED_BYTES).
         """
         r = self._served(req, "fetch", "block")
         idx_t = tuple(idx)
         n = len(idx_t)
         if n < 1:
             raise ValueError("block: idx must name at least one block")
+        if packed and not self.packed_blocks:
+            raise LocalProtocolError(Code.UNEXPECTED, "block: packed-v1 was not negotiated")
+        if packed and n * self._local.geo.bpb > MAX_PACKED_BYTES:
+            raise ValueError(f"block: {n} packed blocks exceed {MAX_PACKED_BYTES} bytes")
         for i in idx_t:
             if type(i) is not int or not 0 <= i < len(r.keys):
                 raise ValueError(f"block: index {i!r} is not a key of request {req}")
@@ -467,7 +488,7 @@ class Session(Machine):
                     )
         r.received += n
         r.delivered.update(idx_t)
-        return Block(req, idx_t, sums_t, tuple(payload))
+        return Block(req, idx_t, sums_t, tuple(payload), packed)
 
     def fetch_done(self, req: int, outcomes: Sequence[int]) -> Done:
         """Server: fetch ``req`` is over; outcome 0 exactly for the indices sent."""

@@ -16,7 +16,7 @@ from enum import Enum
 from typing import Any, Final
 
 from p2pkv.errors import ProtocolError
-from p2pkv.protocol.codes import CAP_CHECKSUM_XXH3_64, MAX_KEYS, OUTCOME_SENT, Code
+from p2pkv.protocol.codes import CAP_CHECKSUM_XXH3_64, CAP_PACKED_V1, MAX_KEYS, OUTCOME_SENT, Code
 from p2pkv.protocol.compat import decide
 from p2pkv.protocol.events import (
     NOTHING,
@@ -339,6 +339,8 @@ class Machine:
             return self._violate(Code.UNKNOWN_REQUEST, f"block for unknown request {req}")
         if r.kind != "fetch":
             return self._violate(Code.UNEXPECTED, f"block for request {req}, a {r.kind}")
+        if msg.pk and CAP_PACKED_V1 not in self._caps:
+            return self._violate(Code.UNEXPECTED, "packed block (packed-v1 was not negotiated)")
         if r.aborting:
             return Output(events=(BlockDiscarded(req, msg.idx),))
         nkeys = len(r.keys)

@@ -95,6 +95,9 @@ class NodeConfig:
     #: Same-host shared memory (capability shm-v1): the pool lives in a /dev/shm segment
     #: that proven same-host peers copy from, and this node copies from theirs.
     shm: bool = False
+    #: Capability packed-v1: blocks whose segments are all small travel as one payload
+    #: frame per message between peers that both offer it (False: never offer it).
+    packed_blocks: bool = True
 
     def __post_init__(self) -> None:
         validate_address(self.listen, what="listen")
@@ -125,6 +128,8 @@ class NodeConfig:
             raise ConfigError("heartbeat_timeout must be longer than heartbeat_interval")
         if type(self.shm) is not bool:
             raise ConfigError(f"shm must be a bool, got {self.shm!r}")
+        if type(self.packed_blocks) is not bool:
+            raise ConfigError(f"packed_blocks must be a bool, got {self.packed_blocks!r}")
 
 
 class PeerOwner(Protocol):

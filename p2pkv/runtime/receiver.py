@@ -18,6 +18,7 @@ from p2pkv import protocol as proto
 from p2pkv.checksum import block_checksum
 from p2pkv.errors import ProtocolError, StoreFullError
 from p2pkv.protocol.codes import OUTCOME_FAILED, OUTCOME_MISSING, OUTCOME_SENT
+from p2pkv.runtime.packing import PackedReceiver
 from p2pkv.runtime.public import FetchResult, KeyOutcome
 from p2pkv.runtime.state import Receiving
 from p2pkv.runtime.stats import Counters
@@ -67,6 +68,7 @@ class Receiver:
         self._segments = tuple(segments)
         self._bpb = bytes_per_block
         self._counters = counters
+        self._packed = PackedReceiver(store, segments, bytes_per_block, counters)
 
     def land(self, sock: zmq.Socket[bytes], recv: Receiving | None,
              msg: proto.Block) -> ProtocolError | None:
@@ -80,6 +82,8 @@ class Receiver:
         """
         writers: list[BlockWriter] = []
         try:
+            if msg.pk:
+                return self._packed.land(sock, recv, msg, writers)
             return self._land(sock, recv, msg, writers)
         finally:
             for writer in writers:

@@ -19,6 +19,7 @@ import zmq
 
 from p2pkv import protocol as proto
 from p2pkv.protocol.codes import OUTCOME_MISSING, OUTCOME_SENT
+from p2pkv.runtime.packing import PackedSender, packs
 from p2pkv.runtime.state import Sending
 from p2pkv.runtime.stats import Counters
 from p2pkv.runtime.tuning import REAP_TICK_MS, ZERO_COPY_MIN
@@ -78,6 +79,8 @@ class Sender:
         self._bpb = bytes_per_block
         self._batch_limit = proto.batch_limit(bytes_per_block)
         self._counters = counters
+        self._pack = packs(store.pool.segment_sizes)
+        self.packed = PackedSender(sock, store, self._batch_limit * bytes_per_block)
         self.ledger = SendLedger(store)
 
     def busy_wait_ms(self) -> int | None:
@@ -92,6 +95,7 @@ class Sender:
         store = self._store
         n = len(job.keys)
         checksums = session.checksums
+        packed = self._pack and session.packed_blocks
         credit = session.window_left(job.req)
         while credit > 0 and job.next_index < n:
             # Pin the next candidates in one store call; a missing key uses no credit,
@@ -113,8 +117,11 @@ class Sender:
                 continue
             try:
                 sums = [r.checksum for r in readers] if checksums else None
-                head = proto.encode_head(session.block(job.req, idx, sums))
-                sent = self._send_message(rid, head, readers)
+                head = proto.encode_head(session.block(job.req, idx, sums, packed=packed))
+                # A packed message copies the blocks and unpins them at once; a plain
+                # one hands them to the ledger until ZeroMQ lets go.
+                sent = (self.packed.send(rid, head, readers) if packed
+                        else self._send_message(rid, head, readers))
             except BaseException:
                 # Not handed to the ledger: unpin here, whatever went wrong, or the
                 # blocks stay pinned forever (never evicted, never overwritten).

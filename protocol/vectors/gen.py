@@ -601,6 +601,57 @@ def shm_vectors() -> dict[str, Any]:
             "messages": messages, "errors": errors, "headers": [header]}
 
 
+def packed_vectors() -> dict[str, Any]:
+    """Capability packed-v1 (SPEC 17): packed block messages and their errors."""
+    messages: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
+    seg = [8, 4]
+
+    def frames(wire: dict[str, Any], payload: list[bytes]) -> list[str]:
+        return [pack(wire).hex(), *(p.hex() for p in payload)]
+
+    def add(name: str, wire: dict[str, Any], payload: list[bytes],
+            segments: list[int] | None = seg) -> None:
+        fields = {k: v for k, v in wire.items() if k not in ("t", "v", "pk")}
+        if wire.get("pk") is True:  # listed only when true (section 14.8)
+            fields["pk"] = True
+        fields["payload"] = [{"bin": p.hex()} for p in payload]
+        messages.append({"name": name, "frames": frames(wire, payload), "segments": segments,
+                         "message": {"type": "block", "fields": jsonable(fields)}})
+
+    def bad(name: str, wire: dict[str, Any], payload: list[bytes], code: int,
+            segments: list[int] | None = seg) -> None:
+        errors.append({"name": name, "frames": frames(wire, payload), "segments": segments,
+                       "code": code})
+
+    # Three blocks of 12 bytes (segments 8 + 4), back to back in idx order.
+    blocks = [bytes([0x10 + i]) * 8 + bytes([0x20 + i]) * 4 for i in range(3)]
+    sums = [xxhash.xxh3_64_intdigest(b) for b in blocks]
+    one = {"t": "block", "v": 1, "req": 9, "idx": [4], "sums": [sums[0]], "pk": True}
+    add("packed_one_block", one, [blocks[0]])
+    three = {"t": "block", "v": 1, "req": 9, "idx": [2, 0, 7], "sums": sums, "pk": True}
+    add("packed_three_blocks", three, [b"".join(blocks)])
+    nosum = {"t": "block", "v": 1, "req": 3, "idx": [1, 0], "sums": [None, None], "pk": True}
+    add("packed_no_checksum_unknown_segments", nosum, [b"".join(blocks[:2])], None)
+    for value, name in ((False, "false"), (None, "nil")):
+        plain = {"t": "block", "v": 1, "req": 9, "idx": [0], "sums": [sums[0]], "pk": value}
+        add(f"block_pk_{name}_is_unpacked", plain, [blocks[0][:8], blocks[0][8:]])
+
+    whole = b"".join(blocks)
+    bad("packed_frame_short", three, [whole[:-1]], FRAME_COUNT)
+    bad("packed_frame_long", three, [whole + b"\0"], FRAME_COUNT)
+    bad("packed_no_frame", three, [], FRAME_COUNT)
+    bad("packed_two_frames", three, [whole[:12], whole[12:]], FRAME_COUNT)
+    bad("packed_frame_per_segment", one, [blocks[0][:8], blocks[0][8:]], FRAME_COUNT)
+    big = {"t": "block", "v": 1, "req": 9, "idx": [0, 1, 2], "sums": [None] * 3, "pk": True}
+    bad("packed_above_max_packed_bytes", big, [b"\0"], OUT_OF_BOUNDS, [1 << 20])
+    bad("packed_pk_int", {**one, "pk": 1}, [blocks[0]], WRONG_TYPE)
+    bad("packed_pk_str", {**one, "pk": "yes"}, [blocks[0]], WRONG_TYPE)
+    return {"about": "capability packed-v1 (protocol/SPEC.md section 17): messages as in "
+                     "messages.json, errors as in errors.json",
+            "messages": messages, "errors": errors}
+
+
 def main() -> None:
     (HERE / "messages.json").write_text(json.dumps(
         {"about": "frames (hex) -> decoded message; see protocol/SPEC.md section 14",
@@ -620,6 +671,7 @@ def main() -> None:
     (HERE / "extension.json").write_text(json.dumps(
         extension_vectors(), indent=1, ensure_ascii=False) + "\n")
     (HERE / "shm.json").write_text(json.dumps(shm_vectors(), indent=1) + "\n")
+    (HERE / "packed.json").write_text(json.dumps(packed_vectors(), indent=1) + "\n")
 
 
 if __name__ == "__main__":
