@@ -27,26 +27,13 @@ PROMPT = list(range(10, 10 + 500))  # 500 token ids: 7 whole chunks of 64 tokens
 
 
 def transfer_config(listen: str, peers: list[str]) -> dict[str, Any]:
-    """The value of vLLM's ``--kv-transfer-config`` for one engine."""
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            # vLLM's tiering spec; P2PKVTieringSpec also runs on CPU-only builds.
-            "spec_name": "P2PKVTieringSpec",
-            "spec_module_path": "p2pkv.integrations.vllm",
-            "cpu_bytes_to_use": 256 << 20,  # the primary (CPU) region
-            "block_size": 64,  # tokens per offloaded chunk
-            "secondary_tiers": [{
-                "type": "P2PKVTier",
-                "module_path": "p2pkv.integrations.vllm",
-                "listen": listen,
-                "peers": peers,
-                "lookup_timeout": 1.0,
-                "fetch_timeout": 10.0,
-            }],
-        },
-    }
+    """The value of vLLM's ``--kv-transfer-config`` for one engine: a 256 MiB primary
+    region in chunks of 64 tokens, and a p2pkv tier that serves on ``listen``."""
+    from p2pkv.integrations.vllm import kv_transfer_config
+
+    return kv_transfer_config({"listen": listen, "peers": peers, "lookup_timeout": 1.0,
+                               "fetch_timeout": 10.0},
+                              cpu_bytes_to_use=256 << 20, block_size=64)
 
 
 def free_address() -> str:

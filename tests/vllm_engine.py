@@ -29,21 +29,6 @@ def reply(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def kv_transfer_config(tier: dict[str, Any], offload_block_size: int) -> dict[str, Any]:
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "P2PKVTieringSpec",
-            "spec_module_path": "p2pkv.integrations.vllm",
-            "cpu_bytes_to_use": 64 << 20,
-            "block_size": offload_block_size,
-            "secondary_tiers": [
-                {"type": "P2PKVTier", "module_path": "p2pkv.integrations.vllm", **tier}],
-        },
-    }
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
@@ -61,8 +46,11 @@ def main() -> int:
 
     kwargs: dict[str, Any] = {}
     if args.p2pkv is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
-            **kv_transfer_config(json.loads(args.p2pkv), args.offload_block_size))
+        from p2pkv.integrations.vllm import kv_transfer_config
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(
+            json.loads(args.p2pkv), cpu_bytes_to_use=64 << 20,
+            block_size=args.offload_block_size))
     started = time.monotonic()
     llm = LLM(model=args.model_dir, skip_tokenizer_init=True, dtype="float32",
               block_size=args.block_size, max_model_len=2048, enforce_eager=True,

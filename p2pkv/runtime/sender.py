@@ -100,18 +100,7 @@ class Sender:
         while credit > 0 and job.next_index < n:
             # Pin the next candidates in one store call; a missing key uses no credit,
             # so a batch may come out smaller than the credit and the loop goes on.
-            start = job.next_index
-            stop = proto.next_batch(start, n, credit, self._batch_limit)
-            job.next_index = stop
-            idx: list[int] = []
-            readers: list[BlockReader] = []
-            for i, reader in zip(range(start, stop), store.acquire_read_many(job.keys[start:stop]),
-                                 strict=True):
-                if reader is None:
-                    job.outcomes[i] = OUTCOME_MISSING
-                else:
-                    idx.append(i)
-                    readers.append(reader)
+            idx, readers = pin_next_batch(store, job, credit, self._batch_limit)
             credit -= len(idx)
             if not idx:
                 continue
@@ -169,3 +158,23 @@ class Sender:
         else:
             self.ledger.hold(rid, tracker, readers)
         return True
+
+
+def pin_next_batch(store: BlockStore, job: Sending, credit: int,
+                   limit: int) -> tuple[list[int], list[BlockReader]]:
+    """Pin the next keys of ``job`` the credit allows, in one store call: their indices
+    and readers. A missing key is marked MISSING and uses no credit, so a batch may come
+    out smaller than the credit (the caller's loop goes on)."""
+    start = job.next_index
+    stop = proto.next_batch(start, len(job.keys), credit, limit)
+    job.next_index = stop
+    idx: list[int] = []
+    readers: list[BlockReader] = []
+    for i, reader in zip(range(start, stop), store.acquire_read_many(job.keys[start:stop]),
+                         strict=True):
+        if reader is None:
+            job.outcomes[i] = OUTCOME_MISSING
+        else:
+            idx.append(i)
+            readers.append(reader)
+    return idx, readers

@@ -19,7 +19,8 @@ from collections.abc import Iterable
 import zmq
 
 from p2pkv import protocol as proto
-from p2pkv.protocol.codes import OUTCOME_MISSING, OUTCOME_SENT
+from p2pkv.protocol.codes import OUTCOME_SENT
+from p2pkv.runtime.sender import pin_next_batch
 from p2pkv.runtime.state import Sending
 from p2pkv.runtime.stats import Counters
 from p2pkv.shm import SharedSegment
@@ -98,18 +99,7 @@ class SharedSender:
         held = sum(len(p) for p in peer_pins.values())
         credit = min(session.window_left(job.req), self._pin_limit - held)
         while credit > 0 and job.next_index < n:
-            start = job.next_index
-            stop = proto.next_batch(start, n, credit, _BATCH)
-            job.next_index = stop
-            idx: list[int] = []
-            readers: list[BlockReader] = []
-            for i, reader in zip(range(start, stop), store.acquire_read_many(job.keys[start:stop]),
-                                 strict=True):
-                if reader is None:
-                    job.outcomes[i] = OUTCOME_MISSING
-                else:
-                    idx.append(i)
-                    readers.append(reader)
+            idx, readers = pin_next_batch(store, job, credit, _BATCH)
             credit -= len(idx)
             if not idx:
                 continue

@@ -14,7 +14,8 @@ Turn it on with ``--kv-transfer-config`` (see the README's "vLLM" section)::
 tiering spec that also runs on CPU-only builds (on GPUs it is the stock spec).
 """
 
+from p2pkv.integrations.vllm.options import kv_transfer_config
 from p2pkv.integrations.vllm.spec import CPUCopyWorker, P2PKVTieringSpec
 from p2pkv.integrations.vllm.tier import P2PKVTier
 
-__all__ = ["CPUCopyWorker", "P2PKVTier", "P2PKVTieringSpec"]
+__all__ = ["CPUCopyWorker", "P2PKVTier", "P2PKVTieringSpec", "kv_transfer_config"]

@@ -37,19 +37,11 @@ BENCH_MODEL = TinyLlama(hidden_size=1024, num_layers=8, num_heads=16, num_kv_hea
 
 
 def _config(listen: str, peers: list[str], cpu_bytes: int) -> dict[str, Any]:
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "P2PKVTieringSpec",
-            "spec_module_path": "p2pkv.integrations.vllm",
-            "cpu_bytes_to_use": cpu_bytes,
-            "block_size": 64,
-            "secondary_tiers": [{"type": "P2PKVTier", "module_path": "p2pkv.integrations.vllm",
-                                 "listen": listen, "peers": peers, "lookup_timeout": 2.0,
-                                 "fetch_timeout": 60.0}],
-        },
-    }
+    from p2pkv.integrations.vllm.options import kv_transfer_config
+
+    return kv_transfer_config({"listen": listen, "peers": peers, "lookup_timeout": 2.0,
+                               "fetch_timeout": 60.0}, cpu_bytes_to_use=cpu_bytes,
+                              block_size=64)
 
 
 def _engine(model: str, config: dict[str, Any], max_len: int) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from p2pkv.errors import ConfigError
 from p2pkv.transport import validate_address
 
-__all__ = ["TIER_DEFAULTS", "TIER_OPTIONS", "tier_settings"]
+__all__ = ["TIER_DEFAULTS", "TIER_OPTIONS", "kv_transfer_config", "tier_settings"]
 
 #: Tier-config keys taken by this tier (the node options keep their ``serve`` names;
 #: see docs/configuration.md). Identity options are absent on purpose: the identity is
@@ -87,3 +87,24 @@ def _check_bindable(listen: str) -> None:
             probe.bind(address)
     except OSError as exc:
         raise ConfigError(f"P2PKVTier: listen {listen!r} cannot be bound: {exc}") from None
+
+
+def kv_transfer_config(tier: Mapping[str, Any], *, cpu_bytes_to_use: int,
+                       block_size: int | None = None, **extra: Any) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` (or ``KVTransferConfig(**...)``) that turns p2pkv
+    on: the offloading connector, :class:`P2PKVTieringSpec` with a primary region of
+    ``cpu_bytes_to_use`` bytes in chunks of ``block_size`` tokens (default: vLLM's
+    block size), and one :class:`P2PKVTier` with the options in ``tier``. ``extra``
+    goes into ``kv_connector_extra_config`` as is."""
+    config: dict[str, Any] = {
+        "spec_name": "P2PKVTieringSpec",
+        "spec_module_path": "p2pkv.integrations.vllm",
+        "cpu_bytes_to_use": cpu_bytes_to_use,
+        "secondary_tiers": [
+            {"type": "P2PKVTier", "module_path": "p2pkv.integrations.vllm", **tier}],
+        **extra,
+    }
+    if block_size is not None:
+        config["block_size"] = block_size
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": config}

@@ -246,11 +246,7 @@ class P2PKVTier(SecondaryTierManager):
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         node = self._ensure_node()
-        keys = list(job_metadata.keys)
-        chunk_ids = np.asarray(job_metadata.chunk_ids).tolist()
-        if len(keys) != len(chunk_ids):
-            raise ValueError(f"load job {job_metadata.job_id}: {len(keys)} keys for "
-                             f"{len(chunk_ids)} chunks")
+        keys, chunk_ids = _job_chunks(job_metadata, "load")
         by_peer: dict[str, list[tuple[OffloadKey, int]]] = {}
         job = _LoadJob(job_metadata.job_id, keys, pending=0)
         if node is None:
@@ -361,11 +357,7 @@ class P2PKVTier(SecondaryTierManager):
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         node = self._ensure_node()
-        keys = list(job_metadata.keys)
-        chunk_ids = np.asarray(job_metadata.chunk_ids).tolist()
-        if len(keys) != len(chunk_ids):
-            raise ValueError(f"store job {job_metadata.job_id}: {len(keys)} keys for "
-                             f"{len(chunk_ids)} chunks")
+        keys, chunk_ids = _job_chunks(job_metadata, "store")
         if node is None:
             with self._lock:
                 self._finished.append((JobResult(job_id=job_metadata.job_id, success=False,
@@ -494,3 +486,12 @@ class P2PKVTier(SecondaryTierManager):
             stats.set_gauge(Metrics.DIRECTORY_REGISTERED, int(self._directory.registered()))
         return stats
 
+
+def _job_chunks(job: TransferJob, what: str) -> tuple[list[OffloadKey], list[int]]:
+    """A job's keys and the primary-region chunk of each (they must pair up)."""
+    keys = list(job.keys)
+    chunk_ids = np.asarray(job.chunk_ids).tolist()
+    if len(keys) != len(chunk_ids):
+        raise ValueError(f"{what} job {job.job_id}: {len(keys)} keys for "
+                         f"{len(chunk_ids)} chunks")
+    return keys, chunk_ids
