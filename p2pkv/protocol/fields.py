@@ -8,6 +8,7 @@ the problem (``MISSING_FIELD``, ``WRONG_TYPE``, ``OUT_OF_BOUNDS``). Used only by
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Final
 
@@ -125,7 +126,13 @@ def plain(value: Any, name: str, depth: int, budget: list[int]) -> Any:
     if budget[0] < 0:
         raise bounds(name, f"has more than {MAX_RUN_CONFIG_ITEMS} values")
     kind = type(value)
-    if kind is str or kind is int or kind is bool or kind is float or value is None:
+    if kind is str or kind is int or kind is bool or value is None:
+        return value
+    if kind is float:
+        if not math.isfinite(value):
+            # JSON has no NaN or infinity; NaN is not even equal to itself, so a run
+            # config holding one could never be compared, hashed or restated.
+            raise bounds(name, f"holds a non-finite float ({value!r}), which JSON cannot carry")
         return value
     if kind is tuple or kind is dict:
         if depth >= MAX_RUN_CONFIG_DEPTH:

@@ -256,6 +256,10 @@ def error_vectors() -> list[dict[str, Any]]:
     for _ in range(8):
         deep = [deep]
     add("hello_rc_too_deep", [pack({**hello, "rc": {**V1_RC, "x": deep}})], OUT_OF_BOUNDS)
+    add("hello_rc_nan", [pack({**hello, "rc": {**V1_RC, "blocks_per_file": float("nan")}})],
+        OUT_OF_BOUNDS)
+    add("hello_rc_infinity", [pack({**hello, "rc": {**V1_RC, "x": [float("-inf")]}})],
+        OUT_OF_BOUNDS)
     add("hello_missing_khash", [pack({k: v for k, v in hello.items() if k != "khash"})],
         MISSING_FIELD)
     add("hello_seed_negative", [pack({**hello, "khash": {"algo": "x", "seed": -1}})],
