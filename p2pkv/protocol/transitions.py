@@ -314,19 +314,29 @@ class Machine:
 
     # client side
 
-    def _on_hits(self, msg: Hits, now: float) -> Output:
-        r = self._requests.get(msg.req)
+    def _check_answer(self, req: int, tag: str, kind: str, count: int,
+                      what: str) -> Output | None:
+        """The checks every final answer (hits, done) passes: a known request of the
+        right kind, not being aborted, one entry per key. None when they pass, else the
+        Output that ends the answer's handling."""
+        r = self._requests.get(req)
         if r is None:
-            return self._late_or_unknown(msg.req, "hits")
-        if r.kind != "lookup":
-            return self._violate(Code.UNEXPECTED, f"hits for request {msg.req}, a {r.kind}")
+            return self._late_or_unknown(req, tag)
+        if r.kind != kind:
+            return self._violate(Code.UNEXPECTED, f"{tag} for request {req}, a {r.kind}")
         if r.aborting:
             return NOTHING
-        if len(msg.hits) != len(r.keys):
+        if count != len(r.keys):
             return self._violate(
                 Code.OUT_OF_BOUNDS,
-                f"hits: {len(msg.hits)} answers for {len(r.keys)} keys (request {msg.req})",
+                f"{tag}: {count} {what} for {len(r.keys)} keys (request {req})",
             )
+        return None
+
+    def _on_hits(self, msg: Hits, now: float) -> Output:
+        refused = self._check_answer(msg.req, "hits", "lookup", len(msg.hits), "answers")
+        if refused is not None:
+            return refused
         self._finish(msg.req)
         return Output(events=(LookupAnswered(msg.req, msg.hits),))
 
@@ -368,18 +378,10 @@ class Machine:
 
     def _on_done(self, msg: Done, now: float) -> Output:
         req = msg.req
-        r = self._requests.get(req)
-        if r is None:
-            return self._late_or_unknown(req, "done")
-        if r.kind != "fetch":
-            return self._violate(Code.UNEXPECTED, f"done for request {req}, a {r.kind}")
-        if r.aborting:
-            return NOTHING
-        if len(msg.outcomes) != len(r.keys):
-            return self._violate(
-                Code.OUT_OF_BOUNDS,
-                f"done: {len(msg.outcomes)} outcomes for {len(r.keys)} keys (request {req})",
-            )
+        refused = self._check_answer(req, "done", "fetch", len(msg.outcomes), "outcomes")
+        if refused is not None:
+            return refused
+        r = self._requests[req]
         for i, o in enumerate(msg.outcomes):
             if (o == OUTCOME_SENT) != (i in r.delivered):
                 return self._violate(
