@@ -267,7 +267,22 @@ def test_tier_driven_like_vllms_tiering_manager(path: str) -> None:
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     checks = {c["check"]: c for c in (json.loads(line) for line in out.stdout.splitlines()
                                        if line.startswith("{"))}
+    # An identity the tier cannot derive, or a declaration that disagrees with what it
+    # derives, stops the engine at start with an error that says so.
+    errors = checks["identity_errors"]
+    assert "VllmConfig) is not reachable" in errors["unreachable"]
+    assert "no weight files" in errors["no weights"]
+    assert "cannot read weight file" in errors["unreadable"]
+    assert "does not exist" in errors["missing"]
+    assert "'NHD'" in errors["layout declared"]
+    assert "'HND_K_THEN_V'" in errors["layout declared"]
+    assert '{"rope_theta":10000}' in errors["overrides declared"]
+    assert "engine applies {}" in errors["overrides declared"]
     assert checks["store"]["success"] and checks["store"]["stats"] == 4
+    # Derived without any declaration: the weights' content digest and the config's.
+    ext = checks["store"]["extension"]
+    assert len(ext["model_weights"]) == 16 and len(ext["model_config"]) == 16, ext
+    assert "SHA-256 of 1 weight file" in checks["store"]["identity"]
     assert checks["lookup"]["answers"] == ["HIT", "HIT", "HIT", "HIT", "MISS"]
     load = checks["load"]
     assert load["success"] and load["successful_keys"] is None and load["equal"]

@@ -59,13 +59,18 @@ from p2pkv.errors import P2PKVError, PeerGone
 from p2pkv.identity import IdentityExtension, RunConfig
 from p2pkv.integrations.vllm.directory import DirectorySource, fetch_outcomes
 from p2pkv.integrations.vllm.identity import (
+    TierIdentity,
     VLLMKeyHash,
     current_key_hash,
-    extension_for,
     run_config_from_spec,
 )
 from p2pkv.integrations.vllm.metrics import Metrics, metric_definitions
-from p2pkv.integrations.vllm.options import TIER_DEFAULTS, TIER_OPTIONS, tier_settings
+from p2pkv.integrations.vllm.options import (
+    DEFAULT_IDENTITY_TIMEOUT,
+    TIER_DEFAULTS,
+    TIER_OPTIONS,
+    tier_settings,
+)
 from p2pkv.integrations.vllm.peers import Peers
 from p2pkv.layout import EngineRowLayout
 from p2pkv.node import FetchResult, KeyOutcome, Node, NodeConfig, PeerHandle
@@ -124,6 +129,13 @@ class P2PKVTier(SecondaryTierManager):
                           ("kv_memory_layout", "model_revision", "model_overrides")}
         self.run_config: RunConfig = run_config_from_spec(
             offloading_spec, parallel_agnostic=settings["parallel_agnostic"])
+        # Derived from the engine now; the weights digest follows off this thread, and
+        # until it is known the node does not start: nothing is shared under an
+        # identity that is not yet known.
+        self.identity = TierIdentity(offloading_spec, self._declared)
+        self._identity_timeout = float(params.get("identity_timeout",
+                                                  DEFAULT_IDENTITY_TIMEOUT))
+        self._start_lock = threading.Lock()
         self.layout = EngineRowLayout.of_bytes(self.block_size_bytes)
         self._pool_blocks = int(params.get("pool_blocks") or len(primary_kv_view))
         self._fetch_timeout = float(settings["fetch_timeout"])
@@ -154,8 +166,9 @@ class P2PKVTier(SecondaryTierManager):
         self._stats = OffloadingConnectorStats()
         self._inbound_refusals: dict[str, int] = {}
         self._closed = False
-        log.info("p2pkv tier: fingerprint %s, %d-byte chunks, peers %s",
-                 self.run_config.fingerprint, self.block_size_bytes, list(peers) or "none")
+        log.info("p2pkv tier: fingerprint %s, %d-byte chunks, peers %s; identity derived "
+                 "so far: %s", self.run_config.fingerprint, self.block_size_bytes,
+                 list(peers) or "none", self.identity.describe())
 
     # ------------------------------------------------------------------ identity, node
 
@@ -168,19 +181,35 @@ class P2PKVTier(SecondaryTierManager):
         """The node, once started (after the engine initialised its block hashing)."""
         return self._node
 
-    def _ensure_node(self) -> Node | None:
-        """The node, started on first use; None when it cannot run (the tier then
-        answers MISS and fails its jobs: the engine recomputes, it never stops)."""
-        if self._node is not None or self._failed is not None:
+    def _ensure_node(self, wait: float = 0.0) -> Node | None:
+        """The node, started on first use once the identity is known; None while the
+        weights digest is being computed (waiting up to ``wait`` seconds for it) and when
+        the node cannot run (the tier then answers MISS and fails its jobs: the engine
+        recomputes, it never stops)."""
+        if self._node is not None or self._failed is not None or self._closed:
             return self._node
-        if self._closed:
+        try:
+            known = self.identity.wait(wait)
+        except Exception as exc:
+            with self._start_lock:
+                if self._failed is None:
+                    self._failed = f"{type(exc).__name__}: {exc}"
+                    log.error("p2pkv tier disabled: the weights digest could not be "
+                              "computed (%s); nothing is shared", self._failed)
             return None
+        if not known:
+            return None
+        with self._start_lock:
+            if self._node is not None or self._failed is not None or self._closed:
+                return self._node
+            return self._start_node()
+
+    def _start_node(self) -> Node | None:
         try:
             # vLLM seeds its block hashes after building the scheduler (and this tier),
             # so the key hash is read on first use, when requests are already flowing.
             self._key_hash = current_key_hash()
-            self.extension = extension_for(self._offloading_spec, self._key_hash,
-                                           **self._declared)
+            self.extension = self.identity.extension(self._key_hash)
             # Keys are vLLM's own (SPEC 15.2): the name says so, and the seed travels
             # only as the extension's digest, whose refusal says what to change.
             config = replace(self._node_config, key_hash_algo=self._key_hash.algo,
@@ -191,8 +220,8 @@ class P2PKVTier(SecondaryTierManager):
             self._failed = f"{type(exc).__name__}: {exc}"
             log.error("p2pkv tier disabled, its node could not start: %s", self._failed)
             return None
-        log.info("p2pkv tier node %s on %s: %s", self._node.node_id, self._node.address,
-                 self.extension.describe())
+        log.info("p2pkv tier node %s on %s: identity %s", self._node.node_id,
+                 self._node.address, self.identity.describe())
         if self._directory_url != "static":
             ext = self.extension
             try:
@@ -358,7 +387,8 @@ class P2PKVTier(SecondaryTierManager):
     def submit_store(self, job_metadata: TransferJob) -> None:
         node = self._ensure_node()
         keys, chunk_ids = _job_chunks(job_metadata, "store")
-        if node is None:
+        if node is None and not (self.identity.pending and self._failed is None
+                                 and not self._closed):
             with self._lock:
                 self._finished.append((JobResult(job_id=job_metadata.job_id, success=False,
                                                  transfer_bytes=0), []))
@@ -372,13 +402,23 @@ class P2PKVTier(SecondaryTierManager):
         with self._lock:
             self._outstanding.discard(fut)
 
-    def _store(self, node: Node, job_id: int, keys: list[OffloadKey],
+    def _store(self, node: Node | None, job_id: int, keys: list[OffloadKey],
                chunk_ids: list[int]) -> None:
-        """Store thread: copy the chunks out of the primary region into the pool."""
+        """Store thread: copy the chunks out of the primary region into the pool (first
+        waiting, bounded, for the identity when the node has not started yet)."""
         started = time.perf_counter()
         row = self.block_size_bytes
         stored = 0
         failed = 0
+        if node is None:
+            node = self._ensure_node(wait=self._identity_timeout)
+        if node is None:
+            log.warning("p2pkv tier: store job %d dropped: the identity is not known (%s)",
+                        job_id, self._failed or "weights digest still being computed")
+            with self._lock:
+                self._finished.append((JobResult(job_id=job_id, success=False,
+                                                 transfer_bytes=0), []))
+            return
         for key, cid in zip(keys, chunk_ids, strict=True):
             try:
                 if node.put(key, self._rows[cid * row:(cid + 1) * row]):
@@ -457,6 +497,7 @@ class P2PKVTier(SecondaryTierManager):
             "disabled": self._failed,
             "key_hash": self._key_hash.algo if self._key_hash else None,
             "extension": self.extension.to_wire() if self.extension else None,
+            "identity": self.identity.describe(),
             "peers": peers,
             "handshakes_refused": refusals,
             "directory": self._directory.describe() if self._directory else None,
