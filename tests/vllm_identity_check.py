@@ -20,15 +20,6 @@ from typing import Any
 
 
 def main() -> int:
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-    from vllm.v1.kv_offload.file_mapper import FileMapper
-    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 
