@@ -208,7 +208,18 @@ def checkpoints() -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(logs: Path, checkpoints: tuple[Path, Path]) -> Iterator[Path]:
+def digests(logs: Path, checkpoints: tuple[Path, Path]) -> None:
+    """Warm the engines' digest cache, as ``p2pkv-node fingerprint --model-path`` does on
+    a host before its engines start: each tier then knows its weights digest before its
+    first request (while it is being computed, a tier shares nothing)."""
+    from p2pkv.identity.checkpoint import checkpoint_identity
+
+    for path in checkpoints:
+        checkpoint_identity(path, cache=logs / "digest-cache" / "checkpoint-digests.json")
+
+
+@pytest.fixture(scope="module")
+def model_dir(logs: Path, checkpoints: tuple[Path, Path], digests: None) -> Iterator[Path]:
     """The one model path every engine is given: a link to the real checkpoint, which
     one test points at the other checkpoint for the length of that test."""
     path = logs / "SmolLM2-135M-Instruct"

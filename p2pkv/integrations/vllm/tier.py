@@ -136,6 +136,7 @@ class P2PKVTier(SecondaryTierManager):
         self._identity_timeout = float(params.get("identity_timeout",
                                                   DEFAULT_IDENTITY_TIMEOUT))
         self._start_lock = threading.Lock()
+        self._waiting_logged = False
         self.layout = EngineRowLayout.of_bytes(self.block_size_bytes)
         self._pool_blocks = int(params.get("pool_blocks") or len(primary_kv_view))
         self._fetch_timeout = float(settings["fetch_timeout"])
@@ -186,7 +187,7 @@ class P2PKVTier(SecondaryTierManager):
         weights digest is being computed (waiting up to ``wait`` seconds for it) and when
         the node cannot run (the tier then answers MISS and fails its jobs: the engine
         recomputes, it never stops)."""
-        if self._node is not None or self._failed is not None or self._closed:
+        if self._settled():
             return self._node
         try:
             known = self.identity.wait(wait)
@@ -198,11 +199,21 @@ class P2PKVTier(SecondaryTierManager):
                               "computed (%s); nothing is shared", self._failed)
             return None
         if not known:
+            if not self._waiting_logged:
+                self._waiting_logged = True
+                log.info("p2pkv tier: the weights digest is still being computed; until "
+                         "it is known, lookups miss and stores wait (up to %.0f s)",
+                         self._identity_timeout)
             return None
         with self._start_lock:
-            if self._node is not None or self._failed is not None or self._closed:
+            # Another thread (scheduler or store) may have started it meanwhile.
+            if self._settled():
                 return self._node
             return self._start_node()
+
+    def _settled(self) -> bool:
+        """True once the node started, failed for good, or the tier closed."""
+        return self._node is not None or self._failed is not None or self._closed
 
     def _start_node(self) -> Node | None:
         try:
