@@ -49,6 +49,7 @@ __all__ = [
     "hub_snapshot_revision",
     "readable_weight_files",
     "weight_files",
+    "weights_digest",
 ]
 
 #: Weight files in the order of preference of vLLM's ``load_format="auto"``: safetensors
@@ -225,6 +226,14 @@ def _short(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:FINGERPRINT_HEX_LEN]
 
 
+def weights_digest(files: Iterable[FileDigest]) -> str:
+    """``model_weights`` (SPEC 1.4): 16 hex of the canonical JSON of the manifest
+    ``{"files": [{"name", "sha256", "size"}, ...]}``, the files sorted by name."""
+    manifest = sorted(({"name": f.name, "sha256": f.sha256, "size": f.size} for f in files),
+                      key=lambda entry: str(entry["name"]))
+    return _short(canonical_json({"files": manifest}))
+
+
 def config_digest(config: Mapping[str, Any]) -> str:
     """``model_config``: 16 hex of the canonical form (SPEC 1.4) of a model configuration
     without :data:`CONFIG_METADATA_KEYS` and without keys starting with ``_``."""
@@ -296,8 +305,7 @@ def checkpoint_identity(path: str | os.PathLike[str], *, cache: Path | None = No
         FileDigest(name=str(file.relative_to(base)), size=st.st_size,
                    sha256=digests[file][0], source=digests[file][1])
         for file, st in files)
-    manifest = [{"name": e.name, "sha256": e.sha256, "size": e.size} for e in entries]
-    weights = _short(canonical_json({"files": manifest}))
+    weights = weights_digest(entries)
     config = _read_config(root)
     seconds = time.perf_counter() - started
     revision = hub_snapshot_revision(root)

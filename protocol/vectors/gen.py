@@ -543,6 +543,43 @@ def extension_vectors() -> dict[str, Any]:
          "engine": "vllm 0.32.0"},
         '{"key_hash":"' + key_hashes[0]["key_hash"] + '","kv_memory_layout":"HND",'
         '"model_overrides":"' + OVERRIDES_DIGEST + '","model_revision":"5f2b1c0"}')
+    # 1.2: the weights manifest and the model config, canonical texts written by hand.
+    sha_a, sha_b = "a" * 64, "0123456789abcdef" * 4
+    weights = [
+        {"name": "one_file",
+         "files": [{"name": "model.safetensors", "size": 538090408, "sha256": sha_a}],
+         "canonical": '{"files":[{"name":"model.safetensors","sha256":"' + sha_a
+                      + '","size":538090408}]}'},
+        {"name": "shards_sorted_by_name",
+         "files": [{"name": "model-00002-of-00002.safetensors", "size": 7, "sha256": sha_b},
+                   {"name": "model-00001-of-00002.safetensors", "size": 5, "sha256": sha_a}],
+         "canonical": '{"files":[{"name":"model-00001-of-00002.safetensors","sha256":"'
+                      + sha_a + '","size":5},{"name":"model-00002-of-00002.safetensors",'
+                      '"sha256":"' + sha_b + '","size":7}]}'},
+    ]
+    for case in weights:
+        case["model_weights"] = sha16(case["canonical"])
+    configs = [
+        {"name": "metadata_keys_dropped",
+         "config": {"_name_or_path": "/tmp/x", "transformers_version": "5.19.0",
+                    "torch_dtype": "float32", "dtype": "float32", "use_cache": True,
+                    "model_type": "llama", "num_key_value_heads": 3,
+                    "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}},
+         "canonical": '{"model_type":"llama","num_key_value_heads":3,'
+                      '"rope_parameters":{"rope_theta":100000,"rope_type":"default"}}'},
+        {"name": "rope_theta_changed",
+         "config": {"model_type": "llama", "num_key_value_heads": 3,
+                    "rope_parameters": {"rope_theta": 25000.0, "rope_type": "default"}},
+         "canonical": '{"model_type":"llama","num_key_value_heads":3,'
+                      '"rope_parameters":{"rope_theta":25000,"rope_type":"default"}}'},
+    ]
+    for case in configs:
+        case["model_config"] = sha16(case["canonical"])
+    ext("with_weights_and_config",
+        {"model_weights": weights[0]["model_weights"], "model_config": configs[0]["model_config"],
+         "engine": "vllm 0.32.0"},
+        '{"model_config":"' + configs[0]["model_config"] + '","model_weights":"'
+        + weights[0]["model_weights"] + '"}')
     layouts = [
         {"declared": "NHD", "canonical": "NHD"},
         {"declared": "lbnhc", "canonical": "NHD"},
@@ -552,9 +589,10 @@ def extension_vectors() -> dict[str, Any]:
         {"declared": "my-engine.v3", "canonical": "my-engine.v3"},
     ]
     return {"about": "identity extension: model_overrides canonical form and digest, "
-                     "key_hash, extension digest, kv_memory_layout names (SPEC 1.4)",
+                     "key_hash, extension digest, kv_memory_layout names, model_weights "
+                     "manifests and model_config (SPEC 1.4)",
             "model_overrides": overrides, "key_hash": key_hashes, "extension": extensions,
-            "kv_memory_layout": layouts}
+            "kv_memory_layout": layouts, "model_weights": weights, "model_config": configs}
 
 
 def shm_vectors() -> dict[str, Any]:
