@@ -3,7 +3,11 @@
 Run with the vLLM environment::
 
     .venv-vllm/bin/python -m p2pkv.integrations.vllm.bench_ttft [--prompt-tokens 4096]
-        [--rounds 3] [--json PATH]
+        [--rounds 3] [--model-dir DIR] [--json PATH]
+
+``--prompt-tokens`` takes a comma-separated list (``1024,4096,8000``): every length is
+measured with the same two engines. ``--model-dir`` runs a real checkpoint (for example
+SmolLM2 from ``make real-model``: ``.models/smollm2``) instead of the random-weight one.
 
 A producer engine computes ``rounds`` long prompts and keeps their KV chunks in its p2pkv
 tier. A consumer engine (another process, connected to the producer) then alternates, per
@@ -103,50 +107,74 @@ def _address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def run(prompt_tokens: int, rounds: int) -> dict[str, Any]:
-    prompts = [[(r * 7919 + i * 31 + 3) % (BENCH_MODEL.vocab_size - 3) + 3
-                for i in range(prompt_tokens)] for r in range(2 * rounds)]
-    shared, fresh = prompts[:rounds], prompts[rounds:]
-    max_len = prompt_tokens + 64
+def _prompts(lengths: list[int], rounds: int, vocab: int) -> dict[int, list[list[int]]]:
+    """Per length, ``2 * rounds`` prompts of distinct token ids (no shared prefix)."""
+    return {n: [[(r * 7919 + n * 13 + i * 31 + 3) % (vocab - 3) + 3 for i in range(n)]
+                for r in range(2 * rounds)] for n in lengths}
+
+
+def run(prompt_tokens: int | list[int], rounds: int,
+        model_dir: str | None = None) -> dict[str, Any]:
+    lengths = [prompt_tokens] if isinstance(prompt_tokens, int) else list(prompt_tokens)
     cpu_bytes = 4 << 30
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(write_tiny_llama(os.path.join(tmp, "model"), BENCH_MODEL))
+        if model_dir is None:
+            model = str(write_tiny_llama(os.path.join(tmp, "model"), BENCH_MODEL))
+            described: Any = BENCH_MODEL.__dict__
+        else:
+            model = model_dir
+            with open(os.path.join(model_dir, "config.json")) as fh:
+                described = json.load(fh)
+        vocab = int(described["vocab_size"])
+        limit = int(described.get("max_position_embeddings", 1 << 30))
+        max_len = min(max(lengths) + 64, limit)
+        prompts = _prompts(lengths, rounds, vocab)
         a, b = _address(), _address()
         producer = _Proc(model, _config(a, [], cpu_bytes), max_len,
                          os.path.join(tmp, "producer.log"))
         try:
-            produced = [producer.run(p) for p in shared]
+            produced = {n: [producer.run(p) for p in prompts[n][:rounds]] for n in lengths}
             consumer = _Proc(model, _config(b, [a], cpu_bytes), max_len,
                              os.path.join(tmp, "consumer.log"))
             try:
-                hits, misses = [], []
-                for r in range(rounds):
-                    hits.append(consumer.run(shared[r]))
-                    misses.append(consumer.run(fresh[r]))
+                hits: dict[int, list[dict[str, Any]]] = {n: [] for n in lengths}
+                misses: dict[int, list[dict[str, Any]]] = {n: [] for n in lengths}
+                for r in range(rounds):  # lengths interleaved, hit and miss alternating
+                    for n in lengths:
+                        hits[n].append(consumer.run(prompts[n][r]))
+                        misses[n].append(consumer.run(prompts[n][rounds + r]))
             finally:
                 consumer.close()
         finally:
             producer.close()
-    hit_s = [h["seconds"] for h in hits]
-    miss_s = [m["seconds"] for m in misses]
-    return {
-        "prompt_tokens": prompt_tokens,
-        "rounds": rounds,
-        "model": BENCH_MODEL.__dict__,
-        "producer_prefill_s": [p["seconds"] for p in produced],
-        "hit_ttft_s": hit_s,
-        "miss_ttft_s": miss_s,
-        "hit_cached_tokens": [h["cached"] for h in hits],
-        "same_first_token": all(h["token"] == p["token"]
-                                for h, p in zip(hits, produced, strict=True)),
-        "ttft_ratio_hit_over_miss": statistics.median(hit_s) / statistics.median(miss_s),
-    }
+    rows = []
+    for n in lengths:
+        hit_s = [h["seconds"] for h in hits[n]]
+        miss_s = [m["seconds"] for m in misses[n]]
+        rows.append({
+            "prompt_tokens": n,
+            "producer_prefill_s": [p["seconds"] for p in produced[n]],
+            "hit_ttft_s": hit_s,
+            "miss_ttft_s": miss_s,
+            "hit_cached_tokens": [h["cached"] for h in hits[n]],
+            "same_first_token": all(h["token"] == p["token"]
+                                    for h, p in zip(hits[n], produced[n], strict=True)),
+            "ttft_ratio_hit_over_miss": statistics.median(hit_s) / statistics.median(miss_s),
+        })
+    result: dict[str, Any] = {"rounds": rounds, "model": model_dir or "random-weight Llama",
+                              "model_config": described, "rows": rows}
+    if len(rows) == 1:
+        result.update(rows[0])
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="vLLM TTFT with and without a p2pkv hit")
-    ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--prompt-tokens", default="4096",
+                    help="prompt length, or a comma-separated list of lengths")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--model-dir", default=None,
+                    help="a real checkpoint (default: a random-weight Llama written here)")
     ap.add_argument("--json", help="also write the result to this file")
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -155,17 +183,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine:
         _engine(args.model, json.loads(args.engine), args.max_len)
         return 0
-    result = run(args.prompt_tokens, args.rounds)
-    med_hit = statistics.median(result["hit_ttft_s"])
-    med_miss = statistics.median(result["miss_ttft_s"])
-    print(f"prompt {result['prompt_tokens']} tokens, {result['rounds']} rounds")
-    print(f"TTFT with the p2pkv hit   median {med_hit:.3f} s  all "
-          f"{[round(x, 3) for x in result['hit_ttft_s']]}  cached tokens "
-          f"{result['hit_cached_tokens']}")
-    print(f"TTFT recomputing (miss)   median {med_miss:.3f} s  all "
-          f"{[round(x, 3) for x in result['miss_ttft_s']]}")
-    print(f"ratio hit/miss {result['ttft_ratio_hit_over_miss']:.3f}   "
-          f"same first token as the producer: {result['same_first_token']}")
+    lengths = [int(n) for n in str(args.prompt_tokens).split(",")]
+    result = run(lengths, args.rounds, args.model_dir)
+    print(f"model {result['model']}, {result['rounds']} rounds")
+    for row in result["rows"]:
+        med_hit = statistics.median(row["hit_ttft_s"])
+        med_miss = statistics.median(row["miss_ttft_s"])
+        print(f"prompt {row['prompt_tokens']} tokens")
+        print(f"  TTFT with the p2pkv hit   median {med_hit:.3f} s  all "
+              f"{[round(x, 3) for x in row['hit_ttft_s']]}  cached tokens "
+              f"{row['hit_cached_tokens']}")
+        print(f"  TTFT recomputing (miss)   median {med_miss:.3f} s  all "
+              f"{[round(x, 3) for x in row['miss_ttft_s']]}")
+        print(f"  ratio hit/miss {row['ttft_ratio_hit_over_miss']:.3f}   "
+              f"same first token as the producer: {row['same_first_token']}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
