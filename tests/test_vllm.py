@@ -469,6 +469,7 @@ def test_other_weights_at_the_same_path_are_refused(
     content digest differs, both sides refuse on ``ext.model_weights``, no chunk is
     loaded, and the consumer gives its own answer (the variant answers as the original
     does), not the garbage that the producer's KV would make of it."""
+    producer_engine.chat("france", max_tokens=1)
     before = refused_fields(producer_engine.metrics(), "inbound")
     point_model_at(model_dir, checkpoints[1])
     try:
@@ -485,7 +486,9 @@ def test_other_weights_at_the_same_path_are_refused(
     assert metrics.get("vllm:p2pkv_loaded_blocks", 0) == 0
     assert refused_fields(metrics) == {"ext.model_weights"}, metrics
     assert "ext.model_weights" in log and "different weights" in log
-    # The producer refused the consumer for the same field, and counted it.
+    # The producer refused the consumer for the same field, and counted it (vLLM
+    # publishes a tier's counters with an engine step: one short request makes one).
+    producer_engine.chat("france", max_tokens=1)
     after = refused_fields(producer_engine.metrics(), "inbound")
     assert "model_weights_mismatch" in after - before, (before, after)
 
