@@ -7,9 +7,10 @@ module is what users call; the work happens in :mod:`p2pkv.runtime`:
   Every ZeroMQ socket lives on it; the public methods here are thread-safe because each
   only queues a command for it and returns a :class:`concurrent.futures.Future`
   (``*_async``) or waits on one with a deadline (the blocking forms).
-* ``runtime.client`` / ``runtime.server``: the connections this node opens (requests,
-  futures, typed errors) and the peers connected to its ROUTER (handshake enforcement,
-  lookup answers, fetch jobs).
+* ``runtime.outbound`` / ``runtime.inbound``: a connection this node opens (requests,
+  futures, typed errors) and a peer connected to its ROUTER (handshake enforcement,
+  lookup answers, fetch jobs), each owning its state; ``runtime.client`` /
+  ``runtime.server`` keep them and drive them from the IO loop.
 * ``runtime.sender`` / ``runtime.receiver``: the data path. Blocks go out zero-copy
   from the pool and stay pinned until ZeroMQ let go of them; they land with
   ``recv_into`` straight into their destination slot, verified before they become
@@ -54,7 +55,7 @@ from p2pkv.runtime.server import Server
 from p2pkv.runtime.shm_client import SharedReceiver
 from p2pkv.runtime.shm_server import SharedSender
 from p2pkv.runtime.state import FetchTicket
-from p2pkv.runtime.stats import Counters
+from p2pkv.runtime.stats import Count, Counters
 from p2pkv.runtime.tuning import WAIT_GRACE
 from p2pkv.shm import ShmUnavailable
 from p2pkv.store import BlockStore
@@ -363,21 +364,23 @@ class Node:
         return NodeStats(
             address=self.address, node_id=self.node_id, fingerprint=self.fingerprint,
             peers_out=len(handles), peers_in=self._server.ready_peers(),
-            handshakes_accepted=c["handshakes_accepted"], handshakes_refused=c.refusals,
-            lookups_served=c["lookups_served"], lookup_keys_served=c["lookup_keys_served"],
-            lookup_hits_served=c["lookup_hits_served"], blocks_sent=c["blocks_sent"],
-            bytes_sent=c["bytes_sent"], blocks_received=c["blocks_received"],
-            bytes_received=c["bytes_received"], checksum_failures=c["checksum_failures"],
-            protocol_violations=c["protocol_violations"], store=self.store.stats(),
+            handshakes_accepted=c[Count.HANDSHAKES_ACCEPTED], handshakes_refused=c.refusals,
+            lookups_served=c[Count.LOOKUPS_SERVED],
+            lookup_keys_served=c[Count.LOOKUP_KEYS_SERVED],
+            lookup_hits_served=c[Count.LOOKUP_HITS_SERVED], blocks_sent=c[Count.BLOCKS_SENT],
+            bytes_sent=c[Count.BYTES_SENT], blocks_received=c[Count.BLOCKS_RECEIVED],
+            bytes_received=c[Count.BYTES_RECEIVED],
+            checksum_failures=c[Count.CHECKSUM_FAILURES],
+            protocol_violations=c[Count.PROTOCOL_VIOLATIONS], store=self.store.stats(),
             fetch_latency_buckets=c.latency_buckets, fetch_latency_sum=c.latency_sum,
             identity_undeclared=c.undeclared,
             shm_segment=None if self._shm_sender.offer is None else self._shm_sender.offer.name,
             shm_unavailable=self.shm_unavailable,
             shm_peers_out=sum(1 for h in handles if h.data_path == "shm"),
             shm_peers_in=self._shm_sender.attached_peers(),
-            shm_fallbacks={k.removeprefix("shm_fallback."): v for k, v in c.counts.items()
-                           if k.startswith("shm_fallback.")},
-            blocks_sent_shm=c["blocks_sent_shm"], blocks_received_shm=c["blocks_received_shm"],
+            shm_fallbacks=c.shm_fallbacks,
+            blocks_sent_shm=c[Count.BLOCKS_SENT_SHM],
+            blocks_received_shm=c[Count.BLOCKS_RECEIVED_SHM],
             shm_pinned=self._shm_sender.pinned(),
         )
 

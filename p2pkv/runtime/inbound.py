@@ -30,7 +30,7 @@ from p2pkv.reports import reason_name
 from p2pkv.runtime.sender import Sender
 from p2pkv.runtime.shm_server import SharedSender
 from p2pkv.runtime.state import Sending
-from p2pkv.runtime.stats import Counters
+from p2pkv.runtime.stats import Count, Counters
 from p2pkv.store import BlockStore
 from p2pkv.transport import cut_connection
 
@@ -133,7 +133,7 @@ class InboundConnection:
 
     def _count_accepted(self, ev: proto.HandshakeAccepted) -> None:
         counters = self._parts.counters
-        counters.add("handshakes_accepted")
+        counters.add(Count.HANDSHAKES_ACCEPTED)
         log.info("accepted peer %s (%s)", ev.remote.node, self.rid.hex())
         counters.undeclared(f"peer {self.rid.hex()}", ev.warnings)
 
@@ -156,9 +156,9 @@ class InboundConnection:
     def _on_lookup(self, ev: proto.LookupRequested) -> None:
         hits = self._parts.store.lookup(list(ev.keys))
         counters = self._parts.counters
-        counters.add("lookups_served")
-        counters.add("lookup_keys_served", len(ev.keys))
-        counters.add("lookup_hits_served", sum(hits))
+        counters.add(Count.LOOKUPS_SERVED)
+        counters.add(Count.LOOKUP_KEYS_SERVED, len(ev.keys))
+        counters.add(Count.LOOKUP_HITS_SERVED, sum(hits))
         self.send([self.session.answer_lookup(ev.req, hits)])
 
     def _on_fetch(self, ev: proto.FetchRequested) -> None:
@@ -182,7 +182,7 @@ class InboundConnection:
         self.drop(cut=not ev.by_remote and ev.code == proto.Code.PEER_TIMEOUT)
 
     def _on_violation(self, ev: proto.ProtocolViolated) -> None:
-        self._parts.counters.add("protocol_violations")
+        self._parts.counters.add(Count.PROTOCOL_VIOLATIONS)
         log.warning("protocol violation by peer %s, closed: %s [%s]", self.rid.hex(), ev.msg,
                     proto.code_name(ev.code))
         self.drop()

@@ -21,7 +21,7 @@ from p2pkv.checksum import block_checksum
 from p2pkv.errors import StoreFullError
 from p2pkv.runtime.public import KeyOutcome
 from p2pkv.runtime.state import Receiving
-from p2pkv.runtime.stats import Counters
+from p2pkv.runtime.stats import Count, Counters
 from p2pkv.store import BlockStore, BlockWriter, ChecksumMismatch, StoreError
 
 __all__ = ["Landed", "Landing"]
@@ -70,8 +70,8 @@ class Landing:
             self._open.clear()
             landed, self._landed = self._landed, 0
             if landed:
-                self._counters.add("blocks_received", landed)
-                self._counters.add("bytes_received", landed * self._bpb)
+                self._counters.add(Count.BLOCKS_RECEIVED, landed)
+                self._counters.add(Count.BYTES_RECEIVED, landed * self._bpb)
 
     # -- destinations --------------------------------------------------------------------
 
@@ -180,7 +180,7 @@ class Landing:
         return 1
 
     def _corrupt(self, recv: Receiving, key_index: int, mismatch: ChecksumMismatch) -> None:
-        self._counters.add("checksum_failures")
+        self._counters.add(Count.CHECKSUM_FAILURES)
         self.fail(recv, key_index, f"block dropped: {mismatch}")
 
     def _nowhere(self, recv: Receiving, key_index: int, why: str) -> None:

@@ -44,7 +44,7 @@ from p2pkv.runtime.reactor import Reactor, fail, resolve
 from p2pkv.runtime.receiver import Receiver, drain
 from p2pkv.runtime.shm_client import SharedReceiver
 from p2pkv.runtime.state import FetchTicket, Receiving
-from p2pkv.runtime.stats import Counters
+from p2pkv.runtime.stats import Count, Counters
 from p2pkv.runtime.tuning import MONITOR_GRACE_MS, READ_BUDGET, READ_BURST_BYTES
 from p2pkv.store import BlockStore
 from p2pkv.transport import handshake_failure, monitor_messages
@@ -491,7 +491,7 @@ class OutboundConnection:
                                 f"[{proto.code_name(ev.code)}]"))
 
     def _on_violation(self, ev: proto.ProtocolViolated, now: float) -> None:
-        self._parts.counters.add("protocol_violations")
+        self._parts.counters.add(Count.PROTOCOL_VIOLATIONS)
         log.warning("protocol violation by %s: %s", self.address, ev.msg)
         self.close(ProtocolError(ev.code, ev.msg))
 

@@ -25,7 +25,7 @@ from p2pkv.checksum import copy_with_checksum
 from p2pkv.errors import ProtocolError
 from p2pkv.runtime.landing import Landing
 from p2pkv.runtime.state import Receiving
-from p2pkv.runtime.stats import Counters
+from p2pkv.runtime.stats import Count, Counters, ShmFallback
 from p2pkv.shm import MappedSegment, ShmUnavailable
 
 __all__ = ["SharedLink", "SharedReceiver"]
@@ -79,13 +79,13 @@ class SharedLink:
             return None
         if offer is None:
             self.detail = "the peer's pool is not in shared memory"
-            self._fell_back("no_segment")
+            self._fell_back(ShmFallback.NO_SEGMENT)
             return None
         try:
             mapping = MappedSegment(offer.name, offer.size, self._parts.segments)
         except ShmUnavailable as exc:
             self.detail = f"cannot use the peer's segment: {exc}"
-            self._fell_back("cannot_map")
+            self._fell_back(ShmFallback.CANNOT_MAP)
             return None
         self.mapping = mapping
         return session.attach(mapping.nonce)
@@ -99,7 +99,7 @@ class SharedLink:
                      mapping.name)
             return
         self.detail = f"the peer refused the shared-memory proof: {ev.msg}"
-        self._fell_back("refused")
+        self._fell_back(ShmFallback.REFUSED)
         self.close()
 
     def close(self) -> None:
@@ -108,8 +108,8 @@ class SharedLink:
         if mapping is not None:
             mapping.close()
 
-    def _fell_back(self, kind: str) -> None:
-        self._parts.counters.add(f"shm_fallback.{kind}")
+    def _fell_back(self, why: ShmFallback) -> None:
+        self._parts.counters.fell_back(why)
         log.info("%s: blocks move over TCP: %s", self._address, self.detail)
 
     # -- landing -------------------------------------------------------------------------
@@ -144,4 +144,4 @@ class SharedLink:
                 else:
                     block.actual = copy_with_checksum(block.views, sources)
                 landed += landing.settle(recv, block)
-        self._parts.counters.add("blocks_received_shm", landed)
+        self._parts.counters.add(Count.BLOCKS_RECEIVED_SHM, landed)
