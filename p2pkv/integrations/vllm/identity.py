@@ -1,20 +1,31 @@
-"""A vLLM engine's p2pkv identity, derived from its offloading spec.
+"""A vLLM engine's p2pkv identity, derived from the engine itself.
 
 The run config reproduces ``FileMapper.from_offloading_spec`` field by field (the same
 opt-in vLLM's own P2P tier uses: parallel-agnostic sharing, one file per offload chunk),
 so the fingerprint a p2pkv tier advertises is the digest vLLM computes for the same
-spec. What that digest lets through is declared in the identity extension:
+spec. What that digest cannot see, the tier finds out from the engine, with no operator
+action, and declares in the identity extension:
 
+- ``model_weights``: a content digest of the checkpoint's weight files
+  (:mod:`p2pkv.identity.checkpoint`: Hugging Face blob names, a digest cache, or hashed
+  in a background thread while the engine finishes starting);
+- ``model_config``: a digest of the checkpoint's ``config.json``;
+- ``model_overrides``: the digest of what the engine changes on top of the checkpoint
+  (``hf_overrides``, the quantization method), ``{}`` when nothing;
+- ``model_revision``: ``ModelConfig.revision``, else the Hugging Face snapshot commit;
 - ``kv_memory_layout``: the byte order of a block in the engine's KV cache (vLLM's CPU
   backend stores all K of a block before its V: ``HND_K_THEN_V``; on GPUs the spec's
   ``kv_cache_layout``);
 - ``key_hash``: vLLM's prefix-caching hash function and a digest of the seed its block
-  hashes start from (``get_none_hash_seed()``: ``PYTHONHASHSEED``, a fixed default, or a
-  random per-process value). Engines whose seeds differ never compute a common key, so
-  the handshake refuses them and says to set ``PYTHONHASHSEED`` equal everywhere;
-- ``model_revision`` and ``model_overrides``: vLLM does not hand them to a tier, so the
-  operator declares them in the tier config (the same on every engine);
+  hashes start from (``get_none_hash_seed()``), read once the engine core seeded it;
 - ``engine``: ``vllm <version>``, informational.
+
+The engine configuration (``VllmConfig``) is not handed to a tier: the tier finds it as
+the current config when one is set, else on the call stack that builds it (vLLM's
+offloading connector holds it while it builds its tiers). Without it the tier does not
+start: an identity it cannot derive is never treated as matching. A value the operator
+declares in the tier config must equal what is derived, or the engine stops at start
+with both values in the error.
 
 Block keys are vLLM's offload keys, carried opaquely under ``khash.algo =
 "vllm-<hash function>"`` (SPEC 15.2); the seed travels only as the extension's digest.
@@ -22,10 +33,31 @@ Block keys are vLLM's offload keys, carried opaquely under ``khash.algo =
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import concurrent.futures
+import hashlib
+import inspect
+import os
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
-from p2pkv.identity import IdentityExtension, RunConfig, key_hash_identity, model_overrides_digest
+from p2pkv.errors import ConfigError
+from p2pkv.identity import (
+    IdentityExtension,
+    RunConfig,
+    canonical_model_overrides,
+    key_hash_identity,
+    model_overrides_digest,
+)
+from p2pkv.identity.checkpoint import (
+    CheckpointError,
+    CheckpointIdentity,
+    checkpoint_identity,
+    hub_snapshot_revision,
+    readable_weight_files,
+)
 
 #: Prefix of the ``khash.algo`` a vLLM engine advertises (``vllm-sha256``, ...).
 KEY_HASH_PREFIX = "vllm-"
@@ -137,17 +169,229 @@ def memory_layout(spec: Any) -> str | None:
     return str(layout)
 
 
-def extension_for(spec: Any, key_hash: VLLMKeyHash, *, kv_memory_layout: str | None = None,
-                  model_revision: str | None = None,
-                  model_overrides: dict[str, Any] | None = None) -> IdentityExtension:
-    """The identity extension of a vLLM engine; explicit values win over detection."""
+def find_vllm_config() -> Any | None:
+    """The engine's ``VllmConfig``: the current one when set, else the nearest caller
+    that holds one (the offloading connector builds its tiers inside its constructor,
+    which has ``vllm_config``); None when none is reachable."""
+    from vllm.config import VllmConfig, get_current_vllm_config_or_none
+
+    current = get_current_vllm_config_or_none()
+    if current is not None:
+        return current
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            local = frame.f_locals
+            for candidate in (local.get("vllm_config"),
+                              getattr(local.get("self"), "vllm_config", None)):
+                if isinstance(candidate, VllmConfig):
+                    return candidate
+            frame = frame.f_back
+    finally:
+        del frame
+    return None
+
+
+@dataclass(frozen=True)
+class EngineIdentity:
+    """What the tier derived from the engine at start (the weights digest comes later,
+    from :attr:`checkpoint_path`), each field with where it came from."""
+
+    kv_memory_layout: str | None
+    model_revision: str | None
+    model_overrides: str
+    #: The canonical text behind ``model_overrides``, for logs and errors.
+    overrides_canonical: str
+    #: The local checkpoint to hash; None when the engine loads no checkpoint (dummy).
+    checkpoint_path: str | None
+    #: ``model_weights`` when no checkpoint is read (``load_format="dummy"``).
+    fixed_weights: str | None = None
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+def _overrides_of(model_config: Any) -> dict[str, Any]:
+    """What the engine changes on top of the checkpoint, in the SPEC 1.4 key names."""
+    hf = model_config.hf_overrides
+    if callable(hf):
+        hf = f"callable {getattr(hf, '__module__', '?')}.{getattr(hf, '__qualname__', '?')}"
+    elif isinstance(hf, Mapping):
+        hf = dict(hf) or None
+    return {"hf_overrides": hf, "quantization": model_config.quantization}
+
+
+def _checkpoint_path(model_config: Any, load_config: Any) -> str:
+    """The local files of the checkpoint the engine loaded (hub ids through the local
+    Hugging Face cache, as vLLM itself resolved them)."""
+    model = str(model_config.model)
+    if os.path.exists(model):
+        return model
+    if os.path.isabs(model) or model.startswith("."):
+        raise CheckpointError(f"model path {model!r} does not exist here, so its weights "
+                              "cannot be hashed; p2pkv shares nothing without that digest")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return str(snapshot_download(
+            model, revision=model_config.revision,
+            cache_dir=getattr(load_config, "download_dir", None), local_files_only=True))
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot find the files of model {model!r} locally ({type(exc).__name__}: "
+            f"{exc}); p2pkv hashes the weights the engine loaded and shares nothing "
+            "without that digest") from None
+
+
+def derive_engine_identity(spec: Any, vllm_config: Any | None,
+                           declared: Mapping[str, Any]) -> EngineIdentity:
+    """Everything the tier can derive at start, checked against what the operator
+    declared (``kv_memory_layout``, ``model_revision``, ``model_overrides`` tier
+    options). Raises :class:`ConfigError` when the engine's configuration cannot be
+    reached, the checkpoint cannot be read, or a declaration disagrees."""
+    if vllm_config is None:
+        raise ConfigError(
+            "P2PKVTier: the engine's configuration (VllmConfig) is not reachable where the "
+            "tier is built, so the weights, revision and overrides cannot be derived; "
+            "p2pkv refuses to start with an identity it cannot see")
+    model_config = vllm_config.model_config
+    load_config = vllm_config.load_config
+    sources: dict[str, str] = {}
+
+    layout = memory_layout(spec)
+    sources["kv_memory_layout"] = ("vLLM's CPU attention backend" if layout == "HND_K_THEN_V"
+                                   else "the offloading spec's kv_cache_layout")
+    want = declared.get("kv_memory_layout")
+    if want is not None and IdentityExtension(kv_memory_layout=want).kv_memory_layout != \
+            IdentityExtension(kv_memory_layout=layout).kv_memory_layout:
+        raise ConfigError(f"P2PKVTier: kv_memory_layout is declared {want!r} but the engine "
+                          f"uses {layout!r} ({sources['kv_memory_layout']}); remove the "
+                          "declaration or run the engine with that layout")
+
+    overrides = _overrides_of(model_config)
+    canonical = canonical_model_overrides(overrides)
+    digest = model_overrides_digest(overrides)
+    sources["model_overrides"] = f"ModelConfig.hf_overrides and .quantization: {canonical}"
+    if declared.get("model_overrides") is not None:
+        mine = declared["model_overrides"]
+        if model_overrides_digest(mine) != digest:
+            raise ConfigError(
+                f"P2PKVTier: model_overrides is declared {canonical_model_overrides(mine)} "
+                f"(digest {model_overrides_digest(mine)}) but the engine applies {canonical} "
+                f"(digest {digest}); remove the declaration: the tier derives it")
+
+    revision = model_config.revision
+    sources["model_revision"] = "ModelConfig.revision (--revision)"
+    load_format = str(getattr(load_config, "load_format", "auto"))
+    path = fixed = None
+    if load_format == "dummy":
+        import vllm
+
+        fixed = hashlib.sha256(f"dummy weights, vllm {vllm.__version__}".encode()
+                               ).hexdigest()[:16]
+        sources["model_weights"] = f"load_format=dummy (vLLM {vllm.__version__}'s initializer)"
+    else:
+        path = _checkpoint_path(model_config, load_config)
+        readable_weight_files(path)  # a checkpoint it cannot hash fails at start
+        if revision is None:
+            revision = hub_snapshot_revision(path)
+            sources["model_revision"] = "the Hugging Face cache snapshot of the model"
+    if revision is None:
+        sources["model_revision"] = "not set: a local checkpoint without a revision"
+    want = declared.get("model_revision")
+    if want is not None and revision is not None and want != revision:
+        raise ConfigError(f"P2PKVTier: model_revision is declared {want!r} but the engine "
+                          f"loaded revision {revision!r} ({sources['model_revision']})")
+    if want is not None and revision is None:
+        revision = want
+        sources["model_revision"] = "declared in the tier config"
+    return EngineIdentity(kv_memory_layout=layout, model_revision=revision,
+                          model_overrides=digest, overrides_canonical=canonical,
+                          checkpoint_path=path, fixed_weights=fixed, sources=sources)
+
+
+def extension_for(engine: EngineIdentity, checkpoint: CheckpointIdentity | None,
+                  key_hash: VLLMKeyHash) -> IdentityExtension:
+    """The identity extension of a vLLM engine, once the weights digest is known."""
     import vllm
 
     return IdentityExtension(
-        kv_memory_layout=kv_memory_layout or memory_layout(spec),
-        model_revision=model_revision,
-        model_overrides=(None if model_overrides is None
-                         else model_overrides_digest(model_overrides)),
+        kv_memory_layout=engine.kv_memory_layout,
+        model_revision=engine.model_revision,
+        model_overrides=engine.model_overrides,
         key_hash=key_hash.identity,
         engine=f"vllm {vllm.__version__}",
+        model_weights=checkpoint.model_weights if checkpoint else engine.fixed_weights,
+        model_config=checkpoint.model_config if checkpoint else None,
     )
+
+
+class TierIdentity:
+    """A tier's identity as it becomes known: derived from the engine at start (raises
+    :class:`ConfigError` there), the weights digest from a daemon thread (a shutdown
+    never waits for a hash nobody needs any more), the key hash once the engine core
+    seeded it. Thread-safe."""
+
+    def __init__(self, spec: Any, declared: Mapping[str, Any]) -> None:
+        try:
+            self.engine = derive_engine_identity(spec, find_vllm_config(), declared)
+        except CheckpointError as exc:
+            raise ConfigError(f"P2PKVTier: {exc}") from None
+        self._checkpoint: Future[CheckpointIdentity | None] = Future()
+        self._key_hash: VLLMKeyHash | None = None
+        threading.Thread(target=self._derive, args=(self.engine.checkpoint_path,),
+                         daemon=True, name="p2pkv-identity").start()
+
+    def _derive(self, path: str | None) -> None:
+        try:
+            result = checkpoint_identity(path) if path is not None else None
+        except BaseException as exc:
+            self._checkpoint.set_exception(exc)
+        else:
+            self._checkpoint.set_result(result)
+
+    @property
+    def pending(self) -> bool:
+        """True while the weights digest is being computed."""
+        return not self._checkpoint.done()
+
+    def wait(self, timeout: float) -> bool:
+        """True once the weights digest is known (waiting up to ``timeout`` seconds);
+        raises what computing it raised."""
+        try:
+            self._checkpoint.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
+
+    def extension(self, key_hash: VLLMKeyHash) -> IdentityExtension:
+        """The extension to advertise (call once :meth:`wait` returned True)."""
+        self._key_hash = key_hash
+        return extension_for(self.engine, self._checkpoint.result(timeout=0), key_hash)
+
+    def describe(self) -> str:
+        """Every field known so far, with where it came from (one log line)."""
+        engine = self.engine
+        values: dict[str, str | None] = {
+            "kv_memory_layout": engine.kv_memory_layout,
+            "model_revision": engine.model_revision,
+            "model_overrides": engine.model_overrides}
+        sources = dict(engine.sources)
+        if not self._checkpoint.done():
+            values["model_weights"] = "(being computed)"
+            sources["model_weights"] = f"hashing {engine.checkpoint_path}"
+        elif self._checkpoint.exception() is not None:
+            values["model_weights"] = "(unknown)"
+            sources["model_weights"] = f"failed: {self._checkpoint.exception()}"
+        elif (checkpoint := self._checkpoint.result()) is not None:
+            values.update(model_weights=checkpoint.model_weights,
+                          model_config=checkpoint.model_config)
+            sources.update(checkpoint.sources)
+        else:
+            values["model_weights"] = engine.fixed_weights
+        if self._key_hash is not None:
+            values["key_hash"] = self._key_hash.identity
+            sources["key_hash"] = (f"vLLM's NONE_HASH: {self._key_hash.function}, seeded "
+                                   "by get_none_hash_seed()")
+        order = ("kv_memory_layout", "model_weights", "model_config", "model_revision",
+                 "model_overrides", "key_hash")
+        return "; ".join(f"{name}={values[name]} ({sources.get(name, 'derived')})"
+                         for name in order if name in values)

@@ -14,7 +14,8 @@ from typing import Any
 from p2pkv.errors import ConfigError
 from p2pkv.transport import validate_address
 
-__all__ = ["TIER_DEFAULTS", "TIER_OPTIONS", "kv_transfer_config", "tier_settings"]
+__all__ = ["DEFAULT_IDENTITY_TIMEOUT", "TIER_DEFAULTS", "TIER_OPTIONS", "kv_transfer_config",
+           "tier_settings"]
 
 #: Tier-config keys taken by this tier (the node options keep their ``serve`` names;
 #: see docs/configuration.md). Identity options are absent on purpose: the identity is
@@ -24,9 +25,13 @@ TIER_OPTIONS: tuple[str, ...] = (
     "handshake_timeout", "lookup_timeout", "fetch_timeout", "heartbeat_timeout",
     "curve_secret_key", "curve_authorized", "curve_server_key", "reconnect_interval",
     "identity_policy", "kv_memory_layout", "model_revision", "model_overrides",
-    "directory", "directory_ttl", "advertise", "shm",
+    "directory", "directory_ttl", "advertise", "shm", "identity_timeout",
 )
 _DEFAULT_RECONNECT = 2.0
+#: Seconds a store may wait for the weights digest before it is dropped (the first start
+#: of a large checkpoint hashes it; later starts read the digest cache).
+DEFAULT_IDENTITY_TIMEOUT = 600.0
+_TIER_ONLY = ("peers", "reconnect_interval", "locality", "identity_timeout")
 #: Defaults that differ from ``serve``'s: a scheduler waits on lookups, so silence
 #: becomes a miss sooner; a load that takes longer than recomputing is not worth waiting.
 TIER_DEFAULTS: Mapping[str, Any] = {"lookup_timeout": 1.0, "fetch_timeout": 10.0}
@@ -42,17 +47,14 @@ def tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], floa
             f"P2PKVTier: unknown option(s) {unknown}; valid: {sorted(TIER_OPTIONS)} (the "
             "identity comes from vLLM's offloading spec, not from tier options)")
     flags = dict(TIER_DEFAULTS)
-    flags.update({k: v for k, v in params.items()
-                  if k not in ("peers", "reconnect_interval", "locality")})
+    flags.update({k: v for k, v in params.items() if k not in _TIER_ONLY})
     peers = params.get("peers", ())
     if isinstance(peers, str) or not isinstance(peers, Sequence):
         raise ConfigError(f"P2PKVTier: peers must be a list of tcp://HOST:PORT addresses, "
                           f"got {peers!r}")
     flags["peer"] = list(peers)
-    reconnect = params.get("reconnect_interval", _DEFAULT_RECONNECT)
-    if isinstance(reconnect, bool) or not isinstance(reconnect, (int, float)) or reconnect <= 0:
-        raise ConfigError(f"P2PKVTier: reconnect_interval must be a positive number of "
-                          f"seconds, got {reconnect!r}")
+    reconnect = _positive_seconds(params, "reconnect_interval", _DEFAULT_RECONNECT)
+    _positive_seconds(params, "identity_timeout", DEFAULT_IDENTITY_TIMEOUT)
     try:
         settings = load_settings(flags, environ={})
         for address in settings["peer"]:
@@ -67,6 +69,14 @@ def tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], floa
         raise ConfigError(f"P2PKVTier: {message}") from None
     _check_bindable(settings["listen"])
     return settings, tuple(settings["peer"]), float(reconnect)
+
+
+def _positive_seconds(params: Mapping[str, Any], name: str, default: float) -> float:
+    value = params.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"P2PKVTier: {name} must be a positive number of seconds, got "
+                          f"{value!r}")
+    return float(value)
 
 
 def _check_bindable(listen: str) -> None:

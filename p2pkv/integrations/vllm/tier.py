@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import functools
 import logging
 import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -56,19 +55,20 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from p2pkv.cluster import PrefixFetch
 from p2pkv.errors import P2PKVError, PeerGone
-from p2pkv.identity import IdentityExtension, RunConfig
-from p2pkv.integrations.vllm.directory import DirectorySource, fetch_outcomes
-from p2pkv.integrations.vllm.identity import (
-    VLLMKeyHash,
-    current_key_hash,
-    extension_for,
-    run_config_from_spec,
-)
+from p2pkv.identity import RunConfig
+from p2pkv.integrations.vllm.directory import fetch_outcomes
+from p2pkv.integrations.vllm.identity import TierIdentity, run_config_from_spec
 from p2pkv.integrations.vllm.metrics import Metrics, metric_definitions
-from p2pkv.integrations.vllm.options import TIER_DEFAULTS, TIER_OPTIONS, tier_settings
+from p2pkv.integrations.vllm.options import (
+    DEFAULT_IDENTITY_TIMEOUT,
+    TIER_DEFAULTS,
+    TIER_OPTIONS,
+    tier_settings,
+)
 from p2pkv.integrations.vllm.peers import Peers
+from p2pkv.integrations.vllm.starter import TierNode
 from p2pkv.layout import EngineRowLayout
-from p2pkv.node import FetchResult, KeyOutcome, Node, NodeConfig, PeerHandle
+from p2pkv.node import FetchResult, KeyOutcome, Node, PeerHandle
 
 # Under "vllm." so that vLLM's own log handler prints the tier's lines with the engine's.
 log = logging.getLogger("vllm.p2pkv")
@@ -117,34 +117,34 @@ class P2PKVTier(SecondaryTierManager):
                          backpressure_detector=backpressure_detector)
         self.locality = Locality.REMOTE
         settings, peers, reconnect = tier_settings(params)
-        from p2pkv.cli import node_config
+        from p2pkv.settings import node_config
 
-        self._node_config: NodeConfig = node_config(settings)
         self._declared = {name: settings[name] for name in
                           ("kv_memory_layout", "model_revision", "model_overrides")}
         self.run_config: RunConfig = run_config_from_spec(
             offloading_spec, parallel_agnostic=settings["parallel_agnostic"])
+        # Derived from the engine now; the weights digest follows off this thread, and
+        # until it is known the node does not start: nothing is shared under an
+        # identity that is not yet known.
+        self.identity = TierIdentity(offloading_spec, self._declared)
+        self._identity_timeout = float(params.get("identity_timeout",
+                                                  DEFAULT_IDENTITY_TIMEOUT))
         self.layout = EngineRowLayout.of_bytes(self.block_size_bytes)
-        self._pool_blocks = int(params.get("pool_blocks") or len(primary_kv_view))
         self._fetch_timeout = float(settings["fetch_timeout"])
         # The 2-D region as bytes: chunk c is rows[c * row : (c + 1) * row].
         self._rows = primary_kv_view.cast("B")
-        self._key_hash: VLLMKeyHash | None = None
-        self.extension: IdentityExtension | None = None
-        self._node: Node | None = None
-        self._failed: str | None = None
         self._lock = threading.Lock()
-        self._directory_url: str = settings["directory"]
-        self._directory_options = {
-            "peers": peers, "ttl": float(settings["directory_ttl"]),
-            "lookup_timeout": float(settings["lookup_timeout"]),
-            "fetch_timeout": self._fetch_timeout, "advertise": settings["advertise"]}
-        # With a directory its cluster connects to the static peers (its fallback) and
-        # this list stays idle, unless the directory cannot be set up.
-        self._directory: DirectorySource | None = None
         self._peers = Peers(peers, reconnect=reconnect,
                             lookup_timeout=float(settings["lookup_timeout"]),
                             lock=self._lock, count=self._count)
+        self._run = TierNode(
+            self.identity, self.run_config, self.layout, node_config(settings),
+            pool_blocks=int(params.get("pool_blocks") or len(primary_kv_view)),
+            peers=self._peers, identity_timeout=self._identity_timeout,
+            directory=settings["directory"], directory_options={
+                "peers": peers, "ttl": float(settings["directory_ttl"]),
+                "lookup_timeout": float(settings["lookup_timeout"]),
+                "fetch_timeout": self._fetch_timeout, "advertise": settings["advertise"]})
         self._lookup = _PeerLookup(self, tier_type)
         self._finished: collections.deque[tuple[JobResult, list[OffloadKey]]] = \
             collections.deque()
@@ -153,9 +153,9 @@ class P2PKVTier(SecondaryTierManager):
         self._stores = concurrent.futures.ThreadPoolExecutor(1, "p2pkv-vllm-store")
         self._stats = OffloadingConnectorStats()
         self._inbound_refusals: dict[str, int] = {}
-        self._closed = False
-        log.info("p2pkv tier: fingerprint %s, %d-byte chunks, peers %s",
-                 self.run_config.fingerprint, self.block_size_bytes, list(peers) or "none")
+        log.info("p2pkv tier: fingerprint %s, %d-byte chunks, peers %s; identity derived "
+                 "so far: %s", self.run_config.fingerprint, self.block_size_bytes,
+                 list(peers) or "none", self.identity.describe())
 
     # ------------------------------------------------------------------ identity, node
 
@@ -166,52 +166,13 @@ class P2PKVTier(SecondaryTierManager):
     @property
     def node(self) -> Node | None:
         """The node, once started (after the engine initialised its block hashing)."""
-        return self._node
+        return self._run.node
 
-    def _ensure_node(self) -> Node | None:
-        """The node, started on first use; None when it cannot run (the tier then
-        answers MISS and fails its jobs: the engine recomputes, it never stops)."""
-        if self._node is not None or self._failed is not None:
-            return self._node
-        if self._closed:
-            return None
-        try:
-            # vLLM seeds its block hashes after building the scheduler (and this tier),
-            # so the key hash is read on first use, when requests are already flowing.
-            self._key_hash = current_key_hash()
-            self.extension = extension_for(self._offloading_spec, self._key_hash,
-                                           **self._declared)
-            # Keys are vLLM's own (SPEC 15.2): the name says so, and the seed travels
-            # only as the extension's digest, whose refusal says what to change.
-            config = replace(self._node_config, key_hash_algo=self._key_hash.algo,
-                             key_hash_seed=0)
-            self._node = Node(self.run_config, self.layout, pool_blocks=self._pool_blocks,
-                              config=config, extension=self.extension)
-        except Exception as exc:  # reported once; the engine keeps running
-            self._failed = f"{type(exc).__name__}: {exc}"
-            log.error("p2pkv tier disabled, its node could not start: %s", self._failed)
-            return None
-        log.info("p2pkv tier node %s on %s: %s", self._node.node_id, self._node.address,
-                 self.extension.describe())
-        if self._directory_url != "static":
-            ext = self.extension
-            try:
-                self._directory = DirectorySource(
-                    self._node, self._directory_url,
-                    extension="" if ext.is_empty else ext.digest, **self._directory_options)
-            except Exception as exc:  # the static peers still work
-                log.error("p2pkv tier: directory %s unusable (%s: %s); using the static "
-                          "peers only", self._directory_url, type(exc).__name__, exc)
-            else:
-                log.info("p2pkv tier: directory %s, partition %s, registered as %s",
-                         self._directory_url, self._directory.cluster.partition,
-                         self._directory.cluster.address)
-        self._maintain()
-        return self._node
+    def _ensure_node(self, wait: float = 0.0) -> Node | None:
+        return self._run.ensure(wait)
 
     def _maintain(self) -> None:
-        if self._node is not None and self._directory is None:
-            self._peers.maintain(self._node)
+        self._run.maintain()
 
     def _count(self, name: str, n: int, labels: tuple[str, ...]) -> None:
         """Increment one of this tier's metrics (the caller holds the lock)."""
@@ -219,11 +180,11 @@ class P2PKVTier(SecondaryTierManager):
 
     def _ask_peers(self, keys: list[OffloadKey]) -> list[bool]:
         """Runs on the lookup thread (see :meth:`Peers.ask`)."""
-        node = self._node
+        node = self._run.node
         if node is None or not keys:
             return [False] * len(keys)
-        if self._directory is not None:
-            found = self._directory.ask(keys)
+        if self._run.directory is not None:
+            found = self._run.directory.ask(keys)
             with self._lock:
                 self._count(Metrics.LOOKUP_KEYS, len(keys), ())
                 self._count(Metrics.LOOKUP_HITS, sum(found), ())
@@ -253,7 +214,7 @@ class P2PKVTier(SecondaryTierManager):
             job.failures["tier_disabled"] = len(keys)
             self._load_done(job, 0, None, None)
             return
-        if self._directory is not None:
+        if self._run.directory is not None:
             self._load_through_directory(job, chunk_ids)
             return
         handles, holders = self._peers.route(keys)
@@ -284,14 +245,14 @@ class P2PKVTier(SecondaryTierManager):
 
     def _load_through_directory(self, job: _LoadJob, chunk_ids: list[int]) -> None:
         """One striped, failing-over prefix fetch for the whole job (see directory.py)."""
-        assert self._directory is not None
+        assert self._run.directory is not None
         row = self.block_size_bytes
         dests = [[self._rows[cid * row:(cid + 1) * row]] for cid in chunk_ids]
         with self._lock:
             job.pending = 1
             self._loads[job.job_id] = job
         try:
-            fut = self._directory.load(job.keys, dests)
+            fut = self._run.directory.load(job.keys, dests)
         except P2PKVError as exc:
             self._load_done(job, len(job.keys), None, exc)
             return
@@ -358,7 +319,8 @@ class P2PKVTier(SecondaryTierManager):
     def submit_store(self, job_metadata: TransferJob) -> None:
         node = self._ensure_node()
         keys, chunk_ids = _job_chunks(job_metadata, "store")
-        if node is None:
+        if node is None and not (self.identity.pending and self._run.failed is None
+                                 and not self._run.closed):
             with self._lock:
                 self._finished.append((JobResult(job_id=job_metadata.job_id, success=False,
                                                  transfer_bytes=0), []))
@@ -372,13 +334,23 @@ class P2PKVTier(SecondaryTierManager):
         with self._lock:
             self._outstanding.discard(fut)
 
-    def _store(self, node: Node, job_id: int, keys: list[OffloadKey],
+    def _store(self, node: Node | None, job_id: int, keys: list[OffloadKey],
                chunk_ids: list[int]) -> None:
-        """Store thread: copy the chunks out of the primary region into the pool."""
+        """Store thread: copy the chunks out of the primary region into the pool (first
+        waiting, bounded, for the identity when the node has not started yet)."""
         started = time.perf_counter()
         row = self.block_size_bytes
         stored = 0
         failed = 0
+        if node is None:
+            node = self._ensure_node(wait=self._identity_timeout)
+        if node is None:
+            log.warning("p2pkv tier: store job %d dropped: the identity is not known (%s)",
+                        job_id, self._run.failed or "weights digest still being computed")
+            with self._lock:
+                self._finished.append((JobResult(job_id=job_id, success=False,
+                                                 transfer_bytes=0), []))
+            return
         for key, cid in zip(keys, chunk_ids, strict=True):
             try:
                 if node.put(key, self._rows[cid * row:(cid + 1) * row]):
@@ -433,18 +405,13 @@ class P2PKVTier(SecondaryTierManager):
             concurrent.futures.wait(pending, timeout=remaining)
 
     def shutdown(self) -> None:
-        if self._closed:
+        if self._run.closed:
             return
-        self._closed = True
+        self._run.closed = True
         self.drain_jobs()
         self._stores.shutdown(wait=True)
         self._lookup.shutdown()
-        if self._directory is not None:
-            with contextlib.suppress(Exception):
-                self._directory.close()  # withdraws this engine's claims
-        if self._node is not None:
-            with contextlib.suppress(Exception):
-                self._node.close()
+        self._run.close()
 
     # ------------------------------------------------------------------ observability
 
@@ -453,14 +420,15 @@ class P2PKVTier(SecondaryTierManager):
         peers, refusals = self._peers.report()
         return {
             "fingerprint": self.fingerprint,
-            "address": self._node.address if self._node else None,
-            "disabled": self._failed,
-            "key_hash": self._key_hash.algo if self._key_hash else None,
-            "extension": self.extension.to_wire() if self.extension else None,
+            "address": self._run.node.address if self._run.node else None,
+            "disabled": self._run.failed,
+            "key_hash": self._run.key_hash.algo if self._run.key_hash else None,
+            "extension": self._run.extension.to_wire() if self._run.extension else None,
+            "identity": self.identity.describe(),
             "peers": peers,
             "handshakes_refused": refusals,
-            "directory": self._directory.describe() if self._directory else None,
-            "node": self._node.stats() if self._node else None,
+            "directory": self._run.directory.describe() if self._run.directory else None,
+            "node": self._run.node.stats() if self._run.node else None,
         }
 
     @classmethod
@@ -469,7 +437,7 @@ class P2PKVTier(SecondaryTierManager):
         return metric_definitions()
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        inbound = dict(self._node.stats().handshakes_refused) if self._node else {}
+        inbound = dict(self._run.node.stats().handshakes_refused) if self._run.node else {}
         connected = self._peers.connected()
         with self._lock:
             stats, self._stats = self._stats, OffloadingConnectorStats()
@@ -480,10 +448,10 @@ class P2PKVTier(SecondaryTierManager):
                                            ("inbound", reason))
             self._inbound_refusals = inbound
         stats.set_gauge(Metrics.PEERS, connected)
-        if self._directory is not None:
-            for name, delta in self._directory.deltas().items():
+        if self._run.directory is not None:
+            for name, delta in self._run.directory.deltas().items():
                 stats.increase_counter(name, delta)
-            stats.set_gauge(Metrics.DIRECTORY_REGISTERED, int(self._directory.registered()))
+            stats.set_gauge(Metrics.DIRECTORY_REGISTERED, int(self._run.directory.registered()))
         return stats
 
 

@@ -1,0 +1,139 @@
+"""The tier's p2pkv node: started once the engine's identity is fully known.
+
+vLLM builds a tier before it seeds its block hashes, and the weights digest is computed
+off the scheduler thread, so the node cannot start with the tier. :class:`TierNode`
+starts it on first use, from whichever thread needs it first (the scheduler for a
+lookup, the store thread for a store), exactly once; until then, and for good when it
+cannot start, it answers None: the tier misses and fails its jobs, the engine
+recomputes, nothing is shared under an identity that is not known.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import replace
+from typing import Any
+
+from p2pkv.identity import IdentityExtension, RunConfig
+from p2pkv.integrations.vllm.directory import DirectorySource
+from p2pkv.integrations.vllm.identity import TierIdentity, VLLMKeyHash, current_key_hash
+from p2pkv.integrations.vllm.peers import Peers
+from p2pkv.layout import EngineRowLayout
+from p2pkv.node import Node, NodeConfig
+
+log = logging.getLogger("vllm.p2pkv")
+
+__all__ = ["TierNode"]
+
+
+class TierNode:
+    """The node (and directory) of one tier, and why it has not started when it has
+    not. Attributes are read by the tier's threads; they are written under a lock."""
+
+    def __init__(self, identity: TierIdentity, run_config: RunConfig,
+                 layout: EngineRowLayout, config: NodeConfig, *, pool_blocks: int,
+                 peers: Peers, identity_timeout: float, directory: str,
+                 directory_options: dict[str, Any]) -> None:
+        self.identity = identity
+        self._run_config = run_config
+        self._layout = layout
+        self._config = config
+        self._pool_blocks = pool_blocks
+        self._peers = peers
+        self._identity_timeout = identity_timeout
+        self._directory_url = directory
+        self._directory_options = directory_options
+        self._lock = threading.Lock()
+        self._waiting_logged = False
+        self.node: Node | None = None
+        #: With a directory its cluster connects to the static peers (its fallback) and
+        #: the tier's own peer list stays idle, unless the directory cannot be set up.
+        self.directory: DirectorySource | None = None
+        self.key_hash: VLLMKeyHash | None = None
+        self.extension: IdentityExtension | None = None
+        #: Why the node will never run (set once), or None.
+        self.failed: str | None = None
+        self.closed = False
+
+    def settled(self) -> bool:
+        """True once the node started, failed for good, or the tier closed."""
+        return self.node is not None or self.failed is not None or self.closed
+
+    def ensure(self, wait: float = 0.0) -> Node | None:
+        """The node, started on first use once the identity is known; None while the
+        weights digest is being computed (waiting up to ``wait`` seconds for it) and
+        when the node cannot run."""
+        if self.settled():
+            return self.node
+        try:
+            known = self.identity.wait(wait)
+        except Exception as exc:
+            with self._lock:
+                if self.failed is None:
+                    self.failed = f"{type(exc).__name__}: {exc}"
+                    log.error("p2pkv tier disabled: the weights digest could not be "
+                              "computed (%s); nothing is shared", self.failed)
+            return None
+        if not known:
+            if not self._waiting_logged:
+                self._waiting_logged = True
+                log.info("p2pkv tier: the weights digest is still being computed; until "
+                         "it is known, lookups miss and stores wait (up to %.0f s)",
+                         self._identity_timeout)
+            return None
+        with self._lock:
+            # Another thread (scheduler or store) may have started it meanwhile.
+            if self.settled():
+                return self.node
+            return self._start()
+
+    def _start(self) -> Node | None:
+        try:
+            # vLLM seeds its block hashes after building the scheduler (and the tier),
+            # so the key hash is read on first use, when requests are already flowing.
+            self.key_hash = current_key_hash()
+            self.extension = self.identity.extension(self.key_hash)
+            # Keys are vLLM's own (SPEC 15.2): the name says so, and the seed travels
+            # only as the extension's digest, whose refusal says what to change.
+            config = replace(self._config, key_hash_algo=self.key_hash.algo,
+                             key_hash_seed=0)
+            node = Node(self._run_config, self._layout, pool_blocks=self._pool_blocks,
+                        config=config, extension=self.extension)
+        except Exception as exc:  # reported once; the engine keeps running
+            self.failed = f"{type(exc).__name__}: {exc}"
+            log.error("p2pkv tier disabled, its node could not start: %s", self.failed)
+            return None
+        self.node = node
+        log.info("p2pkv tier node %s on %s: identity %s", node.node_id, node.address,
+                 self.identity.describe())
+        if self._directory_url != "static":
+            ext = self.extension
+            try:
+                self.directory = DirectorySource(
+                    node, self._directory_url,
+                    extension="" if ext.is_empty else ext.digest, **self._directory_options)
+            except Exception as exc:  # the static peers still work
+                log.error("p2pkv tier: directory %s unusable (%s: %s); using the static "
+                          "peers only", self._directory_url, type(exc).__name__, exc)
+            else:
+                log.info("p2pkv tier: directory %s, partition %s, registered as %s",
+                         self._directory_url, self.directory.cluster.partition,
+                         self.directory.cluster.address)
+        self.maintain()
+        return node
+
+    def maintain(self) -> None:
+        """Keep the static peers connected (not needed with a directory)."""
+        if self.node is not None and self.directory is None:
+            self._peers.maintain(self.node)
+
+    def close(self) -> None:
+        """Withdraw this engine's claims from the directory, then stop the node."""
+        if self.directory is not None:
+            with contextlib.suppress(Exception):
+                self.directory.close()
+        if self.node is not None:
+            with contextlib.suppress(Exception):
+                self.node.close()
