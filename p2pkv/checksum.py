@@ -2,17 +2,18 @@
 
 One definition shared by the wire protocol (capability ``checksum-xxh3-64``, see
 ``protocol/SPEC.md``), the block store (which verifies a block before it becomes visible)
-and the node's receiver (which verifies blocks landed in caller-owned buffers). Pure.
+and the node's landing (which verifies blocks landed in caller-owned buffers, and blocks
+copied from a peer's shared memory). Pure.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TypeAlias
 
 import xxhash
 
-__all__ = ["BytesLike", "block_checksum"]
+__all__ = ["BytesLike", "block_checksum", "copy_with_checksum"]
 
 BytesLike: TypeAlias = "bytes | bytearray | memoryview"
 
@@ -25,5 +26,21 @@ def block_checksum(segments: Iterable[BytesLike]) -> int:
     h = xxhash.xxh3_64(seed=0)
     for seg in segments:
         h.update(seg)
+    value: int = h.intdigest()
+    return value
+
+
+def copy_with_checksum(destinations: Sequence[memoryview],
+                       sources: Sequence[BytesLike]) -> int:
+    """Copy each segment of a block into its destination and return the block's checksum.
+
+    Each segment is hashed right after it was copied, while it is still in cache:
+    verifying then costs a fraction of a second pass over the block. Equal to copying,
+    then ``block_checksum(destinations)``.
+    """
+    h = xxhash.xxh3_64(seed=0)
+    for dst, src in zip(destinations, sources, strict=True):
+        dst[:] = src
+        h.update(dst)
     value: int = h.intdigest()
     return value

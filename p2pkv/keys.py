@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import TypeAlias
+from typing import Final, TypeAlias
 
 import xxhash
 
@@ -46,6 +46,7 @@ __all__ = [
     "BLOCK_KEY_BYTES",
     "CONTENT_HASH_BYTES",
     "KEY_HASH_ALGORITHM",
+    "MAX_KEY_LEN",
     "ExtraKey",
     "block_keys",
     "check_keys",
@@ -62,6 +63,9 @@ __all__ = [
 KEY_HASH_ALGORITHM = "xxh3-128"
 CONTENT_HASH_BYTES = 16
 BLOCK_KEY_BYTES = CONTENT_HASH_BYTES + 4
+MAX_KEY_LEN: Final = 64
+"""Longest block key in bytes (a key is at least 1 byte): on the wire, in the store, at
+the node's API (``protocol/SPEC.md`` §15). Chained keys are :data:`BLOCK_KEY_BYTES`."""
 
 ExtraKey: TypeAlias = "int | str | bytes"
 

@@ -7,9 +7,10 @@ module is what users call; the work happens in :mod:`p2pkv.runtime`:
   Every ZeroMQ socket lives on it; the public methods here are thread-safe because each
   only queues a command for it and returns a :class:`concurrent.futures.Future`
   (``*_async``) or waits on one with a deadline (the blocking forms).
-* ``runtime.client`` / ``runtime.server``: the connections this node opens (requests,
-  futures, typed errors) and the peers connected to its ROUTER (handshake enforcement,
-  lookup answers, fetch jobs).
+* ``runtime.outbound`` / ``runtime.inbound``: a connection this node opens (requests,
+  futures, typed errors) and a peer connected to its ROUTER (handshake enforcement,
+  lookup answers, fetch jobs), each owning its state; ``runtime.client`` /
+  ``runtime.server`` keep them and drive them from the IO loop.
 * ``runtime.sender`` / ``runtime.receiver``: the data path. Blocks go out zero-copy
   from the pool and stay pinned until ZeroMQ let go of them; they land with
   ``recv_into`` straight into their destination slot, verified before they become
@@ -38,11 +39,14 @@ import zmq
 from p2pkv import protocol as proto
 from p2pkv.errors import ConfigError, LocalLimitExceeded, PeerGone, PeerTimeout
 from p2pkv.identity import IdentityExtension, RunConfig
-from p2pkv.keys import check_keys
+from p2pkv.keys import MAX_KEY_LEN, check_keys
 from p2pkv.layout import Layout
 from p2pkv.pool import BlockPool
-from p2pkv.protocol.codes import MAX_HEAD_BYTES, MAX_KEY_LEN
+from p2pkv.protocol.codes import MAX_HEAD_BYTES
 from p2pkv.runtime.client import Client
+from p2pkv.runtime.inbound import InboundParts
+from p2pkv.runtime.landing import Landing
+from p2pkv.runtime.outbound import OutboundParts
 from p2pkv.runtime.public import FetchResult, KeyOutcome, NodeConfig, NodeStats, PeerHandle
 from p2pkv.runtime.reactor import Reactor
 from p2pkv.runtime.receiver import Receiver, check_destinations
@@ -51,11 +55,17 @@ from p2pkv.runtime.server import Server
 from p2pkv.runtime.shm_client import SharedReceiver
 from p2pkv.runtime.shm_server import SharedSender
 from p2pkv.runtime.state import FetchTicket
-from p2pkv.runtime.stats import Counters
+from p2pkv.runtime.stats import Count, Counters
 from p2pkv.runtime.tuning import WAIT_GRACE
 from p2pkv.shm import ShmUnavailable
 from p2pkv.store import BlockStore
-from p2pkv.transport import bound_address, make_router, start_authenticator, validate_address
+from p2pkv.transport import (
+    bound_address,
+    make_dealer,
+    make_router,
+    start_authenticator,
+    validate_address,
+)
 
 __all__ = [
     "FetchResult",
@@ -193,19 +203,32 @@ class Node:
         segment = store.pool.segment if self.config.shm else None
         self._shm_sender = SharedSender(self._router, store, segment, self._bpb,
                                         self._counters, pin_limit=2 * window)
-        self._server = Server(reactor=self._reactor, router=self._router, store=store,
-                              hello=self.hello, deadlines=self._deadlines, limits=self._limits,
-                              max_peers=self.config.max_peers, sender=sender,
-                              counters=self._counters,
-                              identity_policy=self.config.identity_policy,
-                              shm=self._shm_sender)
-        self._client = Client(reactor=self._reactor, ctx=self._ctx, owner=self, hello=self.hello,
-                              deadlines=self._deadlines, limits=self._limits, config=self.config,
-                              store=store, budget=proto.CreditBudget(window),
-                              receiver=Receiver(store, self._segments, self._bpb, self._counters),
-                              counters=self._counters, max_message=self._max_message,
-                              shm=SharedReceiver(store, self._segments, self._bpb,
-                                                 self._counters, enabled=self.config.shm))
+        shm_sender = self._shm_sender
+        self._server = Server(
+            self._reactor,
+            InboundParts(router=self._router, store=store, sender=sender, shm=shm_sender,
+                         counters=self._counters),
+            new_session=lambda now: proto.SharingSession(
+                proto.Role.SERVER, self.hello, deadlines=self._deadlines, limits=self._limits,
+                now=now, identity_policy=self.config.identity_policy,
+                shm_offer=shm_sender.offer),
+            max_peers=self.config.max_peers)
+        landing = Landing(store, self._bpb, self._counters)
+        config = self.config
+        self._client = Client(OutboundParts(
+            reactor=self._reactor,
+            dial=lambda address: make_dealer(self._ctx, address,
+                                             max_message_bytes=self._max_message,
+                                             curve=config.curve),
+            new_session=lambda now: proto.SharingSession(
+                proto.Role.CLIENT, self.hello, deadlines=self._deadlines, limits=self._limits,
+                now=now, identity_policy=config.identity_policy),
+            hello=self.hello, owner=self, store=store,
+            receiver=Receiver(landing, self._segments, self._bpb, self._counters),
+            shm=SharedReceiver(landing, self._segments, self._counters, enabled=config.shm),
+            budget=proto.CreditBudget(window), counters=self._counters,
+            curve=config.curve is not None, bytes_per_block=self._bpb),
+            max_peers=config.max_peers)
         # The order the IO loop serves them in, and the order they shut down in.
         self._reactor.add(self._client)
         self._reactor.add(self._server)
@@ -265,7 +288,7 @@ class Node:
 
     def fetch_async(self, peer: PeerHandle, keys: Sequence[bytes], *,
                     timeout: float | None = None) -> Future[FetchResult]:
-        return self._fetch_async(peer, keys, None, timeout)
+        return self._fetch_async(peer, self._check_keys(keys), None, timeout)
 
     def fetch(self, peer: PeerHandle, keys: Sequence[bytes], *,
               timeout: float | None = None) -> FetchResult:
@@ -341,21 +364,23 @@ class Node:
         return NodeStats(
             address=self.address, node_id=self.node_id, fingerprint=self.fingerprint,
             peers_out=len(handles), peers_in=self._server.ready_peers(),
-            handshakes_accepted=c["handshakes_accepted"], handshakes_refused=c.refusals,
-            lookups_served=c["lookups_served"], lookup_keys_served=c["lookup_keys_served"],
-            lookup_hits_served=c["lookup_hits_served"], blocks_sent=c["blocks_sent"],
-            bytes_sent=c["bytes_sent"], blocks_received=c["blocks_received"],
-            bytes_received=c["bytes_received"], checksum_failures=c["checksum_failures"],
-            protocol_violations=c["protocol_violations"], store=self.store.stats(),
+            handshakes_accepted=c[Count.HANDSHAKES_ACCEPTED], handshakes_refused=c.refusals,
+            lookups_served=c[Count.LOOKUPS_SERVED],
+            lookup_keys_served=c[Count.LOOKUP_KEYS_SERVED],
+            lookup_hits_served=c[Count.LOOKUP_HITS_SERVED], blocks_sent=c[Count.BLOCKS_SENT],
+            bytes_sent=c[Count.BYTES_SENT], blocks_received=c[Count.BLOCKS_RECEIVED],
+            bytes_received=c[Count.BYTES_RECEIVED],
+            checksum_failures=c[Count.CHECKSUM_FAILURES],
+            protocol_violations=c[Count.PROTOCOL_VIOLATIONS], store=self.store.stats(),
             fetch_latency_buckets=c.latency_buckets, fetch_latency_sum=c.latency_sum,
             identity_undeclared=c.undeclared,
             shm_segment=None if self._shm_sender.offer is None else self._shm_sender.offer.name,
             shm_unavailable=self.shm_unavailable,
             shm_peers_out=sum(1 for h in handles if h.data_path == "shm"),
             shm_peers_in=self._shm_sender.attached_peers(),
-            shm_fallbacks={k.removeprefix("shm_fallback."): v for k, v in c.counts.items()
-                           if k.startswith("shm_fallback.")},
-            blocks_sent_shm=c["blocks_sent_shm"], blocks_received_shm=c["blocks_received_shm"],
+            shm_fallbacks=c.shm_fallbacks,
+            blocks_sent_shm=c[Count.BLOCKS_SENT_SHM],
+            blocks_received_shm=c[Count.BLOCKS_RECEIVED_SHM],
             shm_pinned=self._shm_sender.pinned(),
         )
 
@@ -397,6 +422,7 @@ class Node:
                 shared = False
 
     def _check_keys(self, keys: Sequence[bytes]) -> tuple[bytes, ...]:
+        """The public boundary's one check of a request's keys; inside, they are trusted."""
         if isinstance(keys, (bytes, bytearray, str)):  # type: ignore[unreachable]
             raise ValueError("keys must be a sequence of bytes keys, not a single key")
         out = tuple(keys)
@@ -407,10 +433,10 @@ class Node:
                                      allowed=limit, requested=len(out))
         return check_keys(out, MAX_KEY_LEN)
 
-    def _fetch_async(self, peer: PeerHandle, keys: Sequence[bytes],
+    def _fetch_async(self, peer: PeerHandle, checked: tuple[bytes, ...],
                      destinations: Sequence[Sequence[memoryview]] | None,
                      timeout: float | None) -> Future[FetchResult]:
-        checked = self._check_keys(keys)
+        """``checked``: keys that passed :meth:`_check_keys` (the public methods check)."""
         fut: Future[FetchResult] = Future()
         if not checked:
             fut.set_result(FetchResult((), (), {}, 0, 0, 0.0))

@@ -50,11 +50,10 @@ from typing import TypeAlias
 
 from p2pkv.checksum import BytesLike, block_checksum
 from p2pkv.errors import P2PKVError, StoreFullError
-from p2pkv.keys import check_keys, keys_well_formed
+from p2pkv.keys import MAX_KEY_LEN, check_keys, keys_well_formed
 from p2pkv.pool import BlockPool, MemoryKind
 
 __all__ = [
-    "MAX_KEY_BYTES",
     "BlockReader",
     "BlockStore",
     "BlockWriter",
@@ -67,7 +66,6 @@ __all__ = [
     "block_checksum",
 ]
 
-MAX_KEY_BYTES = 64
 #: ``listener(key, visible)``: ``visible`` is True when ``key`` was committed, False when
 #: it was evicted or discarded. See :meth:`BlockStore.add_listener`.
 StoreListener: TypeAlias = Callable[[bytes, bool], None]
@@ -99,7 +97,7 @@ class ChecksumMismatch(StoreError):
 
 
 def _check_key(key: object) -> bytes:
-    return check_keys((key,), MAX_KEY_BYTES, what="block store keys")[0]
+    return check_keys((key,), MAX_KEY_LEN, what="block store keys")[0]
 
 
 @dataclass(frozen=True)
@@ -268,8 +266,8 @@ class BlockStore:
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         """Which ``keys`` are stored. Counts hits/misses; hits become most recent."""
-        if not keys_well_formed(keys, MAX_KEY_BYTES):
-            check_keys(keys, MAX_KEY_BYTES, what="block store keys")
+        if not keys_well_formed(keys, MAX_KEY_LEN):
+            check_keys(keys, MAX_KEY_LEN, what="block store keys")
         with self._lock:
             entries = self._entries
             result = list(map(entries.__contains__, keys))
@@ -289,7 +287,7 @@ class BlockStore:
             return key in self._entries
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, bytes) and 0 < len(key) <= MAX_KEY_BYTES and self.contains(key)
+        return isinstance(key, bytes) and 0 < len(key) <= MAX_KEY_LEN and self.contains(key)
 
     def __len__(self) -> int:
         with self._lock:
@@ -368,8 +366,8 @@ class BlockStore:
         repeated in ``keys`` too); once no slot is left, the :class:`StoreFullError`, for
         that key and every later one that needed a slot. Writers taken stay valid.
         """
-        if not keys_well_formed(keys, MAX_KEY_BYTES):
-            check_keys(keys, MAX_KEY_BYTES, what="block store keys")
+        if not keys_well_formed(keys, MAX_KEY_LEN):
+            check_keys(keys, MAX_KEY_LEN, what="block store keys")
         taken: list[int | StoreFullError | None] = []
         full: StoreFullError | None = None
         with self._lock:
@@ -518,8 +516,8 @@ class BlockStore:
 
     def acquire_read_many(self, keys: Sequence[bytes]) -> list[BlockReader | None]:
         """:meth:`acquire_read` for each key, under one lock (the sender's batches)."""
-        if not keys_well_formed(keys, MAX_KEY_BYTES):
-            check_keys(keys, MAX_KEY_BYTES, what="block store keys")
+        if not keys_well_formed(keys, MAX_KEY_LEN):
+            check_keys(keys, MAX_KEY_LEN, what="block store keys")
         pinned: list[tuple[bytes, _Entry] | None] = []
         with self._lock:
             entries = self._entries

@@ -8,13 +8,15 @@ Codes are grouped by hundreds so a reader of a log line can tell the family at a
 * ``3xx`` close reasons carried by ``bye``.
 
 A receiver must accept codes it does not know (a newer peer may add some) and treat them
-by family.
+by family (:func:`code_family`).
 """
 
 from __future__ import annotations
 
-from enum import IntEnum
+from enum import Enum, IntEnum
 from typing import Final
+
+from p2pkv.keys import MAX_KEY_LEN
 
 __all__ = [
     "CAP_CHECKSUM_XXH3_64",
@@ -50,6 +52,8 @@ __all__ = [
     "U32_MAX",
     "U64_MAX",
     "Code",
+    "CodeFamily",
+    "code_family",
     "code_name",
 ]
 
@@ -67,8 +71,6 @@ MAX_HEAD_BYTES: Final = 2 * 1024 * 1024
 """Largest frame 0. Fits a lookup of MAX_KEYS keys of MAX_KEY_LEN bytes with room to spare."""
 MAX_KEYS: Final = 16384
 """Most keys in one ``lookup``/``fetch`` (and entries in ``hits``/``done``)."""
-MAX_KEY_LEN: Final = 64
-"""Longest block key in bytes (a key is at least 1 byte)."""
 MAX_STR_LEN: Final = 4096
 """Longest free-text string (``msg``, ``meaning``, ``field``)."""
 MAX_NODE_ID_LEN: Final = 128
@@ -212,3 +214,26 @@ def code_name(code: int) -> str:
         return f"{Code(code).name}({int(code)})"
     except ValueError:
         return f"code {code}"
+
+
+class CodeFamily(Enum):
+    """What a code is about, known or not: the family its hundreds name."""
+
+    REFUSAL = "refusal"
+    """``1xx``: why a handshake was refused (the connection never became ready)."""
+    PROTOCOL_ERROR = "protocol_error"
+    """``2xx``: malformed or unexpected input, or a request turned down."""
+    CLOSE = "close"
+    """``3xx``: why a connection was closed."""
+    UNKNOWN = "unknown"
+    """Outside the families this protocol defines."""
+
+
+_FAMILIES: Final = {1: CodeFamily.REFUSAL, 2: CodeFamily.PROTOCOL_ERROR, 3: CodeFamily.CLOSE}
+
+
+def code_family(code: int) -> CodeFamily:
+    """The family of ``code``, from its hundreds; unknown codes are placed too."""
+    if code < 0:
+        return CodeFamily.UNKNOWN
+    return _FAMILIES.get(int(code) // 100, CodeFamily.UNKNOWN)

@@ -7,7 +7,7 @@ events of one step and the replies the transport must send, in order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Protocol
 
 from p2pkv.protocol.messages import (
     Frame,
@@ -19,11 +19,13 @@ from p2pkv.protocol.messages import (
 
 __all__ = [
     "NOTHING",
+    "NO_PAYLOAD",
     "AbortAcknowledged",
     "AbortRequested",
     "BlockArrived",
     "BlockDiscarded",
     "CreditGranted",
+    "DataArrived",
     "ErrorReceived",
     "Event",
     "FetchFinished",
@@ -34,6 +36,7 @@ __all__ = [
     "LookupRequested",
     "MessageIgnored",
     "Output",
+    "Payload",
     "PeerClosed",
     "ProtocolViolated",
     "RequestFailed",
@@ -109,16 +112,23 @@ class CreditGranted(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class BlockArrived(Event):
+class DataArrived(Event):
+    """Client: the bytes of accepted blocks are ready to land (:meth:`Payload.land`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockArrived(DataArrived):
     """Client: blocks ``idx`` of fetch ``req`` arrived (payload frames follow the header).
 
-    ``payload`` is empty when the transport fed the header alone (zero-copy receive).
+    ``payload`` is empty when the transport fed the header alone (zero-copy receive);
+    ``packed``: the blocks travel in one payload frame (``packed-v1``).
     """
 
     req: int
     idx: tuple[int, ...]
     sums: tuple[int | None, ...]
     payload: tuple[Frame, ...] = field(default=(), repr=False)
+    packed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,3 +225,40 @@ class Output:
 
 NOTHING: Final = Output()
 """The output of a step that did nothing."""
+
+
+class Payload(Protocol):
+    """What followed a frame 0, still held by the transport: the session decides what
+    becomes of it (:meth:`~p2pkv.protocol.Session.receive_data`) and never reads it."""
+
+    @property
+    def count(self) -> int | None:
+        """How many frames followed frame 0, when the transport counted them."""
+
+    def follows(self) -> bool:
+        """Whether any frame followed frame 0."""
+
+    def land(self, arrived: DataArrived) -> None:
+        """Move the bytes of an accepted ``block`` (or ``located``) message into their
+        destinations; raise :class:`~p2pkv.errors.ProtocolError` when they are not what
+        its header announced."""
+
+    def discard(self) -> None:
+        """Drop what followed (the message was refused, or its blocks are not wanted)."""
+
+
+class _NoPayload:
+    count = 0
+
+    def follows(self) -> bool:
+        return False
+
+    def land(self, arrived: DataArrived) -> None:  # pragma: no cover - nothing to land
+        raise AssertionError("a message without payload frames has no blocks to land")
+
+    def discard(self) -> None:
+        pass
+
+
+NO_PAYLOAD: Final[Payload] = _NoPayload()
+"""The payload of a frame 0 that came alone."""

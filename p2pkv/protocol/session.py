@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from p2pkv.errors import ConfigError, ProtocolError
 from p2pkv.identity import IDENTITY_POLICIES
 from p2pkv.keys import check_keys
-from p2pkv.protocol.codec import MajorVersionMismatch, decode
+from p2pkv.protocol.codec import MajorVersionMismatch, decode, decode_head
 from p2pkv.protocol.codes import (
     CAP_PACKED_V1,
     MAX_KEY_LEN,
@@ -38,12 +38,14 @@ from p2pkv.protocol.codes import (
     Code,
 )
 from p2pkv.protocol.events import (
+    NO_PAYLOAD,
     NOTHING,
     AbortAcknowledged,
     AbortRequested,
     BlockArrived,
     BlockDiscarded,
     CreditGranted,
+    DataArrived,
     ErrorReceived,
     Event,
     FetchFinished,
@@ -54,6 +56,7 @@ from p2pkv.protocol.events import (
     LookupRequested,
     MessageIgnored,
     Output,
+    Payload,
     PeerClosed,
     ProtocolViolated,
     RequestFailed,
@@ -91,12 +94,14 @@ from p2pkv.protocol.transitions import (
 )
 
 __all__ = [
+    "NO_PAYLOAD",
     "TRANSITIONS",
     "AbortAcknowledged",
     "AbortRequested",
     "BlockArrived",
     "BlockDiscarded",
     "CreditGranted",
+    "DataArrived",
     "Deadlines",
     "ErrorReceived",
     "Event",
@@ -110,6 +115,7 @@ __all__ = [
     "LookupRequested",
     "MessageIgnored",
     "Output",
+    "Payload",
     "PeerClosed",
     "ProtocolViolated",
     "RequestFailed",
@@ -127,12 +133,47 @@ def _check_keys(keys: Sequence[bytes], limit: int) -> tuple[bytes, ...]:
     return check_keys(out, MAX_KEY_LEN)
 
 
+def _block_sums(sums: Sequence[int | None] | None, n: int,
+                checksums: bool) -> tuple[int | None, ...]:
+    """The ``sums`` of a block message of ``n`` blocks: u64s exactly when checksums were
+    negotiated (``None``: all absent)."""
+    if sums is None:
+        if checksums:
+            raise ValueError("block: checksums were negotiated, sums are required")
+        return (None,) * n
+    sums_t = tuple(sums)
+    if len(sums_t) != n:
+        raise ValueError(f"block: {n} block(s) need {n} sums, got {len(sums_t)}")
+    for s in sums_t:
+        ok = (type(s) is int and 0 <= s <= U64_MAX) if checksums else s is None
+        if not ok:
+            raise ValueError(f"block: sums must be {'u64' if checksums else 'None'}"
+                             f" (checksums negotiated: {checksums}), got {s!r}")
+    return sums_t
+
+
+def _done_outcomes(outcomes: Sequence[int], nkeys: int,
+                   delivered: set[int]) -> tuple[int, ...]:
+    """The outcomes of a ``done``: one per key, OUTCOME_SENT exactly for those sent."""
+    out = tuple(outcomes)
+    if len(out) != nkeys:
+        raise ValueError(f"fetch_done: need {nkeys} outcomes, got {len(out)}")
+    for i, o in enumerate(out):
+        if type(o) is not int or not 0 <= o <= 2:
+            raise ValueError(f"fetch_done: outcome {i} must be 0, 1 or 2, got {o!r}")
+        if (o == OUTCOME_SENT) != (i in delivered):
+            raise ValueError(f"fetch_done: outcome {i} is {o} but block {i} was "
+                             f"{'sent' if i in delivered else 'not sent'}")
+    return out
+
+
 class Session(Machine):
     """The protocol state of one peer connection, driven by messages and time.
 
     Lifecycle: construct, call :meth:`start` (the client sends the ``hello`` it returns),
-    feed every received message to :meth:`receive` (or raw frames to
-    :meth:`receive_frames`), call :meth:`poll` when :meth:`next_deadline` passes, send
+    feed everything the peer sends to :meth:`receive_data` (frame 0 and its payload;
+    :meth:`receive_frames` for a whole message in memory, :meth:`receive` for a decoded
+    one), call :meth:`poll` when :meth:`next_deadline` passes, send
     every ``Output.replies`` message in order. Not thread-safe: one owner (the IO loop).
     """
 
@@ -278,16 +319,46 @@ class Session(Machine):
             )
         return handler(self, msg, now)
 
+    def receive_data(self, head: Frame, now: float, payload: Payload = NO_PAYLOAD) -> Output:
+        """The one entry for data from the peer: frame 0 as it came, and what followed.
+
+        Decodes ``head``, runs it through the state machine, and has ``payload`` land
+        the bytes of an accepted ``block`` (or ``located``) message. Whatever the peer
+        got wrong on the way (a frame 0 that does not decode, frames it should not have
+        sent, a payload that is not what its header announced) becomes its protocol
+        error here, once. Never raises for peer input.
+        """
+        try:
+            msg = decode_head(head, payload.count, self.segments)
+            if payload.count is None and type(msg) is not Block and payload.follows():
+                raise ProtocolError(Code.FRAME_COUNT,
+                                    f"{msg.TAG} must not carry payload frames")
+        except ProtocolError as exc:
+            payload.discard()
+            return self._remote_error(exc, now)
+        out = self.receive(msg, now)
+        arrived = [ev for ev in out.events if isinstance(ev, DataArrived)]
+        if type(msg) is Block and not arrived:
+            payload.discard()  # discarded (aborted fetch) or a violation
+        for ev in arrived:
+            try:
+                payload.land(ev)
+            except ProtocolError as exc:
+                bad = self._remote_error(exc, now)
+                return Output(events=bad.events, replies=(*out.replies, *bad.replies))
+        return out
+
     def receive_frames(self, frames: Sequence[Frame], now: float) -> Output:
-        """Decode and feed one multipart message (checks payload sizes once READY)."""
+        """Decode and feed one whole multipart message held in memory (its payload sizes
+        checked once READY): :meth:`receive_data` for a transport without zero-copy."""
         try:
             msg = decode(frames, self.segments)
         except ProtocolError as exc:
-            return self.receive_malformed(exc, now)
+            return self._remote_error(exc, now)
         return self.receive(msg, now)
 
-    def receive_malformed(self, error: ProtocolError, now: float) -> Output:
-        """Feed a decode failure: unknown types get an ``error``, the rest is a violation."""
+    def _remote_error(self, error: ProtocolError, now: float) -> Output:
+        """What the peer got wrong: unknown types get an ``error``, the rest is a violation."""
         self._last_rx = now
         if self._state in (State.CLOSED, State.ERROR):
             return NOTHING
@@ -471,21 +542,7 @@ class Session(Machine):
                 f"block: request {req} has {r.granted - r.received} block(s) of window "
                 f"left, {n} asked",
             )
-        if sums is None:
-            if self._checksums:
-                raise ValueError("block: checksums were negotiated, sums are required")
-            sums_t: tuple[int | None, ...] = (None,) * n
-        else:
-            sums_t = tuple(sums)
-            if len(sums_t) != n:
-                raise ValueError(f"block: {n} block(s) need {n} sums, got {len(sums_t)}")
-            for s in sums_t:
-                ok = (type(s) is int and 0 <= s <= U64_MAX) if self._checksums else s is None
-                if not ok:
-                    raise ValueError(
-                        f"block: sums must be {'u64' if self._checksums else 'None'}"
-                        f" (checksums negotiated: {self._checksums}), got {s!r}"
-                    )
+        sums_t = _block_sums(sums, n, self._checksums)
         r.received += n
         r.delivered.update(idx_t)
         return Block(req, idx_t, sums_t, tuple(payload), packed)
@@ -493,17 +550,7 @@ class Session(Machine):
     def fetch_done(self, req: int, outcomes: Sequence[int]) -> Done:
         """Server: fetch ``req`` is over; outcome 0 exactly for the indices sent."""
         r = self._served(req, "fetch", "fetch_done")
-        out = tuple(outcomes)
-        if len(out) != len(r.keys):
-            raise ValueError(f"fetch_done: need {len(r.keys)} outcomes, got {len(out)}")
-        for i, o in enumerate(out):
-            if type(o) is not int or not 0 <= o <= 2:
-                raise ValueError(f"fetch_done: outcome {i} must be 0, 1 or 2, got {o!r}")
-            if (o == OUTCOME_SENT) != (i in r.delivered):
-                raise ValueError(
-                    f"fetch_done: outcome {i} is {o} but block {i} was "
-                    f"{'sent' if i in r.delivered else 'not sent'}"
-                )
+        out = _done_outcomes(outcomes, len(r.keys), r.delivered)
         self._finish(req)
         return Done(req, out)
 

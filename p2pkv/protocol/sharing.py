@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Final, cast
 
 from p2pkv.protocol.codes import CAP_SHM_V1, MAX_KEYS, SHM_NONCE_LEN, Code
-from p2pkv.protocol.events import BlockArrived, Event, Output
+from p2pkv.protocol.events import BlockArrived, DataArrived, Event, Output
 from p2pkv.protocol.messages import (
     Abort,
     Attach,
@@ -77,7 +77,7 @@ class AttachAnswered(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class BlocksLocated(Event):
+class BlocksLocated(DataArrived):
     """Client: blocks ``idx`` of fetch ``req`` wait in the server's pool at ``slots``;
     copy them, then :meth:`SharingSession.release` them."""
 

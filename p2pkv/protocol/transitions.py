@@ -374,7 +374,7 @@ class Machine:
             return self._violate(Code.WRONG_TYPE, "block with checksum "
                                  "(checksum-xxh3-64 was not negotiated)")
         r.deadline = now + self._deadlines.fetch_idle
-        return Output(events=(BlockArrived(req, msg.idx, msg.sums, msg.payload),))
+        return Output(events=(BlockArrived(req, msg.idx, msg.sums, msg.payload, msg.pk),))
 
     def _on_done(self, msg: Done, now: float) -> Output:
         req = msg.req

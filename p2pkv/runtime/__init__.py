@@ -6,14 +6,19 @@ Rooms, and what each holds (imports only go down this list, and never up into
 * ``public``: the value types the facade hands out (``NodeConfig``, ``PeerHandle``,
   ``FetchResult``, ``KeyOutcome``, ``NodeStats``).
 * ``tuning``: the IO loop's tuning constants (the benchmark imports them).
-* ``stats``: thread-safe counters behind ``Node.stats()``.
-* ``state``: the IO thread's per-connection and per-request records.
+* ``stats``: thread-safe, typed counters behind ``Node.stats()``.
+* ``state``: the IO thread's per-request records and the fetch ticket.
 * ``reactor``: the IO thread, its poller, wake-up pipe, command queue and deadline timer
   (threading model in its docstring).
-* ``sender`` / ``receiver``: the data path, zero-copy sends with their release ledger,
-  and ``recv_into`` landings with checksums and per-key outcomes.
-* ``client`` / ``server``: the connections this node opens and the peers connected to
-  its ROUTER; they turn session events into futures, answers and fetch jobs.
+* ``landing``: the one routine that settles a landed block (destination, checksum,
+  commit or drop, per-key outcome), whichever way its bytes arrived.
+* ``packing`` / ``sender`` / ``receiver`` / ``shm_server`` / ``shm_client``: the data
+  path: packed frames, zero-copy sends with their release ledger, ``recv_into``
+  landings, and shared memory.
+* ``outbound`` / ``inbound``: one connection each, owning its socket (or routing id),
+  session, requests and deadlines; they turn session events into futures, answers and
+  fetch jobs.
+* ``client`` / ``server``: the registries of those connections and the reactor's hooks.
 
 Protocol decisions (handshake verdicts, request states, credit and batching) are made by
 the pure core in :mod:`p2pkv.protocol`; sockets come from :mod:`p2pkv.transport`.

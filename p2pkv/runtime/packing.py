@@ -8,7 +8,8 @@ segments of every block of a batch, block-major, unpins the blocks at once (the 
 were copied) and sends the frame without another copy. The receiver takes the frame as
 libzmq received it, takes the batch's slots in one store call, copies each block's
 segments into its slot and commits the batch in one store call, every block checked
-against its checksum (``protocol/SPEC.md`` §17).
+against its checksum (``protocol/SPEC.md`` §17; settled by
+:class:`~p2pkv.runtime.landing.Landing`).
 """
 
 from __future__ import annotations
@@ -21,14 +22,12 @@ from typing import Final
 import zmq
 
 from p2pkv import protocol as proto
-from p2pkv.checksum import block_checksum
 from p2pkv.errors import ProtocolError
 from p2pkv.protocol.codes import MAX_PACKED_BYTES
-from p2pkv.runtime.public import KeyOutcome
+from p2pkv.runtime.landing import Landed, Landing
 from p2pkv.runtime.state import Receiving
-from p2pkv.runtime.stats import Counters
 from p2pkv.runtime.tuning import ZERO_COPY_MIN
-from p2pkv.store import BlockReader, BlockStore, BlockWriter
+from p2pkv.store import BlockReader, BlockStore
 
 __all__ = ["STAGING_KEPT", "PackedReceiver", "PackedSender", "packs"]
 
@@ -104,117 +103,44 @@ class PackedSender:
 class PackedReceiver:
     """Lands packed block messages (the receiving half of ``packed-v1``)."""
 
-    def __init__(self, store: BlockStore, segments: Sequence[int], bytes_per_block: int,
-                 counters: Counters) -> None:
-        self._store = store
+    def __init__(self, landing: Landing, segments: Sequence[int], bytes_per_block: int) -> None:
+        self._landing = landing
         self._segments = tuple(segments)
         self._bpb = bytes_per_block
-        self._counters = counters
 
     def land(self, sock: zmq.Socket[bytes], recv: Receiving | None,
-             msg: proto.Block, writers: list[BlockWriter]) -> ProtocolError | None:
-        """Receive the one payload frame of ``msg`` and land its blocks; the framing
-        violation when the message does not carry what its header announced. Every
-        writer opened is appended to ``writers``: the caller aborts those left open if
-        anything goes wrong (no slot stays "being written")."""
+             msg: proto.BlockArrived) -> None:
+        """Receive the one payload frame of ``msg`` and land its blocks (inside the
+        caller's :meth:`Landing.guard`); raises the framing violation when the message
+        does not carry what its header announced."""
         try:
             frame = sock.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            return ProtocolError(proto.Code.FRAME_COUNT,
-                                 "packed block message carries no payload frame")
+            raise ProtocolError(proto.Code.FRAME_COUNT,
+                                "packed block message carries no payload frame") from None
         if sock.getsockopt(zmq.RCVMORE):
             while sock.getsockopt(zmq.RCVMORE):
                 sock.recv(zmq.NOBLOCK)
-            return ProtocolError(proto.Code.FRAME_COUNT,
-                                 "packed block message carries more than one payload frame")
+            raise ProtocolError(proto.Code.FRAME_COUNT,
+                                "packed block message carries more than one payload frame")
         data = frame.buffer
         bpb = self._bpb
         if data.nbytes != len(msg.idx) * bpb:
-            return ProtocolError(proto.Code.FRAME_COUNT,
-                                 f"packed payload frame is {data.nbytes} bytes, "
-                                 f"{len(msg.idx)} block(s) need {len(msg.idx) * bpb}")
+            raise ProtocolError(proto.Code.FRAME_COUNT,
+                                f"packed payload frame is {data.nbytes} bytes, "
+                                f"{len(msg.idx)} block(s) need {len(msg.idx) * bpb}")
         if recv is None:
-            return None  # the fetch is gone (timed out here); nothing to land
+            return  # the fetch is gone (timed out here); nothing to land
         # The session checked every index against the fetch, so index_map holds it.
         kis = [recv.index_map[i] for i in msg.idx]
-        if recv.destinations is not None:
-            landed = self._land_into(recv, kis, data, msg.sums)
-        else:
-            landed = self._land_in_store(recv, kis, data, msg.sums, writers)
-        self._counters.add("blocks_received", landed)
-        self._counters.add("bytes_received", landed * bpb)
-        return None
-
-    def _land_in_store(self, recv: Receiving, kis: list[int], data: memoryview,
-                       sums: Sequence[int | None], writers: list[BlockWriter]) -> int:
-        store, segments, bpb = self._store, self._segments, self._bpb
-        opened = store.begin_write_many([recv.keys[k] for k in kis])
-        writers.extend(w for w in opened if isinstance(w, BlockWriter))
-        committing: list[BlockWriter] = []
-        wanted: list[int | None] = []
-        placed: list[int] = []
+        placed: list[Landed] = []
         off = 0
-        for ki, writer, want in zip(kis, opened, sums, strict=True):
-            if isinstance(writer, BlockWriter):
-                if len(segments) == 1:
-                    writer.views[0][:] = data[off:off + bpb]
-                else:
-                    o = off
-                    for view, size in zip(writer.views, segments, strict=True):
-                        view[:] = data[o:o + size]
-                        o += size
-                committing.append(writer)
-                wanted.append(want)
-                placed.append(ki)
-            elif writer is None:
-                self._not_written(recv, ki,
-                                  "the block was being written by another fetch at the time")
-            else:
-                self._not_written(recv, ki, f"no slot in the local pool: {writer}")
+        for block in self._landing.open_many(recv, kis, msg.sums):
+            if block is not None:
+                o = off
+                for view, size in zip(block.views, self._segments, strict=True):
+                    view[:] = data[o:o + size]
+                    o += size
+                placed.append(block)
             off += bpb
-        landed = 0
-        for ki, mismatch in zip(placed, store.commit_many(committing, wanted), strict=True):
-            if mismatch is None:
-                recv.outcomes[ki] = KeyOutcome.STORED
-                landed += 1
-            else:
-                self._counters.add("checksum_failures")
-                recv.outcomes[ki] = KeyOutcome.FAILED
-                recv.errors[ki] = f"block dropped: {mismatch}"
-        recv.blocks += landed
-        recv.nbytes += landed * bpb
-        return landed
-
-    def _not_written(self, recv: Receiving, ki: int, why: str) -> None:
-        if self._store.contains(recv.keys[ki]):
-            # Another fetch stored the same block meanwhile: it is here.
-            recv.outcomes[ki] = KeyOutcome.STORED
-            recv.errors.pop(ki, None)
-        else:
-            recv.outcomes[ki] = KeyOutcome.FAILED
-            recv.errors[ki] = why
-
-    def _land_into(self, recv: Receiving, kis: list[int], data: memoryview,
-                   sums: Sequence[int | None]) -> int:
-        """Into caller-owned buffers (``fetch_into``), each block checked."""
-        assert recv.destinations is not None
-        segments, bpb = self._segments, self._bpb
-        landed = 0
-        off = 0
-        for ki, want in zip(kis, sums, strict=True):
-            views = recv.destinations[ki]
-            o = off
-            for view, size in zip(views, segments, strict=True):
-                view[:] = data[o:o + size]
-                o += size
-            off += bpb
-            if want is not None and block_checksum(views) != want:
-                self._counters.add("checksum_failures")
-                recv.outcomes[ki] = KeyOutcome.FAILED
-                recv.errors[ki] = "block dropped: checksum mismatch"
-                continue
-            recv.outcomes[ki] = KeyOutcome.STORED
-            landed += 1
-        recv.blocks += landed
-        recv.nbytes += landed * bpb
-        return landed
+        self._landing.settle_many(recv, placed)

@@ -5,7 +5,8 @@ segment is received with ``recv_into`` straight into its destination: a slot of 
 local store that lookups cannot see yet (:class:`~p2pkv.store.BlockWriter`), or a
 caller-owned buffer (``fetch_into``). Payload bytes are never copied in Python. A block
 becomes visible only after its last segment landed and, when checksums were negotiated,
-its xxh3-64 matched; a failed block releases its slot and is reported per key.
+its xxh3-64 matched; a failed block releases its slot and is reported per key (both
+settled by :class:`~p2pkv.runtime.landing.Landing`, as for the other ways of landing).
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ from collections.abc import Sequence
 import zmq
 
 from p2pkv import protocol as proto
-from p2pkv.checksum import block_checksum
-from p2pkv.errors import ProtocolError, StoreFullError
+from p2pkv.errors import ProtocolError
 from p2pkv.protocol.codes import OUTCOME_FAILED, OUTCOME_MISSING, OUTCOME_SENT
+from p2pkv.runtime.landing import Landed, Landing
 from p2pkv.runtime.packing import PackedReceiver
 from p2pkv.runtime.public import FetchResult, KeyOutcome
 from p2pkv.runtime.state import Receiving
 from p2pkv.runtime.stats import Counters
-from p2pkv.store import BlockStore, BlockWriter, ChecksumMismatch, StoreError
 
 __all__ = ["Receiver", "check_destinations", "drain"]
 
@@ -62,127 +62,66 @@ def check_destinations(destinations: Sequence[Sequence[object]], nkeys: int,
 class Receiver:
     """Lands block messages and turns a finished fetch into its :class:`FetchResult`."""
 
-    def __init__(self, store: BlockStore, segments: Sequence[int], bytes_per_block: int,
+    def __init__(self, landing: Landing, segments: Sequence[int], bytes_per_block: int,
                  counters: Counters) -> None:
-        self._store = store
+        self._landing = landing
         self._segments = tuple(segments)
-        self._bpb = bytes_per_block
         self._counters = counters
-        self._packed = PackedReceiver(store, segments, bytes_per_block, counters)
+        self._packed = PackedReceiver(landing, segments, bytes_per_block)
 
     def land(self, sock: zmq.Socket[bytes], recv: Receiving | None,
-             msg: proto.Block) -> ProtocolError | None:
+             msg: proto.BlockArrived) -> None:
         """recv_into each payload frame of ``msg`` directly into its destination.
 
         The session has already checked the header (known fetch, fresh indices, within
-        the granted window, checksum presence as negotiated). Returns the framing
-        violation when the message does not carry the frames it announced. Whatever
-        happens (an unexpected exception included), no slot stays "being written":
-        a key stuck there could never be fetched again.
+        the granted window, checksum presence as negotiated). Raises the framing
+        violation when the message does not carry the frames it announced.
         """
-        writers: list[BlockWriter] = []
-        try:
-            if msg.pk:
-                return self._packed.land(sock, recv, msg, writers)
-            return self._land(sock, recv, msg, writers)
-        finally:
-            for writer in writers:
-                if not writer.done:
-                    writer.abort()
+        with self._landing.guard():
+            if msg.packed:
+                self._packed.land(sock, recv, msg)
+            else:
+                self._land(sock, recv, msg)
 
-    def _land(self, sock: zmq.Socket[bytes], recv: Receiving | None, msg: proto.Block,
-              writers: list[BlockWriter]) -> ProtocolError | None:
-        store = self._store
+    def _land(self, sock: zmq.Socket[bytes], recv: Receiving | None,
+              msg: proto.BlockArrived) -> None:
+        landing = self._landing
         segments = self._segments
         nseg = len(segments)
-        landed = 0
         for n, idx in enumerate(msg.idx):
-            views: Sequence[memoryview] | None = None
-            writer: BlockWriter | None = None
+            block: Landed | None = None
             key_index = -1
             if recv is not None and idx < len(recv.index_map):
                 key_index = recv.index_map[idx]
-                if recv.destinations is not None:
-                    views = recv.destinations[key_index]
-                else:
-                    try:
-                        writer = store.begin_write(recv.keys[key_index])
-                    except (StoreError, StoreFullError) as exc:
-                        recv.errors[key_index] = f"no slot in the local pool: {exc}"
-                    else:
-                        if writer is None:
-                            recv.errors[key_index] = (
-                                "the block was being written by another fetch at the time")
-                        else:
-                            writers.append(writer)
-                            views = writer.views
+                block = landing.open(recv, key_index, msg.sums[n])
             # libzmq delivers a multipart message whole, so one "more frames?" check
             # per block suffices: a message that ends early shows up as a frame of the
             # wrong size, as nothing left to read, or as surplus frames at the end —
             # each a violation that closes the connection.
-            ok = bool(sock.getsockopt(zmq.RCVMORE))
-            if ok:
+            intact = bool(sock.getsockopt(zmq.RCVMORE))
+            if intact:
                 try:
                     for s in range(nseg):
-                        if views is not None:
-                            if sock.recv_into(views[s], flags=zmq.NOBLOCK) != segments[s]:
-                                ok = False
+                        if block is not None:
+                            if sock.recv_into(block.views[s], flags=zmq.NOBLOCK) != segments[s]:
+                                intact = False
                         else:
                             sock.recv_into(_SCRATCH, flags=zmq.NOBLOCK)
                 except zmq.Again:
-                    if writer is not None:
-                        writer.abort()
-                    return ProtocolError(proto.Code.FRAME_COUNT,
-                                         "block message carries fewer frames than announced")
+                    raise ProtocolError(proto.Code.FRAME_COUNT, "block message carries "
+                                        "fewer frames than announced") from None
             if recv is None or key_index < 0:
-                if writer is not None:
-                    writer.abort()
                 continue
-            if self._settle(recv, key_index, ok, views, writer, msg.sums[n]):
-                landed += 1
+            if not intact:
+                if block is not None and block.writer is not None:
+                    block.writer.abort()
+                landing.fail(recv, key_index, "payload frames do not match the block geometry")
+            elif block is not None:
+                landing.settle(recv, block)
         if sock.getsockopt(zmq.RCVMORE):
             drain(sock)
-            return ProtocolError(proto.Code.FRAME_COUNT,
-                                 "block message carries more frames than announced")
-        self._counters.add("blocks_received", landed)
-        self._counters.add("bytes_received", landed * self._bpb)
-        return None
-
-    def _settle(self, recv: Receiving, key_index: int, ok: bool,
-                views: Sequence[memoryview] | None, writer: BlockWriter | None,
-                expected: int | None) -> bool:
-        """Verify and commit one block whose frames were read; True when it landed."""
-        if not ok:
-            if writer is not None:
-                writer.abort()
-            recv.outcomes[key_index] = KeyOutcome.FAILED
-            recv.errors[key_index] = "payload frames do not match the block geometry"
-            return False
-        if views is None:
-            if self._store.contains(recv.keys[key_index]):
-                # Another fetch stored the same block meanwhile: it is here.
-                recv.outcomes[key_index] = KeyOutcome.STORED
-                recv.errors.pop(key_index, None)
-            else:
-                recv.outcomes[key_index] = KeyOutcome.FAILED
-            return False
-        if writer is not None:
-            try:
-                writer.commit(expected_checksum=expected)
-            except ChecksumMismatch as exc:
-                self._counters.add("checksum_failures")
-                recv.outcomes[key_index] = KeyOutcome.FAILED
-                recv.errors[key_index] = f"block dropped: {exc}"
-                return False
-        elif expected is not None and block_checksum(views) != expected:
-            self._counters.add("checksum_failures")
-            recv.outcomes[key_index] = KeyOutcome.FAILED
-            recv.errors[key_index] = "block dropped: checksum mismatch"
-            return False
-        recv.outcomes[key_index] = KeyOutcome.STORED
-        recv.blocks += 1
-        recv.nbytes += self._bpb
-        return True
+            raise ProtocolError(proto.Code.FRAME_COUNT,
+                                "block message carries more frames than announced")
 
     def finish(self, recv: Receiving, wire: Sequence[int], now: float) -> FetchResult:
         """The result of a fetch the peer reported done: a key with no outcome yet gets

@@ -21,7 +21,7 @@ from p2pkv import protocol as proto
 from p2pkv.protocol.codes import OUTCOME_MISSING, OUTCOME_SENT
 from p2pkv.runtime.packing import PackedSender, packs
 from p2pkv.runtime.state import Sending
-from p2pkv.runtime.stats import Counters
+from p2pkv.runtime.stats import Count, Counters
 from p2pkv.runtime.tuning import REAP_TICK_MS, ZERO_COPY_MIN
 from p2pkv.store import BlockReader, BlockStore
 
@@ -120,8 +120,8 @@ class Sender:
                 return False
             for i in idx:
                 job.outcomes[i] = OUTCOME_SENT
-            self._counters.add("blocks_sent", len(idx))
-            self._counters.add("bytes_sent", len(idx) * self._bpb)
+            self._counters.add(Count.BLOCKS_SENT, len(idx))
+            self._counters.add(Count.BYTES_SENT, len(idx) * self._bpb)
         return True
 
     def _send_message(self, rid: bytes, head: bytes, readers: list[BlockReader]) -> bool:

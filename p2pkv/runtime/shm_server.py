@@ -22,7 +22,7 @@ from p2pkv import protocol as proto
 from p2pkv.protocol.codes import OUTCOME_SENT
 from p2pkv.runtime.sender import pin_next_batch
 from p2pkv.runtime.state import Sending
-from p2pkv.runtime.stats import Counters
+from p2pkv.runtime.stats import Count, Counters
 from p2pkv.shm import SharedSegment
 from p2pkv.store import BlockReader, BlockStore
 
@@ -76,11 +76,11 @@ class SharedSender:
         ok = seg is not None and not seg.closed and hmac.compare_digest(ev.nonce, seg.nonce)
         if ok:
             self._attached.add(rid)
-            self._counters.add("shm_attached")
+            self._counters.add(Count.SHM_ATTACHED)
             log.info("peer %s proved it maps segment %s: blocks go through shared memory",
                      rid.hex(), seg.name if seg else "-")
             return session.attach_verdict(True, "")
-        self._counters.add("shm_attach_refused")
+        self._counters.add(Count.SHM_ATTACH_REFUSED)
         log.warning("peer %s echoed a wrong shared-memory nonce; it gets TCP", rid.hex())
         return session.attach_verdict(False, "the nonce does not match this node's segment")
 
@@ -114,9 +114,9 @@ class SharedSender:
                 return False
             for i in idx:
                 job.outcomes[i] = OUTCOME_SENT
-            self._counters.add("blocks_sent", len(idx))
-            self._counters.add("bytes_sent", len(idx) * self._bpb)
-            self._counters.add("blocks_sent_shm", len(idx))
+            self._counters.add(Count.BLOCKS_SENT, len(idx))
+            self._counters.add(Count.BYTES_SENT, len(idx) * self._bpb)
+            self._counters.add(Count.BLOCKS_SENT_SHM, len(idx))
         return True
 
     # -- pins ----------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""The node's counters: thread-safe, written by the IO thread, read by ``Node.stats()``."""
+"""The node's counters: thread-safe, written by the IO thread, read by ``Node.stats()``.
+
+What is counted is named by :class:`Count` and :class:`ShmFallback` (typed, so a typo
+is a mypy error rather than a counter that stays at zero).
+"""
 
 from __future__ import annotations
 
@@ -9,18 +13,49 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 from p2pkv import protocol as proto
 from p2pkv.runtime.tuning import LATENCY_BUCKETS
 
-__all__ = ["Counters", "CountersSnapshot"]
+__all__ = ["Count", "Counters", "CountersSnapshot", "ShmFallback"]
 
 log = logging.getLogger("p2pkv.node")
 
 
+class Count(Enum):
+    """An event the node counts (most become a field of ``NodeStats``)."""
+
+    HANDSHAKES_ACCEPTED = "handshakes_accepted"
+    LOOKUPS_SERVED = "lookups_served"
+    LOOKUP_KEYS_SERVED = "lookup_keys_served"
+    LOOKUP_HITS_SERVED = "lookup_hits_served"
+    BLOCKS_SENT = "blocks_sent"
+    BYTES_SENT = "bytes_sent"
+    BLOCKS_SENT_SHM = "blocks_sent_shm"
+    BLOCKS_RECEIVED = "blocks_received"
+    BYTES_RECEIVED = "bytes_received"
+    BLOCKS_RECEIVED_SHM = "blocks_received_shm"
+    CHECKSUM_FAILURES = "checksum_failures"
+    PROTOCOL_VIOLATIONS = "protocol_violations"
+    SHM_ATTACHED = "shm_attached"
+    SHM_ATTACH_REFUSED = "shm_attach_refused"
+
+
+class ShmFallback(Enum):
+    """Why an outbound connection to a peer that offers ``shm-v1`` stays on TCP (the
+    values are the keys of ``NodeStats.shm_fallbacks``)."""
+
+    NO_SEGMENT = "no_segment"
+    CANNOT_MAP = "cannot_map"
+    REFUSED = "refused"
+
+
 @dataclass(frozen=True)
 class CountersSnapshot:
-    counts: dict[str, int]
+    counts: dict[Count, int]
+    #: Connections left on TCP, by :class:`ShmFallback` value.
+    shm_fallbacks: dict[str, int]
     refusals: dict[str, int]
     #: Lenient acceptances by identity-extension field only one side declared.
     undeclared: dict[str, int]
@@ -28,24 +63,30 @@ class CountersSnapshot:
     latency_buckets: tuple[tuple[float, int], ...]
     latency_sum: float
 
-    def __getitem__(self, name: str) -> int:
-        return self.counts.get(name, 0)
+    def __getitem__(self, count: Count) -> int:
+        return self.counts.get(count, 0)
 
 
 class Counters:
-    """Named event counts, refusals by reason, and the fetch latency histogram."""
+    """Event counts, refusals by reason, and the fetch latency histogram."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts: collections.Counter[str] = collections.Counter()
+        self._counts: collections.Counter[Count] = collections.Counter()
+        self._fallbacks: collections.Counter[str] = collections.Counter()
         self._refusals: collections.Counter[str] = collections.Counter()
         self._undeclared: collections.Counter[str] = collections.Counter()
         self._latency = [0] * len(LATENCY_BUCKETS)
         self._latency_sum = 0.0
 
-    def add(self, name: str, n: int = 1) -> None:
+    def add(self, count: Count, n: int = 1) -> None:
         with self._lock:
-            self._counts[name] += n
+            self._counts[count] += n
+
+    def fell_back(self, why: ShmFallback) -> None:
+        """One outbound connection stays on TCP although the peer offers ``shm-v1``."""
+        with self._lock:
+            self._fallbacks[why.value] += 1
 
     def refused(self, reasons: Iterable[str]) -> None:
         """One refused handshake, counted once under each of its reason kinds."""
@@ -72,7 +113,8 @@ class Counters:
     def snapshot(self) -> CountersSnapshot:
         with self._lock:
             return CountersSnapshot(
-                counts=dict(self._counts), refusals=dict(self._refusals),
+                counts=dict(self._counts), shm_fallbacks=dict(self._fallbacks),
+                refusals=dict(self._refusals),
                 undeclared=dict(self._undeclared),
                 latency_buckets=tuple(zip(LATENCY_BUCKETS, itertools.accumulate(self._latency),
                                           strict=True)),

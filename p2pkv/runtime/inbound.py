@@ -1,0 +1,274 @@
+"""One peer connected to this node's ROUTER: its session, its fetch jobs, its TCP link.
+
+An :class:`InboundConnection` owns its server :class:`~p2pkv.protocol.SharingSession`
+(the session enforces the handshake: a refused peer is told why, then forgotten), the
+fetch jobs the peer opened, and what identifies its TCP connection. It answers lookups
+from the store and sends the blocks of its jobs through the
+:class:`~p2pkv.runtime.sender.Sender` (or locates them in shared memory) as their credit
+allows. A peer that misbehaves or becomes unreachable costs only itself: one that stops
+reading (a frozen process, a zero TCP window) is declared dead after its heartbeat
+deadline and its TCP connection is cut, so that libzmq drops what it still queued for it
+and the blocks pinned for those sends are released.
+
+All on the IO thread; the ROUTER itself is read by :class:`~p2pkv.runtime.server.Server`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import zmq
+
+from p2pkv import protocol as proto
+from p2pkv.errors import ProtocolError
+from p2pkv.protocol.codes import OUTCOME_FAILED
+from p2pkv.reports import reason_name
+from p2pkv.runtime.sender import Sender
+from p2pkv.runtime.shm_server import SharedSender
+from p2pkv.runtime.state import Sending
+from p2pkv.runtime.stats import Count, Counters
+from p2pkv.store import BlockStore
+from p2pkv.transport import cut_connection
+
+__all__ = ["InboundConnection", "InboundParts", "route"]
+
+log = logging.getLogger("p2pkv.node")
+
+_DONE_STATES: Final = frozenset({proto.State.CLOSED, proto.State.ERROR, proto.State.REFUSED})
+
+
+def route(router: zmq.Socket[bytes], rid: bytes, messages: Iterable[proto.Message]) -> bool:
+    """Send ``messages`` to the peer ``rid``; False when it is unreachable."""
+    for msg in messages:
+        try:
+            router.send_multipart([rid, *proto.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            # ROUTER_MANDATORY: the peer is gone (EHOSTUNREACH) or not reading (EAGAIN).
+            log.info("peer %s unreachable (%s); dropping its state", rid.hex(), exc)
+            return False
+    return True
+
+
+@dataclass(frozen=True, eq=False)
+class InboundParts:
+    """What every inbound connection of a node shares (built once, by the node)."""
+
+    router: zmq.Socket[bytes]
+    store: BlockStore
+    sender: Sender
+    shm: SharedSender
+    counters: Counters
+
+
+class _Counted:
+    """Payload frames the server already read and dropped, counted (a
+    :class:`~p2pkv.protocol.Payload`: peers send the server no blocks)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def follows(self) -> bool:
+        return self.count > 0
+
+    def land(self, arrived: proto.DataArrived) -> None:  # pragma: no cover - never called
+        raise AssertionError("a server lands no blocks")
+
+    def discard(self) -> None:
+        pass
+
+
+class InboundConnection:
+    """One peer on the ROUTER, by routing id. ``on_closed`` is called when it is dropped.
+
+    ``fd`` and ``address`` are libzmq's descriptor of the peer's TCP connection and its
+    remote address, to cut that one connection (``transport.cut_connection``); -1/None
+    when unknown.
+    """
+
+    def __init__(self, parts: InboundParts, rid: bytes, session: proto.SharingSession,
+                 on_closed: Callable[[InboundConnection], None], *, fd: int = -1,
+                 address: tuple[str, int] | None = None) -> None:
+        self.rid = rid
+        self.session = session
+        self.closed = False
+        self.fd = fd
+        self.address = address
+        self._parts = parts
+        self._on_closed = on_closed
+        self._jobs: collections.OrderedDict[int, Sending] = collections.OrderedDict()
+
+    # -- what the peer sends -------------------------------------------------------------
+
+    def receive(self, head: bytes, extra_frames: int, now: float) -> None:
+        """One message from the peer: its frame 0 and how many frames followed it."""
+        self._handle(self.session.receive_data(head, now, _Counted(extra_frames)))
+
+    def poll(self, now: float) -> None:
+        """Check the session's deadlines; forget the peer once its session ended."""
+        out = self.session.poll(now)
+        if out.events or out.replies:
+            self._handle(out)
+        if self.session.state in _DONE_STATES:
+            self.drop()
+
+    def _handle(self, out: proto.Output) -> None:
+        # Handshake verdicts are counted before the answer goes out, so that a peer that
+        # has its answer can already see it in this node's stats.
+        for ev in out.events:
+            on_event = _BEFORE_REPLIES.get(type(ev))
+            if on_event is not None:
+                on_event(self, ev)
+        if out.replies and not self.send(out.replies):
+            return
+        for ev in out.events:
+            if self.closed:
+                return
+            on_event = _AFTER_REPLIES.get(type(ev))
+            if on_event is not None:
+                on_event(self, ev)
+
+    def _count_accepted(self, ev: proto.HandshakeAccepted) -> None:
+        counters = self._parts.counters
+        counters.add(Count.HANDSHAKES_ACCEPTED)
+        log.info("accepted peer %s (%s)", ev.remote.node, self.rid.hex())
+        counters.undeclared(f"peer {self.rid.hex()}", ev.warnings)
+
+    def _count_refused(self, ev: proto.HandshakeRefused) -> None:
+        # One count per reason kind per refused handshake (every differing run-config
+        # field carries the fingerprint code).
+        codes = {int(reason.code) for reason in ev.reasons} or {ev.code}
+        self._parts.counters.refused(reason_name(code) for code in codes)
+        log.warning("refused peer %s: %s", self.rid.hex(),
+                    "; ".join(r.describe() for r in ev.reasons))
+
+    def _unpin_abandoned(self, ev: proto.LocatedAbandoned) -> None:
+        # An abort that crossed its done: unpin before the abort_ack goes out, so a peer
+        # holding the ack never sees the blocks pinned.
+        self._parts.shm.abort(self.rid, ev.req)
+
+    def _on_refused(self, ev: proto.HandshakeRefused) -> None:
+        self.drop()
+
+    def _on_lookup(self, ev: proto.LookupRequested) -> None:
+        hits = self._parts.store.lookup(list(ev.keys))
+        counters = self._parts.counters
+        counters.add(Count.LOOKUPS_SERVED)
+        counters.add(Count.LOOKUP_KEYS_SERVED, len(ev.keys))
+        counters.add(Count.LOOKUP_HITS_SERVED, sum(hits))
+        self.send([self.session.answer_lookup(ev.req, hits)])
+
+    def _on_fetch(self, ev: proto.FetchRequested) -> None:
+        self._jobs[ev.req] = Sending(ev.req, tuple(ev.keys), [OUTCOME_FAILED] * len(ev.keys))
+
+    def _on_abort(self, ev: proto.AbortRequested) -> None:
+        self._jobs.pop(ev.req, None)
+        self._parts.shm.abort(self.rid, ev.req)
+        self.send([self.session.abort_ack(ev.req)])
+
+    def _on_attach(self, ev: proto.AttachRequested) -> None:
+        self.send([self._parts.shm.verify(self.rid, self.session, ev)])
+
+    def _on_released(self, ev: proto.BlocksReleased) -> None:
+        self._parts.shm.release(self.rid, ev.req, ev.idx)
+
+    def _on_peer_closed(self, ev: proto.PeerClosed) -> None:
+        log.info("peer %s closed: %s", self.rid.hex(), ev.msg)
+        # A peer silent past its heartbeat deadline may have stopped reading: cut its
+        # connection so libzmq lets go of what it queued for it.
+        self.drop(cut=not ev.by_remote and ev.code == proto.Code.PEER_TIMEOUT)
+
+    def _on_violation(self, ev: proto.ProtocolViolated) -> None:
+        self._parts.counters.add(Count.PROTOCOL_VIOLATIONS)
+        log.warning("protocol violation by peer %s, closed: %s [%s]", self.rid.hex(), ev.msg,
+                    proto.code_name(ev.code))
+        self.drop()
+
+    # -- what this node sends ------------------------------------------------------------
+
+    def send(self, messages: Iterable[proto.Message]) -> bool:
+        """Send to the peer; an unreachable peer is dropped (False)."""
+        if route(self._parts.router, self.rid, messages):
+            return True
+        if not self.closed:
+            self.drop(cut=True)
+        return False
+
+    @property
+    def busy(self) -> bool:
+        """Whether a fetch of this peer is still being served."""
+        return bool(self._jobs)
+
+    def can_send(self) -> bool:
+        """Whether a job has blocks left that its credit (and the pin limit) lets go now."""
+        session, shm = self.session, self._parts.shm
+        return any(j.next_index < len(j.keys) and session.window_left(j.req) > 0
+                   and (not session.shared_fetch(j.req) or shm.can_send(self.rid))
+                   for j in self._jobs.values())
+
+    def serve(self) -> None:
+        """Send blocks for every job of this peer that has credit."""
+        for job in list(self._jobs.values()):
+            if self.closed:
+                break
+            try:
+                self._serve(job)
+            except (ProtocolError, ValueError, zmq.ZMQError) as exc:
+                # One peer's trouble must never stop the node serving the others.
+                log.warning("dropping peer %s while serving request %d: %s",
+                            self.rid.hex(), job.req, exc)
+                self.drop(cut=True)
+            except Exception:
+                # A bug must cost one peer, never the node (or its IO thread).
+                log.exception("internal error serving request %d of peer %s; dropping it",
+                              job.req, self.rid.hex())
+                self.drop(cut=True)
+
+    def _serve(self, job: Sending) -> None:
+        parts, session = self._parts, self.session
+        sender = parts.shm if session.shared_fetch(job.req) else parts.sender
+        if not sender.send_job(self.rid, session, job):
+            self.drop(cut=True)
+            return
+        if job.next_index >= len(job.keys):
+            self._jobs.pop(job.req, None)
+            self.send([session.fetch_done(job.req, job.outcomes)])
+
+    def shut_down(self) -> None:
+        """The node closes: tell a ready peer, then forget it."""
+        if self.session.state is proto.State.READY:
+            self.send(self.session.close(proto.Code.SHUTDOWN, "node closing").replies)
+        self.drop()
+
+    def drop(self, *, cut: bool = False) -> None:
+        """Forget the peer; ``cut``: also close its TCP connection (see the module doc)."""
+        self.closed = True
+        self._jobs.clear()
+        self._on_closed(self)
+        self._parts.shm.forget(self.rid)
+        if cut and self.address is not None and cut_connection(self.fd, self.address):
+            log.info("cut the connection of peer %s (%s:%d)", self.rid.hex(), *self.address)
+            self.address = None
+
+
+_Handler = Callable[[InboundConnection, Any], None]
+_BEFORE_REPLIES: Final[dict[type[proto.Event], _Handler]] = {
+    proto.HandshakeAccepted: InboundConnection._count_accepted,
+    proto.HandshakeRefused: InboundConnection._count_refused,
+    proto.LocatedAbandoned: InboundConnection._unpin_abandoned,
+}
+"""What an event does before the session's replies go out."""
+_AFTER_REPLIES: Final[dict[type[proto.Event], _Handler]] = {
+    proto.HandshakeRefused: InboundConnection._on_refused,
+    proto.LookupRequested: InboundConnection._on_lookup,
+    proto.FetchRequested: InboundConnection._on_fetch,
+    proto.AbortRequested: InboundConnection._on_abort,
+    proto.AttachRequested: InboundConnection._on_attach,
+    proto.BlocksReleased: InboundConnection._on_released,
+    proto.PeerClosed: InboundConnection._on_peer_closed,
+    proto.ProtocolViolated: InboundConnection._on_violation,
+}
+"""What an event does once the replies went out (the rest need nothing)."""
