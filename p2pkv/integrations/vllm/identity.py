@@ -209,14 +209,28 @@ class EngineIdentity:
     sources: dict[str, str] = field(default_factory=dict)
 
 
+def _plain(value: Any) -> Any:
+    """``value`` with every leaf the canonical form has no rule for (a dtype, an enum)
+    written as its ``repr``: deterministic, and never an error at engine start."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return repr(value)
+
+
 def _overrides_of(model_config: Any) -> dict[str, Any]:
     """What the engine changes on top of the checkpoint, in the SPEC 1.4 key names."""
     hf = model_config.hf_overrides
     if callable(hf):
         hf = f"callable {getattr(hf, '__module__', '?')}.{getattr(hf, '__qualname__', '?')}"
     elif isinstance(hf, Mapping):
-        hf = dict(hf) or None
-    return {"hf_overrides": hf, "quantization": model_config.quantization}
+        hf = _plain(dict(hf)) or None
+    quantization = model_config.quantization
+    return {"hf_overrides": hf,
+            "quantization": None if quantization is None else str(quantization)}
 
 
 def _checkpoint_path(model_config: Any, load_config: Any) -> str:
@@ -267,7 +281,11 @@ def derive_engine_identity(spec: Any, vllm_config: Any | None,
                           "declaration or run the engine with that layout")
 
     overrides = _overrides_of(model_config)
-    canonical = canonical_model_overrides(overrides)
+    try:
+        canonical = canonical_model_overrides(overrides)
+    except ValueError as exc:  # NaN, an out-of-range integer
+        raise ConfigError(f"P2PKVTier: the engine's hf_overrides have no canonical form, "
+                          f"so they cannot be part of the identity: {exc}") from None
     digest = model_overrides_digest(overrides)
     sources["model_overrides"] = f"ModelConfig.hf_overrides and .quantization: {canonical}"
     if declared.get("model_overrides") is not None:
