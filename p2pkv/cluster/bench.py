@@ -248,7 +248,7 @@ def fanout_rows(url: str, counts: Sequence[int], rounds: int) -> list[dict[str, 
 
 
 def run_cluster_bench(*, quick: bool = False, json_path: str | None = None) -> int:
-    from p2pkv.cluster.redis_server import LocalRedis
+    from p2pkv.bench.redis_servers import LocalRedis
 
     members, entries, lookups = (64, 100_000, 100) if quick else (64, 1_000_000, 500)
     counts, rounds = ((1, 8), 30) if quick else ((1, 8, 32), 200)
