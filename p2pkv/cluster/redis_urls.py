@@ -68,9 +68,7 @@ class DirectoryURL:
     @property
     def redacted(self) -> str:
         """The URL without its password (for messages and logs)."""
-        if self.password is None:
-            return self.url
-        return re.sub(r"(://[^:@/]*:)[^@]*@", r"\1***@", self.url, count=1)
+        return _redact(self.url)
 
     def connector(self, socket_timeout: float) -> Callable[[], Any]:
         """A function that builds the redis-py client (called on first use)."""
@@ -108,8 +106,7 @@ class DirectoryURL:
                                      **tls, **sentinel_auth},
                     **common, **tls)
                 return manager.master_for(  # type: ignore[no-untyped-call]
-                    self.service, db=self.db,
-                                          retry=Retry(NoBackoff(), 0), **common, **tls)
+                    self.service, db=self.db, retry=Retry(NoBackoff(), 0), **common, **tls)
             return sentinel
 
         def cluster() -> Any:
