@@ -450,3 +450,13 @@ def test_tls_and_acl_users_only_the_cluster_s_credentials_write(procs: list[Any]
         close_all(procs)
         server.close()
         certs.close()
+
+
+def test_hot_identity_bench_rows_check_every_answer(redis_cluster: LocalRedisCluster) -> None:
+    from p2pkv.cluster.bench import hot_identity_rows
+
+    rows = hot_identity_rows(redis_cluster.url, 3, seconds=0.3, threads=(1, 2))
+    metrics = {r["metric"]: r["value"] for r in rows}
+    assert all(r["ok"] == "yes" for r in rows), rows
+    assert metrics["load per shard, max / mean"] < 1.5
+    assert metrics["announcements meanwhile, blocks/s"] > 0

@@ -234,6 +234,12 @@ class LocalRedisCluster:
         try:
             for n in self.nodes:
                 n.start()
+            if self.masters < 3:  # below redis-cli's minimum: slots and meets by hand
+                if self.replicas:
+                    raise ValueError("fewer than 3 masters: only without replicas")
+                self._assign_by_hand()
+                self.wait_ok(timeout)
+                return self
             argv = [self.cli, "--cluster", "create",
                     *(f"127.0.0.1:{n.port}" for n in self.nodes),
                     "--cluster-replicas", str(self.replicas), "--cluster-yes"]
@@ -247,6 +253,15 @@ class LocalRedisCluster:
             self.close()
             raise
         return self
+
+    def _assign_by_hand(self) -> None:
+        for i, n in enumerate(self.nodes):
+            lo, hi = i * 16384 // self.masters, (i + 1) * 16384 // self.masters - 1
+            reply = command(n.port, "CLUSTER", "ADDSLOTSRANGE", str(lo), str(hi))
+            if not reply.startswith(b"+OK"):
+                raise RuntimeError(f"CLUSTER ADDSLOTSRANGE on {n.port}: {reply!r}")
+            if i:
+                command(n.port, "CLUSTER", "MEET", "127.0.0.1", str(self.nodes[0].port))
 
     def topology(self) -> list[tuple[int, str, bool, list[tuple[int, int]]]]:
         """``(port, node id, is a master, slot ranges)`` of every node a live one knows."""
