@@ -268,7 +268,11 @@ def fanout_rows(url: str, counts: Sequence[int], rounds: int,
 
 
 def _shard_script_usec(directory: Any) -> dict[str, float]:
-    stats = directory.client.info("commandstats")
+    from redis.cluster import RedisCluster
+
+    stats = directory.client.info("commandstats", target_nodes=RedisCluster.PRIMARIES)
+    if "cmdstat_evalsha" in stats or not all(isinstance(v, dict) for v in stats.values()):
+        stats = {"only": stats}  # one master: redis-py returns its reply as is
     return {node: float(s.get("cmdstat_evalsha", {}).get("usec", 0.0))
             for node, s in stats.items()}
 

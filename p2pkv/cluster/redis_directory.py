@@ -549,7 +549,13 @@ class RedisDirectory:
 
     def memory(self) -> int:
         """Redis ``used_memory`` in bytes, summed over a cluster's masters (benchmark)."""
-        info = self._call("info", lambda: self._redis.info("memory"))
+        if self.kind == "cluster":
+            from redis.cluster import RedisCluster
+
+            info = self._call("info", lambda: self._redis.info(
+                "memory", target_nodes=RedisCluster.PRIMARIES))
+        else:
+            info = self._call("info", lambda: self._redis.info("memory"))
         if "used_memory" in info:
             return int(info["used_memory"])
         return sum(int(v["used_memory"]) for v in info.values())
