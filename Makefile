@@ -64,18 +64,25 @@ netns-tools:
 	    echo "could not install nftables/iproute2; the lossy-link test will skip"; \
 	fi
 
-# The cluster tests start a real redis-server on a free port. Install Debian's when it
-# is missing and we are root (CI); otherwise say so, and those tests skip with the reason.
+# The cluster tests start real Redis servers on free ports: one server, a 3-master
+# 3-replica cluster (redis-cli --cluster create), a Sentinel set, a TLS server. Install
+# Debian's packages when a tool is missing and we are root (CI); otherwise say so, and
+# those tests skip with the reason.
+REDIS_TOOLS := redis-server redis-cli redis-sentinel
 redis:
-	@command -v redis-server >/dev/null 2>&1 || { \
+	@missing=""; for t in $(REDIS_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing redis-server (apt-get)"; \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null 2>&1 || \
+	    echo "installing redis-server redis-tools redis-sentinel (missing:$$missing)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server redis-tools \
+	        redis-sentinel >/dev/null 2>&1 || \
 	      { apt-get update -q >/dev/null && \
-	        DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null; }; \
+	        DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server redis-tools \
+	            redis-sentinel >/dev/null; }; \
 	  else \
-	    echo "redis-server not installed and not root: the cluster tests will skip"; \
-	  fi; }
+	    echo "not installed:$$missing (and not root): the Redis tests will skip"; \
+	  fi; \
+	fi
 
 # P2PKV_REQUIRE_VLLM: the vLLM tests fail instead of skipping if the engine cannot run.
 test: venv netns-tools redis vllm-env real-model

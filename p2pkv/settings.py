@@ -118,8 +118,15 @@ def _json_object(value: Any) -> dict[str, Any]:
 
 def _directory(value: Any) -> str:
     name = _str(value)
-    if name != "static" and not name.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"must be static or redis://HOST:PORT/DB, got {value!r}")
+    if name == "static":
+        return name
+    from p2pkv.cluster.redis_urls import parse_directory_url
+
+    try:
+        parse_directory_url(name)
+    except ConfigError as exc:
+        raise ValueError(f"must be static or a Redis URL (redis://HOST:PORT/DB, "
+                         f"redis+cluster://..., redis+sentinel://...): {exc}") from None
     return name
 
 
@@ -192,7 +199,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("heartbeat_timeout", _seconds, 5.0, "seconds of silence before a peer is dead"),
     Option("checksums", _bool, True, "offer per-block xxh3-64 checksums"),
     Option("directory", _directory, "static",
-           "cluster directory: static (the --peer list) or redis://HOST:PORT/DB"),
+           "cluster directory: static (the --peer list), redis://HOST:PORT/DB, "
+           "redis+cluster://HOST:PORT[,...] or redis+sentinel://HOST:PORT[,...]/SERVICE"),
     Option("advertise", _str, None,
            "address registered in the directory (default: --listen, a wildcard host "
            "replaced by this host's address)"),

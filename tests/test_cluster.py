@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from nodeproc import content, keys_for, make_node
 from procs import ROOT, TESTS, NodeProcess
+from redisprocs import LocalRedis, find_redis_server, free_port
 
 from p2pkv.cluster import (
     Cluster,
@@ -29,7 +30,6 @@ from p2pkv.cluster import (
     longest_prefix,
     partition_key,
 )
-from p2pkv.cluster.redis_server import LocalRedis, find_redis_server, free_port
 from p2pkv.errors import ConfigError
 from p2pkv.node import KeyOutcome
 from p2pkv.workers import JsonLineProcess

@@ -263,7 +263,7 @@ def baseline(model_dir: Path, logs: Path, engines: list[Engine]) -> dict[str, st
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str | None]:
     """A private redis-server for the directory test (None when it is not installed)."""
-    from p2pkv.cluster.redis_server import LocalRedis, find_redis_server
+    from redisprocs import LocalRedis, find_redis_server
 
     if find_redis_server() is None:
         if REQUIRED:

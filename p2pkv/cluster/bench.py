@@ -13,9 +13,19 @@ port, no persistence):
   1,000-key prefix through the static backend (one lookup per peer, in parallel) and
   through the Redis backend (one round trip), alternating, every answer checked.
 
+* **One hot identity on 1 vs 3 masters.** A Redis Cluster of one master, then one of
+  three (no replicas), 16 members of one partition holding 100,000 entries, a member
+  announcing and withdrawing blocks all along. Lookups of a 1,000-key prefix from 1, 2,
+  4 and 8 client threads; the row is the highest rate whose p99 stays within
+  ``HOT_P99_MS``, with the Redis time per lookup and the load per shard (the busiest
+  master's script time over the mean).
+* **Static fan-out vs Redis vs Redis Cluster.** As above, the Redis Cluster of three
+  masters as a third backend.
+
 Absolute numbers move with the machine and whatever else runs on it; compare rows of
-one run. Run as ``python -m p2pkv.cluster.bench host N URL NAMESPACE`` the module is the child
-that hosts the nodes (JSON lines on stdout; closing stdin stops it).
+one run. Run as ``python -m p2pkv.cluster.bench host N URLS_JSON NAMESPACE`` the module
+is the child that hosts the nodes, each registered in every directory of the JSON list
+(JSON lines on stdout; closing stdin stops it).
 """
 
 from __future__ import annotations
@@ -37,6 +47,8 @@ __all__ = ["run_cluster_bench"]
 
 _PARTITION_FP = "0123456789abcdef"
 _CHAIN = 1000
+#: The p99 (ms) a lookup rate of the hot-identity rows must stay within.
+HOT_P99_MS = 50.0
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -156,8 +168,9 @@ def _readline(child: subprocess.Popen[str], timeout: float) -> str:
     return line[0] if line else ""
 
 
-def host_main(count: int, url: str, namespace: str) -> int:
-    """Child: ``count`` nodes, node i holding chain max(0, i - 1), all registered."""
+def host_main(count: int, urls: list[str], namespace: str) -> int:
+    """Child: ``count`` nodes, node i holding chain max(0, i - 1), each registered in
+    every directory of ``urls``."""
     from p2pkv.cluster import Cluster, ClusterConfig
 
     nodes, clusters = [], []
@@ -171,8 +184,9 @@ def host_main(count: int, url: str, namespace: str) -> int:
             for k in keys:
                 node.put(k, block)
             nodes.append(node)
-            clusters.append(Cluster(node, directory=url,
-                                    config=ClusterConfig(ttl=30.0, namespace=namespace)))
+            clusters += [Cluster(node, directory=url,
+                                 config=ClusterConfig(ttl=30.0, namespace=namespace))
+                         for url in urls]
         for c in clusters:
             if not c.wait_registered(30.0):
                 raise RuntimeError("a hosted node did not register")
@@ -186,8 +200,11 @@ def host_main(count: int, url: str, namespace: str) -> int:
     return 0
 
 
-def fanout_rows(url: str, counts: Sequence[int], rounds: int) -> list[dict[str, Any]]:
+def fanout_rows(url: str, counts: Sequence[int], rounds: int,
+                cluster_url: str | None = None) -> list[dict[str, Any]]:
     from p2pkv.cluster import Cluster, ClusterConfig
+
+    urls = [url] + ([cluster_url] if cluster_url else [])
 
     rows: list[dict[str, Any]] = []
     keys = _chain_keys(0)
@@ -195,12 +212,12 @@ def fanout_rows(url: str, counts: Sequence[int], rounds: int) -> list[dict[str, 
         namespace = f"fanout{count}"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         child = subprocess.Popen(
-            [sys.executable, "-m", "p2pkv.cluster.bench", "host", str(count), url,
-             namespace],
+            [sys.executable, "-m", "p2pkv.cluster.bench", "host", str(count),
+             json.dumps(urls), namespace],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         node = _make_node(8)
         static: Cluster | None = None
-        redis: Cluster | None = None
+        backends: dict[str, Cluster] = {}
         try:
             first = _readline(child, 120.0)
             if not first:
@@ -208,34 +225,37 @@ def fanout_rows(url: str, counts: Sequence[int], rounds: int) -> list[dict[str, 
             addresses = json.loads(first)["addresses"]
             static = Cluster(node, peers=addresses,
                              config=ClusterConfig(lookup_timeout=10.0))
-            redis = Cluster(node, directory=url,
-                            config=ClusterConfig(ttl=30.0, namespace=namespace,
-                                                 lookup_timeout=10.0))
+            backends["static"] = static
+            for name, u in zip(("redis", "redis cluster"), urls, strict=False):
+                backends[name] = Cluster(node, directory=u, config=ClusterConfig(
+                    ttl=30.0, namespace=namespace, lookup_timeout=10.0))
             want = {0, 1} if count > 1 else {0}
             by_address = {a: i for i, a in enumerate(addresses)}
-            lat: dict[str, list[float]] = {"static": [], "redis": []}
+            lat: dict[str, list[float]] = {name: [] for name in backends}
             bad = dict.fromkeys(lat, 0)
-            pair = (static, redis)
-            for cluster in pair:  # warm up: connections, script cache
+            order = list(backends.items())
+            for _, cluster in order:  # warm up: connections, script cache
                 cluster.lookup_prefix(keys)
             for r in range(rounds):
-                for cluster in pair if r % 2 == 0 else pair[::-1]:
+                for name, cluster in order if r % 2 == 0 else order[::-1]:
                     t0 = time.perf_counter()
                     found = cluster.lookup_prefix(keys)
-                    lat[cluster.backend].append((time.perf_counter() - t0) * 1e3)
-                    if (found.length != _CHAIN
+                    lat[name].append((time.perf_counter() - t0) * 1e3)
+                    if (found.length != _CHAIN or found.source != (
+                            "peers" if name == "static" else "redis")
                             or {by_address.get(h.address) for h in found.holders[0]} != want):
-                        bad[cluster.backend] += 1
-            for backend in ("static", "redis"):
+                        bad[name] += 1
+            for backend in backends:
                 ok = "yes" if bad[backend] == 0 else f"NO ({bad[backend]} wrong)"
                 for q in (50, 99):
                     rows.append({"case": f"{count} peer(s), 1,000-key prefix",
                                  "metric": f"{backend} lookup p{q} ms",
                                  "value": _percentile(lat[backend], q), "ok": ok})
         finally:
-            for c in (static, redis):
-                if c is not None:
-                    c.close(deregister=False)
+            for c in backends.values():
+                c.close(deregister=False)
+            if static is not None:
+                static.close(deregister=False)
             node.close(timeout=1.0)
             if child.stdin:
                 child.stdin.close()
@@ -247,17 +267,130 @@ def fanout_rows(url: str, counts: Sequence[int], rounds: int) -> list[dict[str, 
     return rows
 
 
+def _shard_script_usec(directory: Any) -> dict[str, float]:
+    from redis.cluster import RedisCluster
+
+    stats = directory.client.info("commandstats", target_nodes=RedisCluster.PRIMARIES)
+    if "cmdstat_evalsha" in stats or not all(isinstance(v, dict) for v in stats.values()):
+        stats = {"only": stats}  # one master: redis-py returns its reply as is
+    return {node: float(s.get("cmdstat_evalsha", {}).get("usec", 0.0))
+            for node, s in stats.items()}
+
+
+def hot_identity_rows(url: str, masters: int, *, seconds: float,
+                      threads: Sequence[int] = (1, 2, 4, 8)) -> list[dict[str, Any]]:
+    """One partition on the cluster at ``url``: the best lookup rate within HOT_P99_MS."""
+    from p2pkv.cluster import RedisDirectory
+
+    directory = RedisDirectory(url, namespace="hot", socket_timeout=30.0)
+    stop = threading.Event()
+    churner: threading.Thread | None = None
+    try:
+        rng = np.random.default_rng(11)
+        chains = 50
+        keys = [rng.bytes(20) for _ in range(chains * _CHAIN)]
+        regs = [directory.register(_fake_record(i), ttl=3600.0) for i in range(16)]
+        for c in range(chains):
+            chain = keys[c * _CHAIN:(c + 1) * _CHAIN]
+            for m in (regs[c % 15], regs[(c + 1) % 15]):
+                if not directory.announce(m, chain):
+                    raise RuntimeError("a simulated member lost its registration")
+        churn = [rng.bytes(20) for _ in range(2000)]
+        announced = [0]
+
+        def announce() -> None:  # a member storing and evicting blocks all along
+            n = 0
+            while not stop.is_set():
+                add = churn[(n % 2) * 1000:(n % 2 + 1) * 1000]
+                drop = churn[((n + 1) % 2) * 1000:((n + 1) % 2 + 1) * 1000]
+                directory.announce(regs[15], add, drop)
+                announced[0] += len(add) + len(drop)
+                n += 1
+                stop.wait(0.05)
+
+        churner = threading.Thread(target=announce, daemon=True)
+        churner.start()
+        partition = regs[0].partition
+        runs: list[tuple[float, float, int, float, float]] = []
+        bad = 0
+        t_churn = time.perf_counter()
+        for n in threads:
+            lat: list[list[float]] = [[] for _ in range(n)]
+            errors: list[int] = [0] * n
+            before = _shard_script_usec(directory)
+            end = time.perf_counter() + seconds
+
+            def client(i: int, lat: list[list[float]] = lat, end: float = end,
+                       errors: list[int] = errors) -> None:
+                r = np.random.default_rng(100 + i)
+                while time.perf_counter() < end:
+                    c = int(r.integers(0, chains))
+                    t0 = time.perf_counter()
+                    found = directory.lookup(partition, keys[c * _CHAIN:(c + 1) * _CHAIN])
+                    lat[i].append((time.perf_counter() - t0) * 1e3)
+                    if len(found) != _CHAIN:
+                        errors[i] += 1
+
+            t_start = time.perf_counter()
+            workers = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join(seconds + 60)
+            elapsed = time.perf_counter() - t_start
+            after = _shard_script_usec(directory)
+            bad += sum(errors)
+            every = [x for per in lat for x in per]
+            load = [after[k] - before.get(k, 0.0) for k in after]
+            p99 = _percentile(every, 99)
+            rate = len(every) / elapsed
+            mean_load = statistics.mean(load) if load else 0.0
+            imbalance = max(load) / mean_load if mean_load else float("nan")
+            server_ms = sum(load) / 1e3 / max(1, len(every))
+            runs.append((rate, p99, n, imbalance, server_ms))
+        churn_rate = announced[0] / (time.perf_counter() - t_churn)
+        within = [r for r in runs if r[1] <= HOT_P99_MS]
+        # None within the target (a loaded machine): the run with the lowest p99.
+        best = max(within) if within else min(runs, key=lambda r: r[1])
+        ok = "yes" if bad == 0 else f"NO ({bad} wrong)"
+        case = f"hot identity, {masters} master(s), 1,000-key prefix"
+        rate, p99, n, imbalance, server_ms = best
+        return [
+            {"case": case, "metric": f"lookups/s at p99 <= {HOT_P99_MS:g} ms", "value": rate,
+             "ok": ok},
+            {"case": case, "metric": f"p99 ms at that rate ({n} client threads)",
+             "value": p99, "ok": ok},
+            {"case": case, "metric": "Redis script ms per lookup, all shards",
+             "value": server_ms, "ok": ok},
+            {"case": case, "metric": "load per shard, max / mean", "value": imbalance,
+             "ok": ok},
+            {"case": case, "metric": "announcements meanwhile, blocks/s", "value": churn_rate,
+             "ok": "yes"},
+        ]
+    finally:
+        stop.set()
+        if churner is not None:
+            churner.join(30)
+        directory.close()
+
+
 def run_cluster_bench(*, quick: bool = False, json_path: str | None = None) -> int:
-    from p2pkv.cluster.redis_server import LocalRedis
+    from p2pkv.bench.redis_servers import LocalRedis, LocalRedisCluster
 
     members, entries, lookups = (64, 100_000, 100) if quick else (64, 1_000_000, 500)
     counts, rounds = ((1, 8), 30) if quick else ((1, 8, 32), 200)
+    seconds = 1.0 if quick else 3.0
     rows: list[dict[str, Any]] = []
     with LocalRedis() as server:
         version = subprocess.run([server.executable, "--version"], capture_output=True,
                                  text=True, timeout=10).stdout.split()[2]
         rows += scale_rows(server.url, members=members, entries=entries, lookups=lookups)
-        rows += fanout_rows(server.url, counts, rounds)
+        for masters in (1, 3):
+            with LocalRedisCluster(masters=masters, replicas=0) as cluster:
+                rows += hot_identity_rows(cluster.url, masters, seconds=seconds)
+        with LocalRedisCluster(masters=3, replicas=0) as cluster:
+            rows += fanout_rows(server.url, counts, rounds, cluster_url=cluster.url)
+
     width = [max(len(str(r[k])) for r in rows) for k in ("case", "metric")]
     print(f"{'case':<{width[0]}}  {'metric':<{width[1]}}  {'value':>12}  answers ok")
     print(f"{'-' * width[0]}  {'-' * width[1]}  {'-' * 12}  ----------")
@@ -273,5 +406,5 @@ def run_cluster_bench(*, quick: bool = False, json_path: str | None = None) -> i
 
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "host":
-        sys.exit(host_main(int(sys.argv[2]), sys.argv[3], sys.argv[4]))
+        sys.exit(host_main(int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]))
     sys.exit(run_cluster_bench(quick="--quick" in sys.argv))

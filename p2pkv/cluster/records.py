@@ -25,7 +25,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DirectoryError",
+    "DirectoryView",
     "Holder",
+    "Member",
+    "MemberView",
     "NodeRecord",
     "PrefixFetch",
     "PrefixLookup",
@@ -176,6 +179,39 @@ class NodeRecord:
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise DirectoryError(f"malformed node record: {exc!s}") from None
+
+
+@dataclass(frozen=True)
+class Member:
+    """One registration of a node: its partition, the token its claims carry and the
+    nonce that proves the token is still this registration's."""
+
+    partition: str
+    token: bytes
+    nonce: bytes = field(default=b"", repr=False)
+
+    @property
+    def number(self) -> int:
+        return int.from_bytes(self.token, "big")
+
+
+@dataclass(frozen=True)
+class MemberView:
+    """A registered node as the ``cluster`` command shows it."""
+
+    member: int
+    record: NodeRecord | None
+    error: str | None
+    blocks: int
+    alive: bool
+    expires_in: float  # seconds; negative once expired
+
+
+@dataclass(frozen=True)
+class DirectoryView:
+    """Every partition of a directory with its members."""
+
+    partitions: dict[str, list[MemberView]] = field(default_factory=dict)
 
 
 def longest_prefix(holders: Sequence[Sequence[Holder]]) -> int:

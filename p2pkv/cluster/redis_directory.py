@@ -25,19 +25,33 @@ refused, and a live member of the partition sweeps its entries out of the blocks
 
 Every operation is one Lua script call (one round trip): a lookup of any number of keys
 (stopping at the first key with no live holder), a batch of announcements, a heartbeat.
-Times come from the Redis server clock, so node clocks need not agree.
+Times come from the Redis server clock, so node clocks need not agree. Scripts run by
+``EVALSHA`` (loaded again when a server answers ``NOSCRIPT``, e.g. after a failover).
+
+On a Redis Cluster (``redis+cluster://``) the membership keys stay as above, in the one
+slot of ``{P}``, and the blocks hash is split into sub-partitions, each with its own hash
+tag: see :mod:`p2pkv.cluster.sharded`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from p2pkv.cluster.records import DirectoryError, Holder, NodeRecord
+from p2pkv.cluster.records import (
+    DirectoryError,
+    DirectoryView,
+    Holder,
+    Member,
+    MemberView,
+    NodeRecord,
+)
+from p2pkv.cluster.redis_urls import parse_directory_url, validate_redis_url
 from p2pkv.errors import ConfigError
 
 __all__ = [
@@ -64,7 +78,10 @@ end
 """
 
 # KEYS: live, nodes, addr, count, owner. ARGV: token, ttl_ms, record, addr, nonce.
+# Returns -1 (and changes nothing) when the token is still in use: a counter that went
+# back (a restart, a failover that lost writes) never hands out a live member's token.
 _REGISTER = _NOW + """
+if redis.call('HEXISTS', KEYS[5], ARGV[1]) == 1 then return -1 end
 local now = now_ms()
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
@@ -228,82 +245,107 @@ return res[1]
 """
 
 
-def validate_redis_url(url: str) -> str:
-    """``url`` if it names a Redis server (``redis://``, ``rediss://``, ``unix://``)."""
-    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(f"--directory: expected redis://HOST:PORT/DB, rediss://... or "
-                          f"unix://PATH, got {url!r}")
-    return url
+# KEYS: live (its slot: the partition's server). Returns that server's clock in ms.
+_CLOCK = _NOW + """
+return now_ms()
+"""
 
 
-@dataclass(frozen=True)
-class Member:
-    """One registration of a node: its partition, the token its claims carry and the
-    nonce that proves the token is still this registration's."""
+class Lua:
+    """A Lua script run by ``EVALSHA``, loaded again where a server does not know it."""
 
-    partition: str
-    token: bytes
-    nonce: bytes = field(default=b"", repr=False)
-
-    @property
-    def number(self) -> int:
-        return int.from_bytes(self.token, "big")
-
-
-@dataclass(frozen=True)
-class MemberView:
-    """A registered node as the ``cluster`` command shows it."""
-
-    member: int
-    record: NodeRecord | None
-    error: str | None
-    blocks: int
-    alive: bool
-    expires_in: float  # seconds; negative once expired
-
-
-@dataclass(frozen=True)
-class DirectoryView:
-    """Every partition of a directory with its members."""
-
-    partitions: dict[str, list[MemberView]] = field(default_factory=dict)
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.sha = hashlib.sha1(text.encode()).hexdigest()
 
 
 class RedisDirectory:
     """A connection to one Redis directory (thread-safe; one connection pool).
 
-    ``url`` is ``redis://HOST:PORT/DB`` (or ``rediss://``/``unix://``). Every call
-    raises :class:`~p2pkv.cluster.records.DirectoryError` when Redis cannot be reached
-    within ``socket_timeout`` seconds or answers garbage; none retries by itself.
+    ``url`` is any form of :mod:`p2pkv.cluster.redis_urls`: one server (``redis://``,
+    ``rediss://``, ``unix://``), a Redis Cluster (``redis+cluster://``) or the primary a
+    Sentinel set names (``redis+sentinel://``). Nothing connects before the first call.
+    Every call raises :class:`~p2pkv.cluster.records.DirectoryError` when Redis cannot be
+    reached within ``socket_timeout`` seconds (a cluster client asks once more after
+    refreshing its topology), refuses the credentials or answers garbage; none retries
+    by itself beyond that.
     """
 
     def __init__(self, url: str, *, namespace: str = "p2pkv",
                  socket_timeout: float = 1.0) -> None:
         try:
             import redis
-            from redis.backoff import NoBackoff
-            from redis.retry import Retry
+            from redis.exceptions import NoScriptError
         except ImportError as exc:  # pragma: no cover - depends on the extra
             raise ConfigError("--directory redis://... needs the Redis client: "
                               "pip install 'p2pkv[cluster]'") from exc
-        validate_redis_url(url)
+        parsed = parse_directory_url(url)
         if not namespace or any(c in namespace for c in "{} "):
             raise ConfigError(f"directory namespace must be non-empty without braces or "
                               f"blanks, got {namespace!r}")
-        self.url = url
+        self.url = parsed.redacted
+        self.kind = parsed.kind
         self.namespace = namespace
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        self._noscript = NoScriptError
+        self._connect = parsed.connector(socket_timeout)
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+        if parsed.kind == "redis":
+            self._client = self._connect()  # redis-py connects lazily by itself
+        self._register = Lua(_REGISTER)
+        self._heartbeat = Lua(_HEARTBEAT)
+        self._lookup = Lua(_LOOKUP)
+        self._announce = Lua(_ANNOUNCE)
+        self._sweep = Lua(_SWEEP)
+        self._clock = Lua(_CLOCK)
+        self._shards: Any = None
+        if parsed.kind == "cluster":
+            from p2pkv.cluster.sharded import Subpartitions
+
+            self._shards = Subpartitions(self, parsed.subpartitions)
+
+    @property
+    def _redis(self) -> Any:
+        if self._client is None:
+            with self._client_lock:
+                if self._client is None:
+                    self._client = self._connect()
+        return self._client
+
+    def _eval(self, script: Lua, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """One script call (``EVALSHA``; the script is loaded on ``NOSCRIPT``)."""
+        client = self._redis
         try:
-            self._redis: Any = redis.Redis.from_url(
-                url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
-                retry=Retry(NoBackoff(), 0), health_check_interval=0)
-        except ValueError as exc:
-            raise ConfigError(f"--directory: {exc}") from exc
-        self._register = self._redis.register_script(_REGISTER)
-        self._heartbeat = self._redis.register_script(_HEARTBEAT)
-        self._lookup = self._redis.register_script(_LOOKUP)
-        self._announce = self._redis.register_script(_ANNOUNCE)
-        self._sweep = self._redis.register_script(_SWEEP)
+            return client.evalsha(script.sha, len(keys), *keys, *args)
+        except self._noscript:
+            client.script_load(script.text)
+            return client.evalsha(script.sha, len(keys), *keys, *args)
+
+    def _pipelined(self, calls: Sequence[tuple[Lua, Sequence[Any], Sequence[Any]]]
+                   ) -> list[Any]:
+        """Script calls in one non-transactional pipeline (on a cluster: the calls for
+        each shard go out together, to every shard at once, before any answer is read).
+        A call answered ``NOSCRIPT`` loads its script and runs again."""
+        client = self._redis
+        pipe = client.pipeline(transaction=False)
+        for script, keys, args in calls:
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        results = list(pipe.execute(raise_on_error=False))
+        again = [i for i, r in enumerate(results) if isinstance(r, self._noscript)]
+        if again:
+            for text in {calls[i][0].text for i in again}:
+                client.script_load(text)
+            pipe = client.pipeline(transaction=False)
+            for i in again:
+                script, keys, args = calls[i]
+                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            for i, r in zip(again, pipe.execute(raise_on_error=False), strict=True):
+                results[i] = r
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+        return results
 
     # -- keys ---------------------------------------------------------------------
 
@@ -313,8 +355,16 @@ class RedisDirectory:
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
+        except DirectoryError:
+            raise
         except self._errors as exc:
             raise DirectoryError(f"redis directory {self.url}: {what}: {exc}") from exc
+        except Exception as exc:
+            # redis-py's cluster client raises RedisClusterException (not a RedisError)
+            # when no startup node answers or a slot has no master.
+            if type(exc).__module__.startswith("redis"):
+                raise DirectoryError(f"redis directory {self.url}: {what}: {exc}") from exc
+            raise
 
     # -- membership ---------------------------------------------------------------
 
@@ -323,14 +373,20 @@ class RedisDirectory:
         p = record.partition
 
         def run() -> Member:
-            number = int(self._redis.incr(f"{self.namespace}:seq")) % (1 << 32) or 1
-            token = number.to_bytes(_TOKEN_BYTES, "big")
             nonce = os.urandom(16)
-            self._register(
-                keys=[self._key(p, "live"), self._key(p, "nodes"), self._key(p, "addr"),
-                      self._key(p, "count"), self._key(p, "owner")],
-                args=[token, int(ttl * 1000), record.to_json(),
-                      f"{record.node_id}\n{record.address}", nonce])
+            for _ in range(16):
+                number = int(self._redis.incr(f"{self.namespace}:seq")) % (1 << 32) or 1
+                token = number.to_bytes(_TOKEN_BYTES, "big")
+                taken = self._eval(self._register, keys=[
+                    self._key(p, "live"), self._key(p, "nodes"), self._key(p, "addr"),
+                    self._key(p, "count"), self._key(p, "owner")], args=[
+                    token, int(ttl * 1000), record.to_json(),
+                    f"{record.node_id}\n{record.address}", nonce])
+                if int(taken) != -1:
+                    break
+            else:
+                raise DirectoryError(f"redis directory {self.url}: register: 16 tokens in "
+                                     f"a row were in use (is {self.namespace}:seq reset?)")
             self._redis.sadd(f"{self.namespace}:partitions", p)
             return Member(p, token, nonce)
 
@@ -340,13 +396,11 @@ class RedisDirectory:
     def heartbeat(self, member: Member, ttl: float) -> bool:
         """Renew the registration; False when it is gone (expired, Redis restarted)."""
         def run() -> bool:
-            pipe = self._redis.pipeline(transaction=False)
-            self._heartbeat(keys=[self._key(member.partition, "live"),
-                                  self._key(member.partition, "owner")],
-                            args=[member.token, int(ttl * 1000), member.nonce], client=pipe)
+            renewed = self._eval(self._heartbeat, keys=[
+                self._key(member.partition, "live"), self._key(member.partition, "owner")],
+                args=[member.token, int(ttl * 1000), member.nonce])
             # Listed again each time: a sweep may have dropped an emptied partition.
-            pipe.sadd(f"{self.namespace}:partitions", member.partition)
-            renewed, _ = pipe.execute()
+            self._redis.sadd(f"{self.namespace}:partitions", member.partition)
             return bool(renewed)
 
         alive: bool = self._call("heartbeat", run)
@@ -356,6 +410,9 @@ class RedisDirectory:
                  removed: Sequence[bytes] = ()) -> bool:
         """Claim ``stored`` and withdraw ``removed`` (idempotent). False when the
         registration is gone (nothing was claimed; register again and republish)."""
+        if self._shards is not None:
+            ok: bool = self._shards.announce(member, stored, removed)
+            return ok
         p = member.partition
         keys = [self._key(p, "blocks"), self._key(p, "live"), self._key(p, "count"),
                 self._key(p, "owner")]
@@ -364,8 +421,8 @@ class RedisDirectory:
             add, stored = stored[:ANNOUNCE_BATCH], stored[ANNOUNCE_BATCH:]
             room = ANNOUNCE_BATCH - len(add)
             rem, removed = removed[:room], removed[room:]
-            result = self._call("announce", lambda a=add, r=rem: self._announce(  # type: ignore[misc]
-                keys=keys, args=[member.token, member.nonce, len(a), *a, *r]))
+            result = self._call("announce", lambda a=add, r=rem: self._eval(  # type: ignore[misc]
+                self._announce, keys=keys, args=[member.token, member.nonce, len(a), *a, *r]))
             if int(result) == -1:
                 return False
         return True
@@ -393,8 +450,7 @@ class RedisDirectory:
     def dead_tokens(self, partition: str) -> list[bytes]:
         """Tokens of ``partition`` whose registration expired."""
         def run() -> list[bytes]:
-            sec, usec = self._redis.time()
-            now = sec * 1000 + usec // 1000
+            now = self.server_time_ms(partition)
             return [bytes(t) for t in self._redis.zrangebyscore(
                 self._key(partition, "live"), "-inf", f"({now}")]
 
@@ -408,9 +464,12 @@ class RedisDirectory:
         Returns the next cursor (0: the pass is over and their records are gone), or
         None when another member is sweeping.
         """
+        if self._shards is not None:
+            step: int | None = self._shards.sweep_step(member, dead, cursor, count)
+            return step
         p = member.partition
-        result = self._call("sweep", lambda: self._sweep(
-            keys=[self._key(p, "blocks"), self._key(p, "live"), self._key(p, "nodes"),
+        result = self._call("sweep", lambda: self._eval(
+            self._sweep, keys=[self._key(p, "blocks"), self._key(p, "live"), self._key(p, "nodes"),
                   self._key(p, "addr"), self._key(p, "count"), self._key(p, "sweep"),
                   self._key(p, "owner")],
             args=[member.token, cursor, count, *dead]))
@@ -428,29 +487,32 @@ class RedisDirectory:
         if not keys:
             return []
         me = exclude.token if exclude is not None else b""
-        reply = self._call("lookup", lambda: self._lookup(
-            keys=[self._key(partition, "blocks"), self._key(partition, "live"),
-                  self._key(partition, "addr")], args=[me, *keys]))
+        if self._shards is not None:
+            found: list[tuple[Holder, ...]] = self._shards.lookup(partition, keys, me)
+            return found
+        reply = self._call("lookup", lambda: self._eval(
+            self._lookup, keys=[self._key(partition, "blocks"), self._key(partition, "live"),
+                                self._key(partition, "addr")], args=[me, *keys]))
         try:
             packed, flat = reply
-            holders: dict[bytes, Holder] = {}
-            for i in range(0, len(flat), 2):
-                node_id, _, address = bytes(flat[i + 1]).decode().partition("\n")
-                holders[bytes(flat[i])] = Holder(node_id, address)
+            holders = parse_holders(flat)
             return [tuple(holders[bytes(v[p:p + _TOKEN_BYTES])]
                           for p in range(0, len(v), _TOKEN_BYTES)) for v in packed]
         except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
             raise DirectoryError(f"redis directory {self.url}: malformed lookup reply "
                                  f"({exc!r})") from None
 
+    def server_time_ms(self, partition: str) -> int:
+        """The clock (ms) of the server that holds ``partition``'s liveness."""
+        return int(self._eval(self._clock, keys=[self._key(partition, "live")], args=[]))
+
     def view(self) -> DirectoryView:
         """Every partition, its members, their block counts and liveness (for tools)."""
         def run() -> DirectoryView:
-            sec, usec = self._redis.time()
-            now = sec * 1000 + usec // 1000
             out: dict[str, list[MemberView]] = {}
             for raw in sorted(self._redis.smembers(f"{self.namespace}:partitions")):
                 p = bytes(raw).decode()
+                now = self.server_time_ms(p)
                 pipe = self._redis.pipeline(transaction=False)
                 pipe.hgetall(self._key(p, "nodes"))
                 pipe.zrange(self._key(p, "live"), 0, -1, withscores=True)
@@ -481,19 +543,39 @@ class RedisDirectory:
 
     @property
     def client(self) -> Any:
-        """The underlying ``redis.Redis`` client (for tools and the benchmark)."""
+        """The underlying redis-py client (``redis.Redis`` or ``RedisCluster``; for tools
+        and the benchmark)."""
         return self._redis
 
     def memory(self) -> int:
-        """Redis ``used_memory`` in bytes (for the benchmark)."""
-        return int(self._call("info", lambda: self._redis.info("memory"))["used_memory"])
+        """Redis ``used_memory`` in bytes, summed over a cluster's masters (benchmark)."""
+        if self.kind == "cluster":
+            from redis.cluster import RedisCluster
+
+            info = self._call("info", lambda: self._redis.info(
+                "memory", target_nodes=RedisCluster.PRIMARIES))
+        else:
+            info = self._call("info", lambda: self._redis.info("memory"))
+        if "used_memory" in info:
+            return int(info["used_memory"])
+        return sum(int(v["used_memory"]) for v in info.values())
 
     def ping(self) -> bool:
         try:
-            return bool(self._redis.ping())
-        except self._errors:
+            return bool(self._call("ping", lambda: self._redis.ping()))
+        except DirectoryError:
             return False
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._redis.close()
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+
+
+def parse_holders(flat: Sequence[Any]) -> dict[bytes, Holder]:
+    """``{token: Holder}`` from a script's ``{token, "node_id LF address", ...}``."""
+    holders: dict[bytes, Holder] = {}
+    for i in range(0, len(flat), 2):
+        node_id, _, address = bytes(flat[i + 1]).decode().partition("\n")
+        holders[bytes(flat[i])] = Holder(node_id, address)
+    return holders

@@ -1,0 +1,341 @@
+"""One partition's block keys over every master of a Redis Cluster.
+
+On one Redis a partition's blocks hash is one key. On a Redis Cluster one hash tag is
+one slot, so one identity (one model behind every worker, the common case) would load
+one master. Here the blocks hash is split into ``S`` sub-partitions by a hash of the
+block key (CRC-32), each with its own hash tag::
+
+    NS:{P}:...              membership and liveness, as on one Redis (one slot)
+    NS:{P/s.j}:blocks       HASH block key -> holder tokens, for keys with crc32 % S == s
+
+``j`` is the smallest number that puts sub-partition ``s`` in the ``s``-th of ``S``
+equal bands of the 16,384 slots: ``redis-cli --cluster create`` gives each of M masters
+one contiguous range, so with S a multiple of M every master holds S / M sub-partitions
+and the same share of the keys and of the lookups.
+
+A lookup sends one ``EVALSHA`` per sub-partition it needs (the values of its keys, up to
+the first one nobody claims), all pipelined (every shard at once), then one script on
+the membership slot that says which of the tokens found are live, with their addresses.
+The merge gives the same longest-prefix answer as the single-Redis script. An
+announcement checks the registration (owner nonce, liveness) on the membership slot,
+then claims in each sub-partition; a registration that expires between the two can
+leave claims of a dead token behind, which lookups skip (dead) and the sweep removes.
+Liveness keeps its guarantee: it is read from one slot, on that server's clock.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from p2pkv.cluster.records import DirectoryError, Holder, Member
+
+if TYPE_CHECKING:
+    from p2pkv.cluster.redis_directory import RedisDirectory
+
+__all__ = ["Subpartitions", "subpartition_of"]
+
+_TOKEN_BYTES = 4
+_SLOTS = 16384
+_CHUNK = 1000
+ANNOUNCE_BATCH = 5000
+
+# KEYS: one sub-partition's blocks. ARGV: block keys. Their values in order, up to the
+# first key that nobody claims (the longest prefix cannot reach past it).
+_SUB_LOOKUP = """
+local out = {}
+local n = #ARGV
+local i = 1
+while i <= n do
+  local j = math.min(i + CHUNK - 1, n)
+  local vals = redis.call('HMGET', KEYS[1], unpack(ARGV, i, j))
+  for k = 1, #vals do
+    if not vals[k] then return out end
+    out[#out + 1] = vals[k]
+  end
+  i = j + 1
+end
+return out
+""".replace("CHUNK", str(_CHUNK))
+
+# KEYS: live, addr. ARGV: own token, tokens... {token, addr, ...} of the live ones.
+_LIVE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local out = {}
+for i = 2, #ARGV do
+  local tok = ARGV[i]
+  if tok ~= ARGV[1] then
+    local exp = redis.call('ZSCORE', KEYS[1], tok)
+    if exp and tonumber(exp) >= now then
+      local addr = redis.call('HGET', KEYS[2], tok)
+      if addr then
+        out[#out + 1] = tok
+        out[#out + 1] = addr
+      end
+    end
+  end
+end
+return out
+"""
+
+# KEYS: live, owner. ARGV: token, nonce, 1 when claims follow (the token must be live).
+_CHECK = """
+if redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
+if ARGV[3] == '1' then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
+  if not s or tonumber(s) < now then return 0 end
+end
+return 1
+"""
+
+# KEYS: one sub-partition's blocks. ARGV: token, number of stored keys, stored...,
+# removed... Returns the change of the token's block count.
+_SUB_ANNOUNCE = """
+local me = ARGV[1]
+local nadd = tonumber(ARGV[2])
+local delta = 0
+for i = 3, 2 + nadd do
+  local k = ARGV[i]
+  local v = redis.call('HGET', KEYS[1], k)
+  if not v then
+    redis.call('HSET', KEYS[1], k, me)
+    delta = delta + 1
+  else
+    local found = false
+    for p = 1, #v, 4 do
+      if string.sub(v, p, p + 3) == me then found = true break end
+    end
+    if not found then
+      redis.call('HSET', KEYS[1], k, v .. me)
+      delta = delta + 1
+    end
+  end
+end
+for i = 3 + nadd, #ARGV do
+  local k = ARGV[i]
+  local v = redis.call('HGET', KEYS[1], k)
+  if v then
+    local rest = ''
+    for p = 1, #v, 4 do
+      local t = string.sub(v, p, p + 3)
+      if t ~= me then rest = rest .. t end
+    end
+    if #rest ~= #v then
+      delta = delta - 1
+      if rest == '' then
+        redis.call('HDEL', KEYS[1], k)
+      else
+        redis.call('HSET', KEYS[1], k, rest)
+      end
+    end
+  end
+end
+return delta
+"""
+
+# KEYS: count. ARGV: token, delta.
+_COUNT = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
+  redis.call('HINCRBY', KEYS[1], ARGV[1], tonumber(ARGV[2]))
+end
+return 1
+"""
+
+# KEYS: sweep lock. ARGV: token. 1 when this member holds the lock (taken or renewed).
+_LOCK = """
+local lock = redis.call('GET', KEYS[1])
+if lock and lock ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', 30000)
+return 1
+"""
+
+# KEYS: one sub-partition's blocks. ARGV: cursor, count, dead tokens... One HSCAN step
+# stripping the dead tokens from the entries it visits; returns the next cursor.
+_SUB_SWEEP = """
+local dead = {}
+for i = 3, #ARGV do dead[ARGV[i]] = true end
+local res = redis.call('HSCAN', KEYS[1], ARGV[1], 'COUNT', tonumber(ARGV[2]))
+local fields = res[2]
+for i = 1, #fields, 2 do
+  local k, v = fields[i], fields[i + 1]
+  local rest = ''
+  for p = 1, #v, 4 do
+    local t = string.sub(v, p, p + 3)
+    if not dead[t] then rest = rest .. t end
+  end
+  if #rest ~= #v then
+    if rest == '' then redis.call('HDEL', KEYS[1], k) else redis.call('HSET', KEYS[1], k, rest) end
+  end
+end
+return res[1]
+"""
+
+# KEYS: live, nodes, addr, count, owner, sweep lock. ARGV: dead tokens... The end of a
+# pass: the records of the tokens still dead go, and the lock.
+_SWEEP_END = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for i = 1, #ARGV do
+  local tok = ARGV[i]
+  local s = redis.call('ZSCORE', KEYS[1], tok)
+  if (not s) or tonumber(s) < now then
+    redis.call('ZREM', KEYS[1], tok)
+    for k = 2, 5 do redis.call('HDEL', KEYS[k], tok) end
+  end
+end
+redis.call('DEL', KEYS[6])
+return 1
+"""
+
+
+def subpartition_of(key: bytes, count: int) -> int:
+    """The sub-partition of a block key (the same on every node)."""
+    return zlib.crc32(key) % count
+
+
+def _band_tag(partition: str, s: int, count: int) -> str:
+    from redis.crc import key_slot
+
+    lo, hi = s * _SLOTS // count, (s + 1) * _SLOTS // count
+    j = 0
+    while True:
+        tag = f"{partition}/{s}.{j}"
+        if lo <= key_slot(tag.encode()) < hi:
+            return tag
+        j += 1
+
+
+class Subpartitions:
+    """The sharded block keys of a :class:`~p2pkv.cluster.RedisDirectory` on a cluster.
+
+    Used by the directory itself (its ``lookup``, ``announce`` and ``sweep_step`` come
+    here when ``kind == "cluster"``); thread-safe as the directory is.
+    """
+
+    def __init__(self, directory: RedisDirectory, count: int) -> None:
+        from p2pkv.cluster.redis_directory import Lua
+
+        self.directory = directory
+        self.count = count
+        self._tags: dict[str, tuple[str, ...]] = {}
+        self._sub_lookup = Lua(_SUB_LOOKUP)
+        self._live = Lua(_LIVE)
+        self._check = Lua(_CHECK)
+        self._sub_announce = Lua(_SUB_ANNOUNCE)
+        self._count = Lua(_COUNT)
+        self._lock = Lua(_LOCK)
+        self._sub_sweep = Lua(_SUB_SWEEP)
+        self._sweep_end = Lua(_SWEEP_END)
+
+    def blocks_key(self, partition: str, s: int) -> str:
+        """The blocks hash of sub-partition ``s`` of ``partition``."""
+        tags = self._tags.get(partition)
+        if tags is None:
+            tags = tuple(_band_tag(partition, i, self.count) for i in range(self.count))
+            self._tags[partition] = tags
+        return f"{self.directory.namespace}:{{{tags[s]}}}:blocks"
+
+    def _group(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
+        groups: dict[int, list[int]] = {}
+        for i, k in enumerate(keys):
+            groups.setdefault(zlib.crc32(k) % self.count, []).append(i)
+        return groups
+
+    # -- lookups --------------------------------------------------------------------
+
+    def lookup(self, partition: str, keys: Sequence[bytes],
+               me: bytes) -> list[tuple[Holder, ...]]:
+        from p2pkv.cluster.redis_directory import parse_holders
+
+        d = self.directory
+        groups = sorted(self._group(keys).items())
+        calls = [(self._sub_lookup, [self.blocks_key(partition, s)], [keys[i] for i in idx])
+                 for s, idx in groups]
+        replies = d._call("lookup", lambda: d._pipelined(calls))
+        values: list[bytes | None] = [None] * len(keys)
+        try:
+            for (_, idx), reply in zip(groups, replies, strict=True):
+                for j, v in enumerate(reply):
+                    values[idx[j]] = bytes(v)
+        except (TypeError, ValueError, IndexError) as exc:
+            raise DirectoryError(f"redis directory {d.url}: malformed lookup reply "
+                                 f"({exc!r})") from None
+        end = values.index(None) if None in values else len(values)
+        if end == 0:
+            return []
+        tokens = {v[p:p + _TOKEN_BYTES] for v in values[:end] if v is not None
+                  for p in range(0, len(v), _TOKEN_BYTES)}
+        flat = d._call("lookup", lambda: d._eval(
+            self._live, keys=[d._key(partition, "live"), d._key(partition, "addr")],
+            args=[me, *sorted(tokens)]))
+        try:
+            live = parse_holders(flat)
+        except (ValueError, TypeError, IndexError, UnicodeDecodeError) as exc:
+            raise DirectoryError(f"redis directory {d.url}: malformed lookup reply "
+                                 f"({exc!r})") from None
+        out: list[tuple[Holder, ...]] = []
+        for v in values[:end]:
+            assert v is not None
+            found = tuple(live[t] for p in range(0, len(v), _TOKEN_BYTES)
+                          if (t := v[p:p + _TOKEN_BYTES]) in live)
+            if not found:
+                break
+            out.append(found)
+        return out
+
+    # -- announcements --------------------------------------------------------------
+
+    def announce(self, member: Member, stored: Sequence[bytes],
+                 removed: Sequence[bytes]) -> bool:
+        d = self.directory
+        p = member.partition
+        stored, removed = list(stored), list(removed)
+        while stored or removed:
+            add, stored = stored[:ANNOUNCE_BATCH], stored[ANNOUNCE_BATCH:]
+            room = ANNOUNCE_BATCH - len(add)
+            rem, removed = removed[:room], removed[room:]
+            ok = d._call("announce", lambda a=add: d._eval(  # type: ignore[misc]
+                self._check, keys=[d._key(p, "live"), d._key(p, "owner")],
+                args=[member.token, member.nonce, "1" if a else "0"]))
+            if not int(ok):
+                return False
+            adds, rems = self._group(add), self._group(rem)
+            calls: list[tuple[Any, list[str], list[Any]]] = []
+            for s in sorted(set(adds) | set(rems)):
+                a = [add[i] for i in adds.get(s, ())]
+                r = [rem[i] for i in rems.get(s, ())]
+                calls.append((self._sub_announce, [self.blocks_key(p, s)],
+                              [member.token, len(a), *a, *r]))
+            deltas = d._call("announce", lambda c=calls: d._pipelined(c))  # type: ignore[misc]
+            delta = sum(int(x) for x in deltas)
+            if delta:
+                d._call("announce", lambda n=delta: d._eval(  # type: ignore[misc]
+                    self._count, keys=[d._key(p, "count")], args=[member.token, n]))
+        return True
+
+    # -- the sweep ------------------------------------------------------------------
+
+    def sweep_step(self, member: Member, dead: Sequence[bytes], cursor: int,
+                   count: int) -> int | None:
+        """One HSCAN step of one sub-partition. ``cursor`` encodes both: the
+        sub-partition is ``cursor % S``, its HSCAN cursor ``cursor // S``."""
+        d = self.directory
+        p = member.partition
+        if not int(d._call("sweep", lambda: d._eval(
+                self._lock, keys=[d._key(p, "sweep")], args=[member.token]))):
+            return None
+        s, scan = cursor % self.count, cursor // self.count
+        nxt = int(d._call("sweep", lambda: d._eval(
+            self._sub_sweep, keys=[self.blocks_key(p, s)], args=[scan, count, *dead])))
+        if nxt:
+            return nxt * self.count + s
+        if s + 1 < self.count:
+            return s + 1
+        d._call("sweep", lambda: d._eval(self._sweep_end, keys=[
+            d._key(p, "live"), d._key(p, "nodes"), d._key(p, "addr"), d._key(p, "count"),
+            d._key(p, "owner"), d._key(p, "sweep")], args=list(dead)))
+        return 0
