@@ -248,9 +248,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         if metrics is not None:
             metrics.close()
+        # Leave the directory first, so that lookups stop pointing here; then decline
+        # new fetches and let those in flight finish (a consumer fails over at once).
         if cluster is not None:
             cluster.close()
-        node.close()
+        if stop.is_set():
+            _emit(args, {"event": "draining", "seconds": settings["drain_timeout"]},
+                  f"draining: new fetches declined, up to {settings['drain_timeout']:g}s "
+                  "for those in flight")
+            node.drain(settings["drain_timeout"])
+        else:
+            node.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     _emit(args, {"event": "stopped"}, "stopped")

@@ -204,10 +204,11 @@ class Node:
         self._shm_sender = SharedSender(self._router, store, segment, self._bpb,
                                         self._counters, pin_limit=2 * window)
         shm_sender = self._shm_sender
+        self._inbound_parts = InboundParts(router=self._router, store=store, sender=sender,
+                                           shm=shm_sender, counters=self._counters)
         self._server = Server(
             self._reactor,
-            InboundParts(router=self._router, store=store, sender=sender, shm=shm_sender,
-                         counters=self._counters),
+            self._inbound_parts,
             new_session=lambda now: proto.SharingSession(
                 proto.Role.SERVER, self.hello, deadlines=self._deadlines, limits=self._limits,
                 now=now, identity_policy=self.config.identity_policy,
@@ -382,7 +383,21 @@ class Node:
             blocks_sent_shm=c[Count.BLOCKS_SENT_SHM],
             blocks_received_shm=c[Count.BLOCKS_RECEIVED_SHM],
             shm_pinned=self._shm_sender.pinned(),
+            fetches_declined_draining=c[Count.FETCHES_DECLINED_DRAINING],
+            draining=self._inbound_parts.draining.is_set(),
         )
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Leave gracefully: from now on new fetches are declined with UNAVAILABLE (a
+        consumer asks another holder at once) and lookups answer misses, while fetches
+        already being sent get up to ``timeout`` (default ``drain_timeout``) to finish;
+        then the node closes as :meth:`close` does. Deregister from a directory first
+        (``Cluster.close``), so that lookups stop pointing here."""
+        t = _seconds(timeout, self.config.drain_timeout)
+        if not self._inbound_parts.draining.is_set():
+            self._inbound_parts.draining.set()
+            log.info("draining: declining new fetches, %.1fs for those in flight", t)
+        self.close(t)
 
     def close(self, timeout: float | None = None) -> None:
         """Graceful close: in-flight work gets up to ``timeout`` (default

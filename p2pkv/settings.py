@@ -191,6 +191,9 @@ OPTIONS: tuple[Option, ...] = (
            "seconds a fetch may go without progress before it is aborted"),
     Option("abort_timeout", _seconds, 2.0,
            "seconds a peer gets to confirm an abort before it is disconnected"),
+    Option("drain_timeout", _seconds, 10.0,
+           "serve: on SIGTERM/SIGINT, seconds in-flight sends get to finish after the node "
+           "left the directory and began declining new fetches"),
     Option("close_timeout", _seconds, 5.0,
            "seconds in-flight work gets to finish when the node stops"),
     Option("heartbeat_interval", _seconds, None,
@@ -469,7 +472,8 @@ def node_config(settings: Settings, *, listen: str | None = None) -> Any:
             handshake_timeout=v["handshake_timeout"], lookup_timeout=v["lookup_timeout"],
             fetch_timeout=v["fetch_timeout"], fetch_idle_timeout=v["fetch_idle_timeout"],
             abort_timeout=v["abort_timeout"], close_timeout=v["close_timeout"],
-            heartbeat_timeout=v["heartbeat_timeout"], heartbeat_interval=interval, curve=curve,
+            drain_timeout=v["drain_timeout"], heartbeat_timeout=v["heartbeat_timeout"],
+            heartbeat_interval=interval, curve=curve,
             identity_policy=v["identity_policy"], shm=v["shm"],
         )
     except ConfigError as exc:

@@ -33,6 +33,8 @@ class ClusterCollector:
             ("p2pkv_directory_registrations", s.registrations, "Registrations in Redis"),
             ("p2pkv_directory_registrations_lost", s.registrations_lost,
              "Registrations lost (Redis unreachable or restarted, TTL passed)"),
+            ("p2pkv_directory_quarantines", s.quarantines,
+             "Holders put in quarantine after repeated failures"),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         announced = CounterMetricFamily("p2pkv_directory_announced_blocks",
@@ -46,3 +48,6 @@ class ClusterCollector:
                                        labels=["backend"])
         registered.add_metric([s.backend], 1.0 if s.registered else 0.0)
         yield registered
+        yield GaugeMetricFamily("p2pkv_directory_quarantined",
+                                "Holders in quarantine now (left out of lookups and fetches)",
+                                value=len(s.quarantined))

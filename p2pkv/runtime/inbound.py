@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import zmq
@@ -62,6 +63,8 @@ class InboundParts:
     sender: Sender
     shm: SharedSender
     counters: Counters
+    #: Set by :meth:`Node.drain`: new fetches are declined, lookups answer misses.
+    draining: threading.Event = field(default_factory=threading.Event)
 
 
 class _Counted:
@@ -154,7 +157,9 @@ class InboundConnection:
         self.drop()
 
     def _on_lookup(self, ev: proto.LookupRequested) -> None:
-        hits = self._parts.store.lookup(list(ev.keys))
+        # A draining node promises nothing: its blocks are about to go away.
+        hits = ([False] * len(ev.keys) if self._parts.draining.is_set()
+                else self._parts.store.lookup(list(ev.keys)))
         counters = self._parts.counters
         counters.add(Count.LOOKUPS_SERVED)
         counters.add(Count.LOOKUP_KEYS_SERVED, len(ev.keys))
@@ -162,6 +167,13 @@ class InboundConnection:
         self.send([self.session.answer_lookup(ev.req, hits)])
 
     def _on_fetch(self, ev: proto.FetchRequested) -> None:
+        if self._parts.draining.is_set():
+            # Declined at once (not fatal): the consumer asks another holder instead of
+            # waiting for a node that is going away.
+            self._parts.counters.add(Count.FETCHES_DECLINED_DRAINING)
+            self.send([self.session.fail(ev.req, proto.Code.UNAVAILABLE,
+                                         "node draining: ask another holder")])
+            return
         self._jobs[ev.req] = Sending(ev.req, tuple(ev.keys), [OUTCOME_FAILED] * len(ev.keys))
 
     def _on_abort(self, ev: proto.AbortRequested) -> None:

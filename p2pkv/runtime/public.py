@@ -82,6 +82,9 @@ class NodeConfig:
     fetch_idle_timeout: float = 10.0
     abort_timeout: float = 2.0
     close_timeout: float = 5.0
+    #: :meth:`Node.drain`: seconds in-flight sends get to finish once new fetches are
+    #: declined.
+    drain_timeout: float = 10.0
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     max_peers: int = 256
@@ -107,6 +110,7 @@ class NodeConfig:
         positive = (
             "handshake_timeout", "lookup_timeout", "fetch_timeout", "fetch_idle_timeout",
             "abort_timeout", "close_timeout", "heartbeat_interval", "heartbeat_timeout",
+            "drain_timeout",
         )
         for name in positive:
             value = getattr(self, name)
@@ -215,3 +219,6 @@ class NodeStats:
     blocks_received_shm: int = 0
     #: Blocks pinned for same-host peers that have not released them yet.
     shm_pinned: int = 0
+    #: Fetches declined (UNAVAILABLE) while the node drained; True once it drains.
+    fetches_declined_draining: int = 0
+    draining: bool = False

@@ -40,6 +40,7 @@ class Count(Enum):
     PROTOCOL_VIOLATIONS = "protocol_violations"
     SHM_ATTACHED = "shm_attached"
     SHM_ATTACH_REFUSED = "shm_attach_refused"
+    FETCHES_DECLINED_DRAINING = "fetches_declined_draining"
 
 
 class ShmFallback(Enum):

@@ -25,7 +25,7 @@ TIER_OPTIONS: tuple[str, ...] = (
     "handshake_timeout", "lookup_timeout", "fetch_timeout", "heartbeat_timeout",
     "curve_secret_key", "curve_authorized", "curve_server_key", "reconnect_interval",
     "identity_policy", "kv_memory_layout", "model_revision", "model_overrides",
-    "directory", "directory_ttl", "advertise", "shm", "identity_timeout",
+    "directory", "directory_ttl", "advertise", "shm", "identity_timeout", "drain_timeout",
 )
 _DEFAULT_RECONNECT = 2.0
 #: Seconds a store may wait for the weights digest before it is dropped (the first start

@@ -130,10 +130,11 @@ class TierNode:
             self._peers.maintain(self.node)
 
     def close(self) -> None:
-        """Withdraw this engine's claims from the directory, then stop the node."""
+        """Withdraw this engine's claims from the directory, then drain the node (new
+        fetches declined so consumers ask another holder, those in flight finish)."""
         if self.directory is not None:
             with contextlib.suppress(Exception):
                 self.directory.close()
         if self.node is not None:
             with contextlib.suppress(Exception):
-                self.node.close()
+                self.node.drain()
