@@ -388,15 +388,11 @@ class Node:
         )
 
     def drain(self, timeout: float | None = None) -> None:
-        """Leave gracefully: from now on new fetches are declined with UNAVAILABLE (a
-        consumer asks another holder at once) and lookups answer misses, while fetches
-        already being sent get up to ``timeout`` (default ``drain_timeout``) to finish;
-        then the node closes as :meth:`close` does. Deregister from a directory first
-        (``Cluster.close``), so that lookups stop pointing here."""
+        """Leave gracefully (after ``Cluster.close``): new fetches are declined with
+        UNAVAILABLE and lookups miss, fetches being sent get ``timeout`` (default
+        ``drain_timeout``) to finish, then the node closes as :meth:`close` does."""
         t = _seconds(timeout, self.config.drain_timeout)
-        if not self._inbound_parts.draining.is_set():
-            self._inbound_parts.draining.set()
-            log.info("draining: declining new fetches, %.1fs for those in flight", t)
+        self._inbound_parts.draining.set()
         self.close(t)
 
     def close(self, timeout: float | None = None) -> None:
