@@ -70,6 +70,12 @@ def test_quick_bench_runs_every_case_and_verifies_every_byte(tmp_path: Path) -> 
         # Bytes really moved: every round of both sides moved the whole dataset.
         assert details["bytes_per_side"] >= data["plan"]["bulk_bytes"] * 0.9
         assert len(details["node_round_gbps"]) == len(details["raw_round_gbps"]) >= 2
+        # The kernel's own ceiling for the same bytes, measured in the same run.
+        (ceiling,) = by_case[f"{name} vs kernel"]
+        assert "recvmsg_into" in str(ceiling["baseline_kind"])
+        assert isinstance(ceiling["details"], dict)
+        assert ceiling["details"]["kernel_verified"] is True
+        assert len(ceiling["details"]["kernel_round_gbps"]) >= 2
     for name in LOOKUPS:
         assert sorted(str(r["metric"]) for r in by_case[name]) == ["p50 ms", "p99 ms"]
     assert any(r["met"] is not None for r in by_case["lookup 10,000 keys, during bulk fetch"])

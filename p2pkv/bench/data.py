@@ -68,6 +68,11 @@ BULK_CASES: tuple[BulkCase, ...] = (
     BulkCase("small-16k", "16 KiB blocks (V1)", "v1", SMALL_16K, 0.6),
 )
 
+KERNEL_KIND = "kernel TCP: sendmsg gather from the pool, recvmsg_into scatter into slots"
+"""The ceiling baseline (``p2pkv.bench.kernel_roles``)."""
+KERNEL_TARGETS: dict[str, float] = {"small-16k": 0.6}
+"""The node's target against the kernel's ceiling per case (others: 0.9)."""
+
 SHM_CASES: tuple[BulkCase, ...] = (
     BulkCase("shm-seed-v2", "seed V2 (12 x 48 KiB)", "v2", SEED_GEOMETRY, 0.6),
     BulkCase("shm-seed-v1", "seed V1 (1 x 576 KiB)", "v1", SEED_GEOMETRY, 0.6),

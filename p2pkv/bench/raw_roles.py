@@ -25,7 +25,7 @@ def _raw_socket(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, hwm: int) -> zmq
     return sock
 
 
-class _RawBuffers:
+class RawBuffers:
     """Per-segment regions of ``ds.blocks`` rows and one memoryview per block segment."""
 
     def __init__(self, ds: Dataset, fill: bool) -> None:
@@ -55,7 +55,7 @@ def _readable(sock: zmq.Socket[bytes]) -> bool:
 
 def role_raw_server(spec: dict[str, Any]) -> int:
     """The baseline sender: streams datasets on request, answers lookups and pings."""
-    datasets = {d["name"]: _RawBuffers(Dataset(d["name"], d["segments"], d["blocks"]), True)
+    datasets = {d["name"]: RawBuffers(Dataset(d["name"], d["segments"], d["blocks"]), True)
                 for d in spec["datasets"]}
     keysets = {name: frozenset(b.ds.keys) for name, b in datasets.items()}
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -79,7 +79,7 @@ def role_raw_server(spec: dict[str, Any]) -> int:
             return True
         return False
 
-    def stream(rid: bytes, bufs: _RawBuffers, count: int) -> None:
+    def stream(rid: bytes, bufs: RawBuffers, count: int) -> None:
         nseg = len(bufs.ds.segments)
         big = [size >= ZERO_COPY_MIN for size in bufs.ds.segments]
         per = bufs.ds.per_message
@@ -140,7 +140,7 @@ def role_raw_server(spec: dict[str, Any]) -> int:
     return 0
 
 
-def raw_fetch_round(sock: zmq.Socket[bytes], bufs: _RawBuffers, *,
+def raw_fetch_round(sock: zmq.Socket[bytes], bufs: RawBuffers, *,
                     clear: bool = False) -> tuple[float, int, float]:
     """One request for the whole dataset: seconds, bytes, this process's CPU seconds."""
     ds = bufs.ds
@@ -168,7 +168,7 @@ def raw_fetch_round(sock: zmq.Socket[bytes], bufs: _RawBuffers, *,
 def role_raw_client(spec: dict[str, Any]) -> int:
     """The baseline receiver."""
     rss_before = proc_status().get("VmRSS", 0)
-    buffers = {d["name"]: _RawBuffers(Dataset(d["name"], d["segments"], d["blocks"]), False)
+    buffers = {d["name"]: RawBuffers(Dataset(d["name"], d["segments"], d["blocks"]), False)
                for d in spec["datasets"]}
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     hwm = int(spec["hwm"])

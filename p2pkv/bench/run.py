@@ -17,6 +17,8 @@ from p2pkv.bench.data import (
     BASELINE_KIND,
     BULK_CASES,
     GIB,
+    KERNEL_KIND,
+    KERNEL_TARGETS,
     KIB,
     MIB,
     RECEIVER_CPU_TARGET,
@@ -190,10 +192,12 @@ def _bulk_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase]
     """TCP bulk fetch per geometry, then the receiver's CPU per GB of each."""
     rows: list[Row] = []
     cpu_rows: list[Row] = []
+    kernel_rows: list[Row] = []
     raw, node = workers["raw-client"], workers["node-client"]
     raw_pids = (workers["raw-server"].pid, raw.pid)
     node_pids = (workers["node-server"].pid, node.pid)
     for case in cases:
+        kernel_rows.append(_kernel_row(plan, workers, case, blocks, node_pids))
         nbytes = blocks[case.name] * case.bytes_per_block
         rounds = rounds_for(plan.bulk_bytes, nbytes)
         metric = "fetch GB/s"
@@ -231,7 +235,36 @@ def _bulk_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase]
                          "raw_sender_and_receiver": res["a_cpu_s_per_gb"]}))
         except BenchError as exc:
             rows.append(error_row(f"bulk {case.label}", metric, target, exc))
-    return rows + cpu_rows
+    return rows + kernel_rows + cpu_rows
+
+
+def _kernel_row(plan: Plan, workers: dict[str, Worker], case: BulkCase,
+                blocks: dict[str, int], node_pids: Sequence[int]) -> Row:
+    """The node against the kernel's own ceiling (plain sockets, sendmsg gather from the
+    pool, recvmsg_into scatter into the receiving pool's slots), in the same run."""
+    kernel, node = workers["kernel-client"], workers["node-client"]
+    nbytes = blocks[case.name] * case.bytes_per_block
+    rounds = rounds_for(plan.bulk_bytes, nbytes)
+    target_ratio = KERNEL_TARGETS.get(case.name, 0.9)
+    name, metric, target = (f"bulk {case.label} vs kernel", "fetch GB/s",
+                            f">= {target_ratio:.1f}x kernel")
+    try:
+        res = bulk_pair(name, rounds, nbytes, (kernel, case.name), (node, case.name),
+                        pids_a=(workers["kernel-server"].pid, kernel.pid), pids_b=node_pids)
+    except BenchError as exc:
+        return error_row(name, metric, target, exc)
+    ratio = ratio_of(res["b_gbps"], res["a_gbps"])
+    return Row(name, metric, res["b_gbps"], res["a_gbps"], ratio, target,
+               ratio is not None and ratio >= target_ratio,
+               res["a_verified"] and res["b_verified"],
+               baseline_kind=KERNEL_KIND,
+               details={"rounds": rounds, "bytes_per_side": res["b_bytes"],
+                        "node_round_gbps": res["b_round_gbps"],
+                        "kernel_round_gbps": res["a_round_gbps"], "spread": spread(res),
+                        "kernel_verified": res["a_verified"],
+                        "node_verified": res["b_verified"],
+                        "node_cpu_s_per_gb": res["b_cpu_s_per_gb"],
+                        "kernel_cpu_s_per_gb": res["a_cpu_s_per_gb"]})
 
 
 def _shm_rows(plan: Plan, workers: dict[str, Worker], blocks: dict[str, int]) -> list[Row]:
@@ -437,8 +470,11 @@ def run_bench(*, quick: bool = False, json_path: str | None = None,
         workers["node-server"] = Worker("node-server", "node-server", {"nodes": server_nodes})
         workers["raw-server"] = Worker("raw-server", "raw-server",
                                        {"datasets": raw_sets, "hwm": hwm})
+        workers["kernel-server"] = Worker("kernel-server", "kernel-server",
+                                          {"datasets": raw_sets})
         addresses = workers["node-server"].next(300)["addresses"]
         raw_address = workers["raw-server"].next(300)["address"]
+        kernel_address = workers["kernel-server"].next(300)["address"]
         for spec in client_nodes:
             spec["address"] = addresses[spec["id"] if spec["id"] != "seed-v2-nosum"
                                         else seed.name]
@@ -447,12 +483,14 @@ def run_bench(*, quick: bool = False, json_path: str | None = None,
                                         {"nodes": client_nodes, "memcpy": memcpy})
         workers["raw-client"] = Worker("raw-client", "raw-client",
                                        {"datasets": raw_sets, "hwm": hwm, "address": raw_address})
+        workers["kernel-client"] = Worker("kernel-client", "kernel-client",
+                                          {"datasets": raw_sets, "address": kernel_address})
         workers["mem-node"] = Worker("mem-node", "node-client",
                                      {"nodes": [n for n in client_nodes if n["id"] == seed.name]})
         workers["mem-raw"] = Worker("mem-raw", "raw-client", {
             "datasets": [d for d in raw_sets if d["name"] == seed.name], "hwm": hwm,
             "address": raw_address})
-        for name in ("node-client", "raw-client", "mem-node", "mem-raw"):
+        for name in ("node-client", "raw-client", "kernel-client", "mem-node", "mem-raw"):
             workers[name].next(300)
         rows = _bench_rows(plan, workers, cases, blocks, curve_ok)
         server_stats = {"node-server": workers["node-server"].ask({"op": "stats"}, 60),

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from p2pkv.bench.data import BenchError
+from p2pkv.bench.kernel_roles import role_kernel_client, role_kernel_server
 from p2pkv.bench.node_roles import role_node_client, role_node_server, role_soak_client
 from p2pkv.bench.raw_roles import role_raw_client, role_raw_server
 from p2pkv.workers import JsonLineProcess, WorkerExited, WorkerTimeout
@@ -21,6 +22,8 @@ _ROLES: dict[str, Callable[[dict[str, Any]], int]] = {
     "node-client": role_node_client,
     "raw-server": role_raw_server,
     "raw-client": role_raw_client,
+    "kernel-server": role_kernel_server,
+    "kernel-client": role_kernel_client,
     "soak-client": role_soak_client,
 }
 
