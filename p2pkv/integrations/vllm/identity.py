@@ -274,6 +274,10 @@ def derive_engine_identity(spec: Any, vllm_config: Any | None,
     sources["kv_memory_layout"] = ("vLLM's CPU attention backend" if layout == "HND_K_THEN_V"
                                    else "the offloading spec's kv_cache_layout")
     want = declared.get("kv_memory_layout")
+    if want is not None and layout is None:
+        # Nothing detected (a backend that does not say): the operator's word stands.
+        layout = want
+        sources["kv_memory_layout"] = "declared in the tier config (not detectable)"
     if want is not None and IdentityExtension(kv_memory_layout=want).kv_memory_layout != \
             IdentityExtension(kv_memory_layout=layout).kv_memory_layout:
         raise ConfigError(f"P2PKVTier: kv_memory_layout is declared {want!r} but the engine "
