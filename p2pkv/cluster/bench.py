@@ -374,7 +374,8 @@ def hot_identity_rows(url: str, masters: int, *, seconds: float,
         directory.close()
 
 
-def run_cluster_bench(*, quick: bool = False, json_path: str | None = None) -> int:
+def run_cluster_bench(*, quick: bool = False, json_path: str | None = None,
+                      fleet: bool = True) -> int:
     from p2pkv.bench.redis_servers import LocalRedis, LocalRedisCluster
 
     members, entries, lookups = (64, 100_000, 100) if quick else (64, 1_000_000, 500)
@@ -385,6 +386,15 @@ def run_cluster_bench(*, quick: bool = False, json_path: str | None = None) -> i
         version = subprocess.run([server.executable, "--version"], capture_output=True,
                                  text=True, timeout=10).stdout.split()[2]
         rows += scale_rows(server.url, members=members, entries=entries, lookups=lookups)
+        if fleet:
+            from p2pkv.bench.fleet import fleet_rows
+
+            engines, fleet_entries = (100, 200_000) if quick else (1000, 10_000_000)
+            rows += fleet_rows(server.url, engines=engines, entries=fleet_entries,
+                               lookups=lookups, label="one Redis")
+            with LocalRedisCluster(masters=3, replicas=0) as cluster:
+                rows += fleet_rows(cluster.url, engines=engines, entries=fleet_entries,
+                                   lookups=lookups, label="Redis Cluster, 3 masters")
         for masters in (1, 3):
             with LocalRedisCluster(masters=masters, replicas=0) as cluster:
                 rows += hot_identity_rows(cluster.url, masters, seconds=seconds)
