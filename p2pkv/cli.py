@@ -401,7 +401,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
             return EXIT_UNREACHABLE
         problems: list[dict[str, Any]] = []
         for i, (key, outcome) in enumerate(zip(keys, result.outcomes, strict=True)):
-            if outcome is KeyOutcome.STORED:
+            if outcome is KeyOutcome.LANDED:
                 error = first_mismatch(key, node.get(key), size)
                 if error is not None:
                     problems.append({"index": i, "key": key.hex(), "problem": "corrupt",

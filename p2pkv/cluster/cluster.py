@@ -556,8 +556,8 @@ class _PrefixJob:
         self.nbytes += result.nbytes
         for j, i in enumerate(idx):
             outcome = result.outcomes[j]
-            if outcome is KeyOutcome.STORED:
-                self.outcomes[i] = KeyOutcome.STORED
+            if outcome is KeyOutcome.LANDED:
+                self.outcomes[i] = KeyOutcome.LANDED
                 self.sources[i] = holder
                 continue
             self.tried[i].add(holder)

@@ -205,13 +205,13 @@ class OutboundConnection:
         if destinations is None:
             for i, present in enumerate(self._parts.store.lookup(list(keys))):
                 if present:
-                    outcomes[i] = KeyOutcome.STORED
+                    outcomes[i] = KeyOutcome.LANDED
                 else:
                     wanted.append(i)
         else:
             wanted = list(range(len(keys)))
         if not wanted:
-            resolve(fut, FetchResult(keys, tuple(o or KeyOutcome.STORED for o in outcomes),
+            resolve(fut, FetchResult(keys, tuple(o or KeyOutcome.LANDED for o in outcomes),
                                      {}, 0, 0, 0.0))
             return
         self._admit(len(wanted), "fetch", deadline)

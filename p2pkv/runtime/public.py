@@ -29,9 +29,16 @@ __all__ = [
 
 
 class KeyOutcome(enum.Enum):
-    """What happened to one key of a fetch."""
+    """What happened to one key of a fetch.
 
-    STORED = "stored"  #: all bytes landed (and verified) and the block is visible
+    ``LANDED`` says where the bytes are by the call that asked for them: in the node's
+    store for :meth:`~p2pkv.node.Node.fetch` (fetched now, or already held), in the
+    caller's buffers for :meth:`~p2pkv.node.Node.fetch_into` (the store is not touched).
+    ``STORED`` is the former name of ``LANDED``, kept as an alias (the same member).
+    """
+
+    LANDED = "landed"  #: all bytes landed where the call asked, verified
+    STORED = "landed"  #: alias of LANDED (its former name)
     MISSING = "missing"  #: the peer does not hold the block
     FAILED = "failed"  #: the transfer of this block failed (see ``FetchResult.errors``)
 
@@ -48,8 +55,14 @@ class FetchResult:
     seconds: float
 
     @property
+    def landed(self) -> list[bytes]:
+        """The keys whose blocks landed (in the store, or in the caller's buffers)."""
+        return [k for k, o in zip(self.keys, self.outcomes, strict=True) if o is KeyOutcome.LANDED]
+
+    @property
     def stored(self) -> list[bytes]:
-        return [k for k, o in zip(self.keys, self.outcomes, strict=True) if o is KeyOutcome.STORED]
+        """Alias of :attr:`landed` (its former name)."""
+        return self.landed
 
     @property
     def missing(self) -> list[bytes]:
