@@ -184,8 +184,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except BaseException as exc:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if isinstance(exc, ConfigError) and str(exc).startswith("cannot listen"):
-            raise ConfigError(f"--listen: {exc}") from exc
+        if isinstance(exc, ConfigError) and exc.option == "listen" and not exc.named:
+            raise ConfigError(str(exc), option="listen") from exc
         raise
     try:
         # Filled before the listening line: whoever reads it finds the content there.

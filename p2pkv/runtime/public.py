@@ -113,7 +113,7 @@ class NodeConfig:
     packed_blocks: bool = True
 
     def __post_init__(self) -> None:
-        validate_address(self.listen, what="listen")
+        validate_address(self.listen, what="listen", option="listen")
         if self.identity_policy not in IDENTITY_POLICIES:
             raise ConfigError(f"identity_policy must be one of {', '.join(IDENTITY_POLICIES)}, "
                               f"got {self.identity_policy!r}")

@@ -6,7 +6,6 @@ Imports nothing from vLLM, so a bad tier option is explained the same way everyw
 
 from __future__ import annotations
 
-import re
 import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -15,7 +14,7 @@ from p2pkv.errors import ConfigError
 from p2pkv.transport import validate_address
 
 __all__ = ["DEFAULT_IDENTITY_TIMEOUT", "TIER_DEFAULTS", "TIER_OPTIONS", "kv_transfer_config",
-           "tier_settings"]
+           "tier_error", "tier_settings"]
 
 #: Tier-config keys taken by this tier (the node options keep their ``serve`` names;
 #: see docs/configuration.md). Identity options are absent on purpose: the identity is
@@ -63,12 +62,17 @@ def tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], floa
         if settings["advertise"] is not None:
             validate_address(settings["advertise"], what="advertise")
     except ConfigError as exc:
-        # Name the tier option, not the launcher flag it shares a parser with.
-        message = re.sub(r" \(from --[a-z-]+\)$", "", str(exc))
-        message = re.sub(r"--([a-z-]+)", lambda m: m.group(1).replace("-", "_"), message)
-        raise ConfigError(f"P2PKVTier: {message}") from None
+        raise tier_error(exc) from None
     _check_bindable(settings["listen"])
     return settings, tuple(settings["peer"]), float(reconnect)
+
+
+def tier_error(exc: ConfigError) -> ConfigError:
+    """``exc`` as the tier says it: every option named by its canonical name (the
+    tier-config key), not by the launcher flag it shares a parser with, and without the
+    origin (always the tier config)."""
+    text = exc.render(lambda name: name, with_origin=False)
+    return ConfigError(f"P2PKVTier: {text}", option=exc.option, named=False)
 
 
 def _positive_seconds(params: Mapping[str, Any], name: str, default: float) -> float:
