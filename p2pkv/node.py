@@ -397,9 +397,9 @@ class Node:
         reactor.begin_close(time.monotonic() + t)
         if threading.current_thread() is reactor.thread:
             return  # called from a future's callback: the loop ends once this returns
-        reactor.thread.join(t + 5.0)
+        reactor.thread.join(t + self.config.close_grace)
         if reactor.thread.is_alive():  # pragma: no cover - the loop always exits by deadline
-            log.error("IO thread did not stop within %.1fs", t + 5.0)
+            log.error("IO thread did not stop within %.1fs", t + self.config.close_grace)
         reactor.closed.set()
 
     # ------------------------------------------------------------------ API helpers

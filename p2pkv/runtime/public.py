@@ -95,6 +95,9 @@ class NodeConfig:
     fetch_idle_timeout: float = 10.0
     abort_timeout: float = 2.0
     close_timeout: float = 5.0
+    #: Seconds ``close`` waits for the IO thread beyond ``close_timeout`` (the thread
+    #: fails what is left at that deadline and stops; this bounds a thread that does not).
+    close_grace: float = 5.0
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     max_peers: int = 256
@@ -119,7 +122,8 @@ class NodeConfig:
                               f"got {self.identity_policy!r}")
         positive = (
             "handshake_timeout", "lookup_timeout", "fetch_timeout", "fetch_idle_timeout",
-            "abort_timeout", "close_timeout", "heartbeat_interval", "heartbeat_timeout",
+            "abort_timeout", "close_timeout", "close_grace", "heartbeat_interval",
+            "heartbeat_timeout",
         )
         for name in positive:
             value = getattr(self, name)

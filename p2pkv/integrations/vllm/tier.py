@@ -65,7 +65,6 @@ from p2pkv.integrations.vllm.metrics import (
     metric_definitions,
 )
 from p2pkv.integrations.vllm.options import (
-    DEFAULT_IDENTITY_TIMEOUT,
     TIER_DEFAULTS,
     TIER_OPTIONS,
     tier_settings,
@@ -122,7 +121,7 @@ class P2PKVTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type,
                          backpressure_detector=backpressure_detector)
         self.locality = Locality.REMOTE
-        settings, peers, reconnect = tier_settings(params)
+        settings, peers, waits = tier_settings(params)
         from p2pkv.settings import node_config
 
         self._declared = {name: settings[name] for name in
@@ -133,14 +132,15 @@ class P2PKVTier(SecondaryTierManager):
         # until it is known the node does not start: nothing is shared under an
         # identity that is not yet known.
         self.identity = TierIdentity(offloading_spec, self._declared)
-        self._identity_timeout = float(params.get("identity_timeout",
-                                                  DEFAULT_IDENTITY_TIMEOUT))
+        self._identity_timeout = waits.identity
+        self._drain_grace = waits.drain_grace
         self.layout = EngineRowLayout.of_bytes(self.block_size_bytes)
         self._fetch_timeout = float(settings["fetch_timeout"])
         # The 2-D region as bytes: chunk c is rows[c * row : (c + 1) * row].
         self._rows = primary_kv_view.cast("B")
         self._lock = threading.Lock()
-        self._peers = Peers(peers, reconnect=reconnect,
+        self._peers = Peers(peers, reconnect=waits.reconnect,
+                            refused_retry=waits.refused_retry,
                             lookup_timeout=float(settings["lookup_timeout"]),
                             lock=self._lock, count=self._count)
         self._run = TierNode(
@@ -404,8 +404,9 @@ class P2PKVTier(SecondaryTierManager):
 
     def drain_jobs(self) -> None:
         """Wait until no load or store touches the primary region. Loads are bounded by
-        ``fetch_timeout`` (the node fails them at their deadline), stores by a copy."""
-        deadline = time.monotonic() + self._fetch_timeout + 5.0
+        ``fetch_timeout`` (the node fails them at their deadline), stores by a copy;
+        ``drain_grace`` more is allowed for them to report."""
+        deadline = time.monotonic() + self._fetch_timeout + self._drain_grace
         while True:
             with self._lock:
                 pending = set(self._outstanding)
