@@ -87,7 +87,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from p2pkv.integrations.vllm.tinymodel import write_tiny_llama
+            from p2pkv.bench.tinymodel import write_tiny_llama
 
             model = str(write_tiny_llama(os.path.join(tmp, "tiny-llama")))
         a, b = free_address(), free_address()

@@ -184,8 +184,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except BaseException as exc:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if isinstance(exc, ConfigError) and str(exc).startswith("cannot listen"):
-            raise ConfigError(f"--listen: {exc}") from exc
+        if isinstance(exc, ConfigError) and exc.option == "listen" and not exc.named:
+            raise ConfigError(str(exc), option="listen") from exc
         raise
     try:
         # Filled before the listening line: whoever reads it finds the content there.
@@ -409,7 +409,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
             return EXIT_UNREACHABLE
         problems: list[dict[str, Any]] = []
         for i, (key, outcome) in enumerate(zip(keys, result.outcomes, strict=True)):
-            if outcome is KeyOutcome.STORED:
+            if outcome is KeyOutcome.LANDED:
                 error = first_mismatch(key, node.get(key), size)
                 if error is not None:
                     problems.append({"index": i, "key": key.hex(), "problem": "corrupt",

@@ -6,7 +6,7 @@ import it, and it imports nothing of p2pkv.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -23,6 +23,7 @@ __all__ = [
     "StoreFullError",
     "TransferFailed",
     "TransportHandshakeFailed",
+    "command_line_flag",
 ]
 
 
@@ -30,8 +31,50 @@ class P2PKVError(Exception):
     """Base class of every p2pkv error."""
 
 
+def command_line_flag(option: str) -> str:
+    """How the command line spells an option: ``pool_blocks`` -> ``--pool-blocks``."""
+    return "--" + option.replace("_", "-")
+
+
 class ConfigError(P2PKVError, ValueError):
-    """A configuration value is invalid; the message names the option and the value."""
+    """A configuration value is invalid.
+
+    The option at fault is data, so that each front end names it its own way (the
+    command line as ``--pool-blocks``, the vLLM tier as ``pool_blocks``):
+
+    - ``option``: the option's canonical name (``heartbeat_interval``), or None when no
+      single option is at fault;
+    - ``detail``: what is wrong; it may name other options as ``{name}`` when they are
+      listed in ``mentions``;
+    - ``origin``: where the value came from (a flag, an environment variable, a TOML
+      file and key), or None;
+    - ``named``: whether the text starts with the option's name (``--listen: ...``);
+      a message that already says what it is about (``cannot listen on ...``) carries
+      the option only as data.
+
+    ``str()`` is :meth:`render` with the command line's spelling.
+    """
+
+    def __init__(self, detail: str, *, option: str | None = None, named: bool | None = None,
+                 mentions: Sequence[str] = (), origin: str | None = None) -> None:
+        self.detail = detail
+        self.option = option
+        self.named = option is not None if named is None else named
+        self.mentions = tuple(mentions)
+        self.origin = origin
+        super().__init__(self.render())
+
+    def render(self, spell: Callable[[str], str] = command_line_flag, *,
+               with_origin: bool = True) -> str:
+        """The message with every option name spelled by ``spell``."""
+        text = self.detail
+        for name in self.mentions:
+            text = text.replace("{" + name + "}", spell(name))
+        if self.named and self.option is not None:
+            text = f"{spell(self.option)}: {text}"
+        if with_origin and self.origin is not None:
+            text = f"{text} (from {self.origin})"
+        return text
 
 
 class ProtocolError(P2PKVError):

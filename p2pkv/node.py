@@ -391,9 +391,10 @@ class Node:
         """Leave gracefully (after ``Cluster.close``): new fetches are declined with
         UNAVAILABLE and lookups miss, fetches being sent get ``timeout`` (default
         ``drain_timeout``) to finish, then the node closes as :meth:`close` does."""
-        t = _seconds(timeout, self.config.drain_timeout)
+        deadline = time.monotonic() + _seconds(timeout, self.config.drain_timeout)
         self._inbound_parts.draining.set()
-        self.close(t)
+        self._server.wait_sent(deadline)
+        self.close(max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: float | None = None) -> None:
         """Graceful close: in-flight work gets up to ``timeout`` (default
@@ -408,9 +409,9 @@ class Node:
         reactor.begin_close(time.monotonic() + t)
         if threading.current_thread() is reactor.thread:
             return  # called from a future's callback: the loop ends once this returns
-        reactor.thread.join(t + 5.0)
+        reactor.thread.join(t + self.config.close_grace)
         if reactor.thread.is_alive():  # pragma: no cover - the loop always exits by deadline
-            log.error("IO thread did not stop within %.1fs", t + 5.0)
+            log.error("IO thread did not stop within %.1fs", t + self.config.close_grace)
         reactor.closed.set()
 
     # ------------------------------------------------------------------ API helpers

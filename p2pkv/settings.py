@@ -4,7 +4,8 @@ Precedence: command-line flag > environment variable > TOML file > built-in defa
 Every option has one canonical name (``tp``, ``pool_blocks``, ...): the flag is
 ``--tp``/``--pool-blocks``, the variable ``P2PKV_TP``/``P2PKV_POOL_BLOCKS`` and the TOML
 key ``tp``/``pool_blocks`` (top level, or under a ``[node]`` table). A bad value raises
-:class:`~p2pkv.errors.ConfigError` whose message starts with the option's flag.
+:class:`~p2pkv.errors.ConfigError` that names the option as data (``option``); its
+message starts with the option's flag, and the vLLM tier spells it as its own key.
 """
 
 from __future__ import annotations
@@ -242,7 +243,8 @@ class Settings:
         block_tokens = v["block_tokens"]
         try:
             if v["preset"] is not None and v["model_config"] is not None:
-                raise ConfigError("--preset and --model-config are exclusive; give one")
+                raise ConfigError("{preset} and {model_config} are exclusive; give one",
+                                  mentions=("preset", "model_config"))
             config_file = v["model_config"]
             if config_file is None and v["preset"] is None and v["model_path"] is not None \
                     and (Path(v["model_path"]) / "config.json").is_file():
@@ -260,11 +262,12 @@ class Settings:
             if kv_kind == "mla" and base.kv_kind != "mla":
                 kv_heads = 1  # one latent per token, whatever the base had
             if v["layout"] == "replicated" and kv_kind != "mla":
-                raise ConfigError("--layout replicated needs an MLA geometry (--kv-kind mla, "
-                                  "or e.g. --preset deepseek-v2-lite)")
+                raise ConfigError("{layout} replicated needs an MLA geometry ({kv_kind} mla, "
+                                  "or e.g. {preset} deepseek-v2-lite)",
+                                  mentions=("layout", "kv_kind", "preset"))
             if kv_kind == "mla" and v["kv_heads"] not in (None, 1):
-                raise ConfigError(f"--kv-heads: an MLA geometry has exactly 1 KV head, got "
-                                  f"{v['kv_heads']}")
+                raise ConfigError(f"an MLA geometry has exactly 1 KV head, got {v['kv_heads']}",
+                                  option="kv_heads")
             return Geometry(
                 num_layers=v["layers"] or base.num_layers,
                 num_kv_heads=v["kv_heads"] or kv_heads,
@@ -276,8 +279,8 @@ class Settings:
         except ConfigError:
             raise
         except (ValueError, OSError) as exc:
-            option = "--model-config" if v["model_config"] else "--preset"
-            raise ConfigError(f"{option}: {exc}") from exc
+            option = "model_config" if v["model_config"] else "preset"
+            raise ConfigError(str(exc), option=option) from exc
 
     def layout(self) -> Any:
         from p2pkv.layout import make_layout
@@ -287,7 +290,7 @@ class Settings:
         except ConfigError:
             raise
         except ValueError as exc:
-            raise ConfigError(f"--layout: {exc}") from exc
+            raise ConfigError(str(exc), option="layout") from exc
 
     def checkpoint(self) -> Any:
         """The identity ``--model-path`` gives (hashed once per process; None without it)."""
@@ -301,7 +304,7 @@ class Settings:
                 _checkpoints[path] = checkpoint_identity(path)
             return _checkpoints[path]
         except CheckpointError as exc:
-            raise ConfigError(f"--model-path: {exc}") from None
+            raise ConfigError(str(exc), option="model_path") from None
 
     def extension(self) -> IdentityExtension:
         """The identity extension: what the options declare, and what ``--model-path``
@@ -313,14 +316,14 @@ class Settings:
                 try:
                     IdentityExtension(**{name: v[name]})
                 except ValueError as exc:
-                    raise ConfigError(f"--{name.replace('_', '-')}: {exc}") from None
+                    raise ConfigError(str(exc), option=name) from None
         checkpoint = self.checkpoint()
         revision = v["model_revision"]
         if checkpoint is not None and checkpoint.revision is not None:
             if revision is not None and revision != checkpoint.revision:
-                raise ConfigError(f"--model-revision: declared {revision!r} but --model-path "
-                                  f"is the Hugging Face snapshot of revision "
-                                  f"{checkpoint.revision!r}")
+                raise ConfigError(f"declared {revision!r} but {{model_path}} is the Hugging "
+                                  f"Face snapshot of revision {checkpoint.revision!r}",
+                                  option="model_revision", mentions=("model_path",))
             revision = checkpoint.revision
         return IdentityExtension(
             kv_memory_layout=v["kv_memory_layout"],
@@ -373,22 +376,23 @@ def load_settings(flags: Mapping[str, Any], *, config_file: str | None = None,
             with open(path, "rb") as fh:
                 data = tomllib.load(fh)
         except OSError as exc:
-            raise ConfigError(f"--config: cannot read {path!r}: {exc.strerror}") from exc
+            raise ConfigError(f"cannot read {path!r}: {exc.strerror}",
+                              option="config") from exc
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"--config: {path!r} is not valid TOML: {exc}") from exc
+            raise ConfigError(f"{path!r} is not valid TOML: {exc}", option="config") from exc
         table = data.get("node", data)
         if not isinstance(table, dict):
-            raise ConfigError(f"--config: [node] in {path!r} must be a table")
+            raise ConfigError(f"[node] in {path!r} must be a table", option="config")
         if table is not data:
             # With a [node] table, a key beside it would be silently ignored: refuse it.
             for key in data:
                 if key != "node":
-                    raise ConfigError(f"--config: key {key!r} outside the [node] table in "
-                                      f"{path!r}; put every option under [node] or none")
+                    raise ConfigError(f"key {key!r} outside the [node] table in {path!r}; put "
+                                      "every option under [node] or none", option="config")
         for key, value in table.items():
             name = key.replace("-", "_")
             if name not in _BY_NAME:
-                raise ConfigError(f"--config: unknown option {key!r} in {path!r}")
+                raise ConfigError(f"unknown option {key!r} in {path!r}", option="config")
             toml[name] = value
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -407,7 +411,7 @@ def load_settings(flags: Mapping[str, Any], *, config_file: str | None = None,
             try:
                 values[opt.name] = opt.parse(raw)
             except ValueError as exc:
-                raise ConfigError(f"{opt.flag}: {exc} (from {where})") from None
+                raise ConfigError(str(exc), option=opt.name, origin=where) from None
         sources[opt.name] = where
     return Settings(values, sources)
 
@@ -422,39 +426,39 @@ def node_config(settings: Settings, *, listen: str | None = None) -> Any:
     try:
         validate_address(listen or v["listen"], what="listen")
     except ConfigError as exc:
-        raise ConfigError(f"--listen: {exc}") from exc
+        raise ConfigError(str(exc), option="listen") from exc
     curve = None
     if v["curve_secret_key"] is None:
         # Never run in the clear while the operator believes CURVE is on.
         for name in ("curve_authorized", "curve_server_key"):
             if v[name] is not None:
-                flag = "--" + name.replace("_", "-")
-                raise ConfigError(f"{flag}: needs --curve-secret-key (CURVE is off without "
-                                  "this node's own key pair)")
+                raise ConfigError("needs {curve_secret_key} (CURVE is off without this "
+                                  "node's own key pair)", option=name,
+                                  mentions=("curve_secret_key",))
     if v["curve_secret_key"] is not None:
         import zmq.auth
 
         try:
             public, secret = zmq.auth.load_certificate(v["curve_secret_key"])
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"--curve-secret-key: cannot read {v['curve_secret_key']!r}: "
-                              f"{exc}") from exc
+            raise ConfigError(f"cannot read {v['curve_secret_key']!r}: {exc}",
+                              option="curve_secret_key") from exc
         if secret is None:
-            raise ConfigError(f"--curve-secret-key: {v['curve_secret_key']!r} holds no secret "
-                              "key (use the .key_secret file)")
+            raise ConfigError(f"{v['curve_secret_key']!r} holds no secret key (use the "
+                              ".key_secret file)", option="curve_secret_key")
         server_key = None
         if v["curve_server_key"] is not None:
             try:
                 server_key, _ = zmq.auth.load_certificate(v["curve_server_key"])
             except (OSError, ValueError) as exc:
-                raise ConfigError(f"--curve-server-key: cannot read {v['curve_server_key']!r}: "
-                                  f"{exc}") from exc
+                raise ConfigError(f"cannot read {v['curve_server_key']!r}: {exc}",
+                                  option="curve_server_key") from exc
         authorized = None
         if v["curve_authorized"] is not None:
             try:
                 authorized = load_authorized_keys(v["curve_authorized"])
             except ConfigError as exc:
-                raise ConfigError(f"--curve-authorized: {exc}") from exc
+                raise ConfigError(str(exc), option="curve_authorized") from exc
         curve = CurveKeys(public, secret, server_key, authorized)
     # Imported last: p2pkv.node pulls in torch (seconds), and a bad --curve-* value
     # above should fail at once.
@@ -464,8 +468,9 @@ def node_config(settings: Settings, *, listen: str | None = None) -> Any:
     if interval is None:
         interval = min(1.0, v["heartbeat_timeout"] / 4)
     elif interval >= v["heartbeat_timeout"]:
-        raise ConfigError(f"--heartbeat-interval: must be shorter than --heartbeat-timeout "
-                          f"({v['heartbeat_timeout']:g}), got {interval:g}")
+        raise ConfigError(f"must be shorter than {{heartbeat_timeout}} "
+                          f"({v['heartbeat_timeout']:g}), got {interval:g}",
+                          option="heartbeat_interval", mentions=("heartbeat_timeout",))
     try:
         return NodeConfig(
             listen=listen or v["listen"], key_hash_seed=v["key_seed"], checksums=v["checksums"],
@@ -477,6 +482,6 @@ def node_config(settings: Settings, *, listen: str | None = None) -> Any:
             identity_policy=v["identity_policy"], shm=v["shm"],
         )
     except ConfigError as exc:
-        if str(exc).startswith("listen"):
-            raise ConfigError(f"--listen: {exc}") from exc
+        if exc.option == "listen" and not exc.named:
+            raise ConfigError(str(exc), option="listen") from exc
         raise

@@ -258,11 +258,15 @@ class ThrottlingProxy:
 
     ``upstream_rcvbuf`` fixes the receive buffer of the connection to the server (no
     autotuning), so that little of what the server sends can wait in the kernel.
+    ``deliver_on_close``: when the server closes, still deliver (throttled) what it sent
+    before, as a network path does, instead of dropping it.
     """
 
     _CHUNK = 65536
 
-    def __init__(self, upstream: str, rate: float, upstream_rcvbuf: int | None = None) -> None:
+    def __init__(self, upstream: str, rate: float, upstream_rcvbuf: int | None = None, *,
+                 deliver_on_close: bool = False) -> None:
+        self._deliver_on_close = deliver_on_close
         host, port = upstream.removeprefix("tcp://").rsplit(":", 1)
         self._upstream = (host, int(port))
         self._rate = rate
@@ -303,15 +307,23 @@ class ThrottlingProxy:
         up = b""  # towards the server
         down = b""  # towards the client
         tokens, last = 0.0, time.monotonic()
+        server_done = False
         try:
             while not self._stop.is_set():
+                if server_done and not down:
+                    return
                 now = time.monotonic()
                 tokens = min(tokens + (now - last) * self._rate, float(self._CHUNK))
                 last = now
                 readers = [client]
-                if not down and tokens >= 1:
+                # Throttled at the read from the server, or (deliver_on_close) at the
+                # write to the client, reading the server eagerly: what it sent before
+                # it closed is then already here, and a reset cannot take it away.
+                eager = self._deliver_on_close
+                if not server_done and (eager or (not down and tokens >= 1)):
                     readers.append(server)
-                writers = ([client] if down else []) + ([server] if up else [])
+                writers = ([client] if down and (not eager or tokens >= 1) else []) + (
+                    [server] if up and not server_done else [])
                 r, w, _ = select.select(readers, writers, [], 0.005)
                 if client in r:
                     data = client.recv(self._CHUNK)
@@ -319,17 +331,32 @@ class ThrottlingProxy:
                         return
                     up += data
                 if server in r:
-                    data = server.recv(int(tokens))
+                    try:
+                        data = server.recv(self._CHUNK if eager else int(tokens))
+                    except OSError:
+                        if not eager:
+                            raise
+                        data = b""
                     if not data:
-                        return
-                    tokens -= len(data)
+                        if not eager:
+                            return
+                        server_done = True
+                    if not eager:
+                        tokens -= len(data)
                     down += data
                 if down and client in w:
-                    n = client.send(down)
+                    n = client.send(down[:int(tokens)] if eager else down)
+                    if eager:
+                        tokens -= n
                     self.relayed += n
                     down = down[n:]
                 if up and server in w:
-                    up = up[server.send(up):]
+                    try:
+                        up = up[server.send(up):]
+                    except OSError:
+                        if not eager:
+                            raise
+                        up, server_done = b"", True
         except OSError:
             return  # a reset on either side ends the relay
         finally:

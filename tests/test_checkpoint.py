@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_cli import Serve
+from clitools import Serve
 
 from p2pkv.identity.checkpoint import (
     CheckpointError,

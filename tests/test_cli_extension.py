@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_cli import Probe, Serve, clean_env, config_error, finish, read_metrics, run, start
+from clitools import Probe, Serve, clean_env, config_error, finish, read_metrics, run, start
 
 MODEL = "test/ext-model"
 OVERRIDES = '{"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}'

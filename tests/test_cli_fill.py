@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_cli import Serve, clean_env, config_error, free_port, run
+from clitools import Serve, clean_env, config_error, free_port, run
 
 from p2pkv.fill import fill_block, fill_keys
 from p2pkv.node import Node, NodeConfig

@@ -410,7 +410,7 @@ def test_a_node_that_dies_without_deregistering_disappears_after_its_ttl(
 
 def test_serve_with_a_redis_directory_registers_and_reports_metrics(
         redis_server: LocalRedis) -> None:
-    from test_cli import Serve, clean_env, read_metrics
+    from clitools import Serve, clean_env, read_metrics
 
     port = free_port()
     serve = Serve("--directory", redis_server.url, "--directory-ttl", "1.5", "--json",

@@ -175,14 +175,18 @@ def test_a_draining_node_finishes_in_flight_sends_and_declines_new_ones(
     size = server.layout.bytes_per_block
     # A fetch that takes a known while: 24 blocks through a throttled link, to a
     # consumer whose credit window holds two blocks, so the server keeps sending.
-    proxy = ThrottlingProxy(server.address, rate=24 * size / 1.5, upstream_rcvbuf=size)
+    proxy = ThrottlingProxy(server.address, rate=24 * size / 1.5, upstream_rcvbuf=size,
+                            deliver_on_close=True)
     built.append(proxy)
     slow = make_node({**SMALL, "pool": 64}, window_bytes=2 * size)
     other = make_node({**SMALL, "pool": 64})
     built.extend([slow, other])
     running = slow.fetch_async(slow.connect(proxy.address), keys[:24], timeout=60)
     peer = other.connect(server.address)
-    time.sleep(0.3)  # the fetch is under way
+    deadline = time.monotonic() + 30
+    while server.stats().blocks_sent == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the fetch is under way
+    assert not running.done()
     drained = threading.Thread(target=server.drain, args=(30.0,))
     started = time.monotonic()
     drained.start()

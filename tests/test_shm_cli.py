@@ -6,7 +6,7 @@ import json
 import signal
 
 import pytest
-from test_cli import MODEL, Serve, finish, start
+from clitools import MODEL, Serve, finish, start
 
 pytestmark = pytest.mark.timeout(180)
 

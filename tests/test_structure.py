@@ -1,16 +1,21 @@
-"""The package's shape: small modules, small classes, imports that only go down.
+"""The package's shape, as the README's Design section states it.
 
 Checked from the source with ``ast`` (nothing is imported): no module of ``p2pkv`` over
 :data:`MAX_MODULE_LINES` lines, no class over :data:`MAX_CLASS_LINES`, and no cycle
 among the modules' import-time imports (module level, ``if TYPE_CHECKING`` excluded;
-imports inside functions are deferred on purpose and do not count). The checkers are
-tested on small synthetic packages too, so a broken checker cannot pass silently.
+imports inside functions are deferred on purpose and do not count). The Design list is
+read from the README: every module is named in it, import-time imports go only to the
+module's own entry or to entries above it, and what it marks "(pure)" imports nothing of
+:data:`IMPURE`. The checkers are tested on small synthetic packages and texts too, so a
+broken checker cannot pass silently.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -18,6 +23,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "p2pkv"
 MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 400
+README = PACKAGE.parent / "README.md"
+#: What a module marked "(pure)" may not import (anywhere in it): IO, processes, threads,
+#: clocks, the GPU stack.
+IMPURE = frozenset({"zmq", "torch", "socket", "threading", "subprocess", "multiprocessing",
+                    "mmap", "os", "pathlib", "time", "asyncio", "select", "selectors"})
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -128,7 +138,90 @@ def long_classes(root: Path, limit: int) -> list[str]:
     return out
 
 
+@dataclass
+class Entry:
+    """One top-level line of the Design list and the lines under it."""
+
+    paths: list[str]  # "p2pkv/x.py" or "p2pkv/pkg/" (a package)
+    text: str = ""
+    pure: bool = False  # the head line says "(pure)": every module of the entry is
+    pure_files: set[str] = field(default_factory=set)  # sub-entries marked "(pure)"
+
+
+def design_entries(readme: str, package: str = "p2pkv") -> list[Entry]:
+    """The README's Design list, bottom layer first."""
+    match = re.search(r"^## Design\n.*?^```\n(.*?)^```", readme, re.S | re.M)
+    assert match, "the README has no Design list"
+    entries: list[Entry] = []
+    for line in match.group(1).splitlines():
+        if line.startswith(package + "/"):
+            names = re.split(r"\s{2,}", line, maxsplit=1)[0].split(", ")
+            first = names[0]
+            base = first[: first.rstrip("/").rfind("/") + 1]
+            entries.append(Entry([first, *(base + n for n in names[1:])],
+                                 pure="(pure)" in line))
+        else:
+            assert entries, f"a Design line before any entry: {line!r}"
+            sub = re.match(r"^ {4}(\S.*?)(?:\s{2,}|$)", line)
+            if sub and "(pure)" in line:
+                entries[-1].pure_files.update(sub.group(1).split(", "))
+        entries[-1].text += line + "\n"
+    return entries
+
+
+def _entry_of(rel: str, entries: list[Entry]) -> int | None:
+    """Index of the entry that holds module file ``rel`` (``p2pkv/a/b.py``)."""
+    for i, entry in enumerate(entries):
+        for path in entry.paths:
+            if rel == path or (path.endswith("/") and rel.startswith(path)):
+                return i
+    return None
+
+
+def design_problems(root: Path, readme: str) -> list[str]:
+    """Every way the package differs from what the Design list says."""
+    entries = design_entries(readme, root.name)
+    mods = modules(root)
+    rel = {name: path.relative_to(root.parent).as_posix() for name, path in mods.items()}
+    layer: dict[str, int] = {}
+    problems: list[str] = []
+    for name, path in rel.items():
+        i = _entry_of(path, entries)
+        if i is None:
+            problems.append(f"{path}: not in the Design list")
+            continue
+        layer[name] = i
+        base = path.rsplit("/", 1)[-1]
+        if base != "__init__.py" and path not in entries[i].paths and \
+                not re.search(rf"(?<![\w.]){re.escape(base)}", entries[i].text):
+            problems.append(f"{path}: its entry does not name {base}")
+    for name, targets in import_graph(root).items():
+        for target in sorted(targets):
+            if name in layer and target in layer and layer[target] > layer[name]:
+                problems.append(f"{rel[name]} imports {rel[target]}, listed below it")
+    for name, path in rel.items():
+        if name not in layer:
+            continue
+        entry = entries[layer[name]]
+        if not (entry.pure or path.rsplit("/", 1)[-1] in entry.pure_files):
+            continue
+        for node in ast.walk(ast.parse(mods[name].read_text(encoding="utf-8"))):
+            found: list[str] = []
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found = [node.module]
+            for imported in found:
+                if imported.split(".")[0] in IMPURE:
+                    problems.append(f"{path} is marked pure but imports {imported}")
+    return problems
+
+
 # ------------------------------------------------------------------ the package itself
+
+
+def test_the_design_list_is_true() -> None:
+    assert design_problems(PACKAGE, README.read_text(encoding="utf-8")) == []
 
 
 def test_no_module_is_too_long() -> None:
@@ -146,6 +239,8 @@ def test_no_import_cycle() -> None:
 
 
 def test_lower_layers_never_import_the_node_or_the_tools() -> None:
+    # Implied by the Design list (the node and the tools are listed above these layers);
+    # kept as its own statement of the rule that matters most.
     graph = import_graph(PACKAGE)
     upper = {"p2pkv.node", "p2pkv.cli", "p2pkv.demo"} | {m for m in graph
                                                          if m.startswith("p2pkv.bench")}
@@ -195,3 +290,35 @@ def test_checker_finds_long_modules_and_classes(tmp_path: Path) -> None:
     assert long_modules(root, 10) == ["pkg.big: 13 lines"]
     assert long_classes(root, 10) == ["pkg.big.Big: 13 lines"]
     assert long_modules(root, 13) == [] and long_classes(root, 13) == []
+
+
+def test_checker_reads_the_design_list(tmp_path: Path) -> None:
+    root = _package(tmp_path, {
+        "low.py": "import os\n",
+        "high.py": "from pkg import low\n",
+        "sub/__init__.py": "",
+        "sub/a.py": "from pkg import high\n",
+        "sub/b.py": "",
+        "stray.py": "",
+    })
+    readme = (
+        "## Design\n\ntext\n\n```\n"
+        "pkg/__init__.py    the root\n"
+        "pkg/sub/           a package (pure):\n"
+        "    a.py                first\n"
+        "pkg/low.py, high.py   two modules\n"
+        "                      (pure) mentioned on a continuation line only\n"
+        "```\n"
+    )
+    entries = design_entries(readme, "pkg")
+    assert [e.paths for e in entries] == [["pkg/__init__.py"], ["pkg/sub/"],
+                                          ["pkg/low.py", "pkg/high.py"]]
+    assert entries[1].pure and not entries[2].pure
+    assert design_problems(root, readme) == [
+        "pkg/stray.py: not in the Design list",
+        "pkg/sub/b.py: its entry does not name b.py",
+        "pkg/sub/a.py imports pkg/high.py, listed below it",
+    ]
+    pure_low = readme.replace("pkg/low.py, high.py   two modules",
+                              "pkg/low.py, high.py   two modules (pure)")
+    assert "pkg/low.py is marked pure but imports os" in design_problems(root, pure_low)

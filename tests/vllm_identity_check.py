@@ -23,8 +23,8 @@ def main() -> int:
 
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 
+    from p2pkv.bench.tinymodel import write_tiny_llama
     from p2pkv.integrations.vllm import P2PKVTier
-    from p2pkv.integrations.vllm.tinymodel import write_tiny_llama
 
     # The tier derives the rest of its identity from the engine's configuration and
     # checkpoint, which the offloading connector holds while it builds its tiers.

@@ -44,9 +44,9 @@ def main() -> int:
     from vllm.v1.kv_offload.tiering.base import TransferJob
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+    from p2pkv.bench.tinymodel import write_tiny_llama
     from p2pkv.errors import ConfigError
     from p2pkv.integrations.vllm import P2PKVTier
-    from p2pkv.integrations.vllm.tinymodel import write_tiny_llama
 
     scratch = tempfile.mkdtemp(prefix="p2pkv-tier-check-")
     model_dir = os.path.join(scratch, "model")

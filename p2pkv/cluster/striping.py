@@ -193,12 +193,12 @@ class PrefixJob:
             if self.health.failed(holder.address, "failed blocks"):
                 log.warning("holder %s quarantined after repeated failures (failed "
                             "blocks)", _who(holder))
-        elif KeyOutcome.STORED in result.outcomes:
+        elif KeyOutcome.LANDED in result.outcomes:
             self.health.succeeded(holder.address)
         for j, i in enumerate(idx):
             outcome = result.outcomes[j]
-            if outcome is KeyOutcome.STORED:
-                self.outcomes[i] = KeyOutcome.STORED
+            if outcome is KeyOutcome.LANDED:
+                self.outcomes[i] = KeyOutcome.LANDED
                 self.sources[i] = holder
                 continue
             self.tried[i].add(holder)

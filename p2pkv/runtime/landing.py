@@ -118,13 +118,13 @@ class Landing:
         if not verified:
             return 0
         if block.writer is None:
-            return self._stored(recv, block.key_index)
+            return self._mark_landed(recv, block.key_index)
         try:
             block.writer.commit(expected_checksum=want)
         except ChecksumMismatch as mismatch:
             self._corrupt(recv, block.key_index, mismatch)
             return 0
-        return self._stored(recv, block.key_index)
+        return self._mark_landed(recv, block.key_index)
 
     def settle_many(self, recv: Receiving, blocks: Sequence[Landed]) -> int:
         """:meth:`settle` for a batch, its store slots committed in one store call."""
@@ -137,7 +137,7 @@ class Landing:
             if not verified:
                 continue
             if block.writer is None:
-                landed += self._stored(recv, block.key_index)
+                landed += self._mark_landed(recv, block.key_index)
                 continue
             committing.append(block.writer)
             wanted.append(want)
@@ -146,7 +146,7 @@ class Landing:
             for ki, mismatch in zip(placed, self._store.commit_many(committing, wanted),
                                     strict=True):
                 if mismatch is None:
-                    landed += self._stored(recv, ki)
+                    landed += self._mark_landed(recv, ki)
                 else:
                     self._corrupt(recv, ki, mismatch)
         return landed
@@ -172,8 +172,8 @@ class Landing:
         recv.outcomes[key_index] = KeyOutcome.FAILED
         recv.errors[key_index] = why
 
-    def _stored(self, recv: Receiving, key_index: int) -> int:
-        recv.outcomes[key_index] = KeyOutcome.STORED
+    def _mark_landed(self, recv: Receiving, key_index: int) -> int:
+        recv.outcomes[key_index] = KeyOutcome.LANDED
         recv.blocks += 1
         recv.nbytes += self._bpb
         self._landed += 1
@@ -186,7 +186,7 @@ class Landing:
     def _nowhere(self, recv: Receiving, key_index: int, why: str) -> None:
         if self._store.contains(recv.keys[key_index]):
             # Another fetch stored the same block meanwhile: it is here.
-            recv.outcomes[key_index] = KeyOutcome.STORED
+            recv.outcomes[key_index] = KeyOutcome.LANDED
             recv.errors.pop(key_index, None)
         else:
             self.fail(recv, key_index, why)

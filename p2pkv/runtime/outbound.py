@@ -205,13 +205,13 @@ class OutboundConnection:
         if destinations is None:
             for i, present in enumerate(self._parts.store.lookup(list(keys))):
                 if present:
-                    outcomes[i] = KeyOutcome.STORED
+                    outcomes[i] = KeyOutcome.LANDED
                 else:
                     wanted.append(i)
         else:
             wanted = list(range(len(keys)))
         if not wanted:
-            resolve(fut, FetchResult(keys, tuple(o or KeyOutcome.STORED for o in outcomes),
+            resolve(fut, FetchResult(keys, tuple(o or KeyOutcome.LANDED for o in outcomes),
                                      {}, 0, 0, 0.0))
             return
         self._admit(len(wanted), "fetch", deadline)
@@ -328,7 +328,14 @@ class OutboundConnection:
             return
         failure = monitor_failure(self.address, monitor_messages(self._monitor),
                                   curve=self._parts.curve, handshaken=self.handle is not None)
-        if failure is not None:
+        if failure is None:
+            return
+        # What the peer sent before it went away may still wait in ZeroMQ's queue (the
+        # tail of a fetch, its done, a bye from a node that drained): read it first, so
+        # a peer that closed cleanly is not taken for one that vanished.
+        while self.handle is not None and not self.closed and self._sock.poll(0, zmq.POLLIN):
+            self._on_readable(now)
+        if not self.closed:
             self.close(failure)
 
     def _on_readable(self, now: float) -> None:

@@ -29,9 +29,16 @@ __all__ = [
 
 
 class KeyOutcome(enum.Enum):
-    """What happened to one key of a fetch."""
+    """What happened to one key of a fetch.
 
-    STORED = "stored"  #: all bytes landed (and verified) and the block is visible
+    ``LANDED`` says where the bytes are by the call that asked for them: in the node's
+    store for :meth:`~p2pkv.node.Node.fetch` (fetched now, or already held), in the
+    caller's buffers for :meth:`~p2pkv.node.Node.fetch_into` (the store is not touched).
+    ``STORED`` is the former name of ``LANDED``, kept as an alias (the same member).
+    """
+
+    LANDED = "landed"  #: all bytes landed where the call asked, verified
+    STORED = "landed"  #: alias of LANDED (its former name)
     MISSING = "missing"  #: the peer does not hold the block
     FAILED = "failed"  #: the transfer of this block failed (see ``FetchResult.errors``)
 
@@ -48,8 +55,14 @@ class FetchResult:
     seconds: float
 
     @property
+    def landed(self) -> list[bytes]:
+        """The keys whose blocks landed (in the store, or in the caller's buffers)."""
+        return [k for k, o in zip(self.keys, self.outcomes, strict=True) if o is KeyOutcome.LANDED]
+
+    @property
     def stored(self) -> list[bytes]:
-        return [k for k, o in zip(self.keys, self.outcomes, strict=True) if o is KeyOutcome.STORED]
+        """Alias of :attr:`landed` (its former name)."""
+        return self.landed
 
     @property
     def missing(self) -> list[bytes]:
@@ -85,6 +98,9 @@ class NodeConfig:
     #: :meth:`Node.drain`: seconds in-flight sends get to finish once new fetches are
     #: declined.
     drain_timeout: float = 10.0
+    #: Seconds ``close`` waits for the IO thread beyond ``close_timeout`` (the thread
+    #: fails what is left at that deadline and stops; this bounds a thread that does not).
+    close_grace: float = 5.0
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     max_peers: int = 256
@@ -103,14 +119,14 @@ class NodeConfig:
     packed_blocks: bool = True
 
     def __post_init__(self) -> None:
-        validate_address(self.listen, what="listen")
+        validate_address(self.listen, what="listen", option="listen")
         if self.identity_policy not in IDENTITY_POLICIES:
             raise ConfigError(f"identity_policy must be one of {', '.join(IDENTITY_POLICIES)}, "
                               f"got {self.identity_policy!r}")
         positive = (
             "handshake_timeout", "lookup_timeout", "fetch_timeout", "fetch_idle_timeout",
-            "abort_timeout", "close_timeout", "heartbeat_interval", "heartbeat_timeout",
-            "drain_timeout",
+            "abort_timeout", "close_timeout", "close_grace", "heartbeat_interval",
+            "heartbeat_timeout", "drain_timeout",
         )
         for name in positive:
             value = getattr(self, name)

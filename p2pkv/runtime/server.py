@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
@@ -19,7 +20,7 @@ import zmq
 from p2pkv import protocol as proto
 from p2pkv.runtime.inbound import InboundConnection, InboundParts, route
 from p2pkv.runtime.reactor import Reactor
-from p2pkv.runtime.tuning import READ_BUDGET
+from p2pkv.runtime.tuning import DRAIN_FLUSH_MS, DRAIN_SETTLE_S, READ_BUDGET
 from p2pkv.transport import peer_of
 
 __all__ = ["Server"]
@@ -125,6 +126,21 @@ class Server:
                 deadlines.append(deadline)
         return min(deadlines, default=None)
 
+    def sending(self) -> bool:
+        """Any thread: whether a fetch of some peer is still being served."""
+        with self._lock:
+            peers = list(self._inbound.values())
+        return any(p.busy for p in peers if not p.closed)
+
+    def wait_sent(self, deadline: float) -> None:
+        """Any thread (a draining node's caller): wait until every fetch is sent, then a
+        short settle (bounded by ``deadline``). Closing the moment the last block is
+        handed to ZeroMQ can cost the consumer that block: a connection torn down right
+        behind its data may drop it before the consumer reads it."""
+        while self.sending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(max(0.0, min(DRAIN_SETTLE_S, deadline - time.monotonic())))
+
     def idle(self) -> bool:
         return not any(p.busy for p in self._inbound.values() if not p.closed) and \
             not self._parts.sender.ledger
@@ -136,7 +152,9 @@ class Server:
     def shutdown(self) -> None:
         for peer in list(self._inbound.values()):
             peer.shut_down()
-        # Whatever ZeroMQ still holds is dropped with LINGER 0; unpin it.
+        # Whatever ZeroMQ still holds is dropped with LINGER 0; unpin it. A draining node
+        # lets ZeroMQ flush the tails of the fetches it finished (and its byes) first,
+        # for a bounded while: the pool outlives the context's termination.
         self._parts.sender.ledger.release_all()
         self._parts.shm.release_all()
-        self._router.close(0)
+        self._router.close(DRAIN_FLUSH_MS if self._parts.draining.is_set() else 0)

@@ -48,3 +48,11 @@ MONITOR_GRACE_MS: Final = 100
 ZERO_COPY_MIN: Final = 65536
 """Segments at least this large are sent zero-copy (tracked); smaller ones are cheaper to
 copy into libzmq than to track (pyzmq's own copy threshold is of the same order)."""
+
+DRAIN_SETTLE_S: Final = 0.5
+"""How long a draining node stays up after its last fetch was handed to ZeroMQ, so that
+the consumers take the tail before the connection goes (within the drain deadline)."""
+
+DRAIN_FLUSH_MS: Final = 1000
+"""How long a draining node's ROUTER lingers at close so that ZeroMQ hands the last
+blocks of the fetches it finished (and its byes) to the kernel; otherwise LINGER 0."""

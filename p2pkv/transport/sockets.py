@@ -42,16 +42,21 @@ _ADDRESS = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-*]+):(\d{1,5})$"
 _HWM_MESSAGES = 100_000
 
 
-def validate_address(address: str, *, what: str = "address") -> str:
-    """Check a ``tcp://HOST:PORT`` address; raise :class:`ConfigError` naming it."""
+def validate_address(address: str, *, what: str = "address",
+                     option: str | None = None) -> str:
+    """Check a ``tcp://HOST:PORT`` address; raise :class:`ConfigError` naming it
+    (``what`` in the message, ``option`` as the error's data)."""
     if not isinstance(address, str):
-        raise ConfigError(f"{what} must be a string like tcp://127.0.0.1:5555, got {address!r}")
+        raise ConfigError(f"{what} must be a string like tcp://127.0.0.1:5555, got "
+                          f"{address!r}", option=option, named=False)
     match = _ADDRESS.match(address)
     if match is None:
-        raise ConfigError(f"{what} must look like tcp://HOST:PORT, got {address!r}")
+        raise ConfigError(f"{what} must look like tcp://HOST:PORT, got {address!r}",
+                          option=option, named=False)
     port = int(match.group(2))
     if port > 65535:
-        raise ConfigError(f"{what} has port {port} out of range 0..65535")
+        raise ConfigError(f"{what} has port {port} out of range 0..65535", option=option,
+                          named=False)
     return address
 
 
@@ -84,7 +89,8 @@ def make_router(ctx: zmq.Context[zmq.Socket[bytes]], listen: str, *, max_message
         sock.bind(host_port)
     except zmq.ZMQError as exc:
         sock.close(0)
-        raise ConfigError(f"cannot listen on {listen!r}: {exc}") from exc
+        raise ConfigError(f"cannot listen on {listen!r}: {exc}", option="listen",
+                          named=False) from exc
     return sock
 
 

@@ -19,9 +19,9 @@ from typing import Any
 
 from p2pkv.cluster import Cluster, ClusterConfig, PrefixFetch
 from p2pkv.integrations.vllm.metrics import Metrics
-from p2pkv.node import FetchResult, KeyOutcome, Node
+from p2pkv.node import Node
 
-__all__ = ["DirectorySource", "fetch_outcomes"]
+__all__ = ["DirectorySource"]
 
 #: ClusterStats counters reported as vLLM metrics (cumulative -> per-interval deltas).
 _COUNTERS = {
@@ -81,11 +81,3 @@ class DirectorySource:
     def close(self) -> None:
         self.cluster.close()
 
-
-def fetch_outcomes(keys: Sequence[bytes], fetched: PrefixFetch) -> FetchResult:
-    """A per-key :class:`FetchResult` over all of ``keys``: keys past the available
-    prefix are MISSING (nobody compatible holds them any more)."""
-    result = fetched.result
-    outcomes = list(result.outcomes) + [KeyOutcome.MISSING] * (len(keys) - len(result.keys))
-    return FetchResult(tuple(keys), tuple(outcomes), dict(result.errors), result.blocks,
-                       result.nbytes, result.seconds)

@@ -9,7 +9,14 @@ from vllm.v1.kv_offload.base import (
     OffloadingMetricMetadata,
 )
 
-__all__ = ["Metrics", "metric_definitions"]
+from p2pkv.node import KeyOutcome
+
+__all__ = ["Metrics", "load_failure_reason", "metric_definitions"]
+
+#: ``reason`` of a chunk the tier had nowhere to load from (no connected peer holds it).
+NO_HOLDER = "no_holder"
+#: ``reason`` of a chunk asked while the tier has no node (its identity is not known).
+TIER_DISABLED = "tier_disabled"
 
 
 class Metrics:
@@ -30,6 +37,19 @@ class Metrics:
     DIRECTORY_FAILOVERS = "vllm:p2pkv_directory_failovers"
     DIRECTORY_ERRORS = "vllm:p2pkv_directory_errors"
     DIRECTORY_REGISTERED = "vllm:p2pkv_directory_registered"
+
+
+def load_failure_reason(cause: KeyOutcome | BaseException) -> str:
+    """The ``reason`` label of ``vllm:p2pkv_load_failures`` for one failed chunk.
+
+    Every value the label takes: ``missing`` and ``failed`` (the per-key
+    :class:`~p2pkv.node.KeyOutcome` the fetch reported), the class name of the error that
+    failed a whole fetch (``PeerTimeout``, ``PeerGone``, ...), :data:`NO_HOLDER` and
+    :data:`TIER_DISABLED`.
+    """
+    if isinstance(cause, KeyOutcome):
+        return cause.value
+    return type(cause).__name__
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:

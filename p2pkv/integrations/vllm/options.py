@@ -6,16 +6,23 @@ Imports nothing from vLLM, so a bad tier option is explained the same way everyw
 
 from __future__ import annotations
 
-import re
 import socket
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from p2pkv.errors import ConfigError
 from p2pkv.transport import validate_address
 
-__all__ = ["DEFAULT_IDENTITY_TIMEOUT", "TIER_DEFAULTS", "TIER_OPTIONS", "kv_transfer_config",
-           "tier_settings"]
+__all__ = [
+    "DEFAULT_IDENTITY_TIMEOUT",
+    "TIER_DEFAULTS",
+    "TIER_OPTIONS",
+    "TierWaits",
+    "kv_transfer_config",
+    "tier_error",
+    "tier_settings",
+]
 
 #: Tier-config keys taken by this tier (the node options keep their ``serve`` names;
 #: see docs/configuration.md). Identity options are absent on purpose: the identity is
@@ -26,18 +33,36 @@ TIER_OPTIONS: tuple[str, ...] = (
     "curve_secret_key", "curve_authorized", "curve_server_key", "reconnect_interval",
     "identity_policy", "kv_memory_layout", "model_revision", "model_overrides",
     "directory", "directory_ttl", "advertise", "shm", "identity_timeout", "drain_timeout",
+    "refused_retry_interval", "drain_grace",
 )
 _DEFAULT_RECONNECT = 2.0
+#: Seconds before a peer that refused the handshake is tried again (the configuration
+#: of one side must change first).
+DEFAULT_REFUSED_RETRY = 30.0
+#: Seconds ``drain_jobs`` waits beyond ``fetch_timeout`` (a load fails at its deadline;
+#: a store is one copy).
+DEFAULT_DRAIN_GRACE = 5.0
 #: Seconds a store may wait for the weights digest before it is dropped (the first start
 #: of a large checkpoint hashes it; later starts read the digest cache).
 DEFAULT_IDENTITY_TIMEOUT = 600.0
-_TIER_ONLY = ("peers", "reconnect_interval", "locality", "identity_timeout")
+_TIER_ONLY = ("peers", "reconnect_interval", "locality", "identity_timeout",
+              "refused_retry_interval", "drain_grace")
 #: Defaults that differ from ``serve``'s: a scheduler waits on lookups, so silence
 #: becomes a miss sooner; a load that takes longer than recomputing is not worth waiting.
 TIER_DEFAULTS: Mapping[str, Any] = {"lookup_timeout": 1.0, "fetch_timeout": 10.0}
 
 
-def tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], float]:
+@dataclass(frozen=True)
+class TierWaits:
+    """The tier's own waits (seconds), beside the node's deadlines in its settings."""
+
+    reconnect: float = _DEFAULT_RECONNECT
+    refused_retry: float = DEFAULT_REFUSED_RETRY
+    drain_grace: float = DEFAULT_DRAIN_GRACE
+    identity: float = DEFAULT_IDENTITY_TIMEOUT
+
+
+def tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], TierWaits]:
     """Validate the tier's config params with the launcher's parsers."""
     from p2pkv.settings import load_settings
 
@@ -53,8 +78,12 @@ def tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], floa
         raise ConfigError(f"P2PKVTier: peers must be a list of tcp://HOST:PORT addresses, "
                           f"got {peers!r}")
     flags["peer"] = list(peers)
-    reconnect = _positive_seconds(params, "reconnect_interval", _DEFAULT_RECONNECT)
-    _positive_seconds(params, "identity_timeout", DEFAULT_IDENTITY_TIMEOUT)
+    waits = TierWaits(
+        reconnect=_positive_seconds(params, "reconnect_interval", _DEFAULT_RECONNECT),
+        refused_retry=_positive_seconds(params, "refused_retry_interval",
+                                        DEFAULT_REFUSED_RETRY),
+        drain_grace=_positive_seconds(params, "drain_grace", DEFAULT_DRAIN_GRACE),
+        identity=_positive_seconds(params, "identity_timeout", DEFAULT_IDENTITY_TIMEOUT))
     try:
         settings = load_settings(flags, environ={})
         for address in settings["peer"]:
@@ -63,12 +92,17 @@ def tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], floa
         if settings["advertise"] is not None:
             validate_address(settings["advertise"], what="advertise")
     except ConfigError as exc:
-        # Name the tier option, not the launcher flag it shares a parser with.
-        message = re.sub(r" \(from --[a-z-]+\)$", "", str(exc))
-        message = re.sub(r"--([a-z-]+)", lambda m: m.group(1).replace("-", "_"), message)
-        raise ConfigError(f"P2PKVTier: {message}") from None
+        raise tier_error(exc) from None
     _check_bindable(settings["listen"])
-    return settings, tuple(settings["peer"]), float(reconnect)
+    return settings, tuple(settings["peer"]), waits
+
+
+def tier_error(exc: ConfigError) -> ConfigError:
+    """``exc`` as the tier says it: every option named by its canonical name (the
+    tier-config key), not by the launcher flag it shares a parser with, and without the
+    origin (always the tier config)."""
+    text = exc.render(lambda name: name, with_origin=False)
+    return ConfigError(f"P2PKVTier: {text}", option=exc.option, named=False)
 
 
 def _positive_seconds(params: Mapping[str, Any], name: str, default: float) -> float:

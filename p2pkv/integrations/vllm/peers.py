@@ -28,8 +28,6 @@ __all__ = ["Peer", "Peers"]
 
 log = logging.getLogger("vllm.p2pkv")
 
-#: After a refusal the configuration of one side must change; try again rarely.
-_REFUSED_RETRY = 30.0
 #: Holder entries kept for keys answered but not loaded yet.
 _MAX_HOLDERS = 1 << 20
 
@@ -53,9 +51,11 @@ class Peer:
 class Peers:
     """The tier's configured peers: connect, reconnect, forget, and ask them."""
 
-    def __init__(self, addresses: Sequence[str], *, reconnect: float, lookup_timeout: float,
-                 lock: threading.Lock, count: Count) -> None:
+    def __init__(self, addresses: Sequence[str], *, reconnect: float, refused_retry: float,
+                 lookup_timeout: float, lock: threading.Lock, count: Count) -> None:
         self._reconnect = reconnect
+        #: After a refusal the configuration of one side must change: try again rarely.
+        self._refused_retry = refused_retry
         self._lookup_timeout = lookup_timeout
         self._lock = lock
         self._count = count
@@ -92,7 +92,7 @@ class Peers:
             try:
                 peer.handle = fut.result()
             except PeerIncompatible as exc:
-                peer.next_attempt = now + _REFUSED_RETRY
+                peer.next_attempt = now + self._refused_retry
                 fields = tuple(r.field for r in exc.reasons)
                 if fields != peer.refused:
                     for f in fields:

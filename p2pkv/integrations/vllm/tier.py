@@ -56,11 +56,15 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from p2pkv.cluster import PrefixFetch
 from p2pkv.errors import P2PKVError, PeerGone
 from p2pkv.identity import RunConfig
-from p2pkv.integrations.vllm.directory import fetch_outcomes
 from p2pkv.integrations.vllm.identity import TierIdentity, run_config_from_spec
-from p2pkv.integrations.vllm.metrics import Metrics, metric_definitions
+from p2pkv.integrations.vllm.metrics import (
+    NO_HOLDER,
+    TIER_DISABLED,
+    Metrics,
+    load_failure_reason,
+    metric_definitions,
+)
 from p2pkv.integrations.vllm.options import (
-    DEFAULT_IDENTITY_TIMEOUT,
     TIER_DEFAULTS,
     TIER_OPTIONS,
     tier_settings,
@@ -80,7 +84,8 @@ class _LoadJob:
     job_id: int
     keys: list[OffloadKey]
     pending: int
-    stored: set[bytes] = field(default_factory=set)
+    landed: set[bytes] = field(default_factory=set)
+    #: Failed chunks by ``vllm:p2pkv_load_failures`` reason (see load_failure_reason).
     failures: dict[str, int] = field(default_factory=dict)
     nbytes: int = 0
     started: float = field(default_factory=time.perf_counter)
@@ -116,7 +121,7 @@ class P2PKVTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type,
                          backpressure_detector=backpressure_detector)
         self.locality = Locality.REMOTE
-        settings, peers, reconnect = tier_settings(params)
+        settings, peers, waits = tier_settings(params)
         from p2pkv.settings import node_config
 
         self._declared = {name: settings[name] for name in
@@ -127,14 +132,15 @@ class P2PKVTier(SecondaryTierManager):
         # until it is known the node does not start: nothing is shared under an
         # identity that is not yet known.
         self.identity = TierIdentity(offloading_spec, self._declared)
-        self._identity_timeout = float(params.get("identity_timeout",
-                                                  DEFAULT_IDENTITY_TIMEOUT))
+        self._identity_timeout = waits.identity
+        self._drain_grace = waits.drain_grace
         self.layout = EngineRowLayout.of_bytes(self.block_size_bytes)
         self._fetch_timeout = float(settings["fetch_timeout"])
         # The 2-D region as bytes: chunk c is rows[c * row : (c + 1) * row].
         self._rows = primary_kv_view.cast("B")
         self._lock = threading.Lock()
-        self._peers = Peers(peers, reconnect=reconnect,
+        self._peers = Peers(peers, reconnect=waits.reconnect,
+                            refused_retry=waits.refused_retry,
                             lookup_timeout=float(settings["lookup_timeout"]),
                             lock=self._lock, count=self._count)
         self._run = TierNode(
@@ -211,7 +217,7 @@ class P2PKVTier(SecondaryTierManager):
         by_peer: dict[str, list[tuple[OffloadKey, int]]] = {}
         job = _LoadJob(job_metadata.job_id, keys, pending=0)
         if node is None:
-            job.failures["tier_disabled"] = len(keys)
+            job.failures[TIER_DISABLED] = len(keys)
             self._load_done(job, 0, None, None)
             return
         if self._run.directory is not None:
@@ -221,7 +227,7 @@ class P2PKVTier(SecondaryTierManager):
         with self._lock:
             for key, cid, address in zip(keys, chunk_ids, holders, strict=True):
                 if address is None:
-                    job.failures["no_holder"] = job.failures.get("no_holder", 0) + 1
+                    job.failures[NO_HOLDER] = job.failures.get(NO_HOLDER, 0) + 1
                     continue
                 by_peer.setdefault(address, []).append((key, int(cid)))
             job.pending = len(by_peer)
@@ -264,11 +270,13 @@ class P2PKVTier(SecondaryTierManager):
         with self._lock:
             self._outstanding.discard(fut)
         try:
-            result = fetch_outcomes(job.keys, fut.result())
+            result = fut.result().result
         except BaseException as exc:
             self._load_done(job, len(job.keys), None, exc)
             return
-        self._load_done(job, len(job.keys), result, None)
+        # Keys past the available prefix: nobody compatible holds them any more.
+        self._load_done(job, len(job.keys), result, None,
+                        missing=len(job.keys) - len(result.keys))
 
     def _fetched(self, job: _LoadJob, n: int, handle: PeerHandle,
                  fut: Future[FetchResult]) -> None:
@@ -284,27 +292,33 @@ class P2PKVTier(SecondaryTierManager):
         self._load_done(job, n, result, None)
 
     def _load_done(self, job: _LoadJob, n: int, result: FetchResult | None,
-                   exc: BaseException | None) -> None:
+                   exc: BaseException | None, *, missing: int = 0) -> None:
+        """Settle ``n`` chunks of ``job``: by their per-key outcomes (``result``, plus
+        ``missing`` more keys past it), or all failed by ``exc``."""
         with self._lock:
+            failures = job.failures
             if result is not None:
                 for key, outcome in zip(result.keys, result.outcomes, strict=True):
-                    if outcome is KeyOutcome.STORED:
-                        job.stored.add(key)
+                    if outcome is KeyOutcome.LANDED:
+                        job.landed.add(key)
                     else:
-                        kind = outcome.name.lower()
-                        job.failures[kind] = job.failures.get(kind, 0) + 1
+                        reason = load_failure_reason(outcome)
+                        failures[reason] = failures.get(reason, 0) + 1
+                if missing:
+                    reason = load_failure_reason(KeyOutcome.MISSING)
+                    failures[reason] = failures.get(reason, 0) + missing
                 job.nbytes += result.nbytes
             elif exc is not None:
-                kind = type(exc).__name__
-                job.failures[kind] = job.failures.get(kind, 0) + n
+                reason = load_failure_reason(exc)
+                failures[reason] = failures.get(reason, 0) + n
                 log.warning("p2pkv tier: load job %d: %d chunk(s) failed: %s", job.job_id, n, exc)
             if n:
                 job.pending -= 1
             if job.pending > 0:
                 return
             self._loads.pop(job.job_id, None)
-            ok = [k for k in job.keys if k in job.stored]
-            failed = [k for k in job.keys if k not in job.stored]
+            ok = [k for k in job.keys if k in job.landed]
+            failed = [k for k in job.keys if k not in job.landed]
             self._stats.increase_counter(Metrics.LOADED_BLOCKS, len(ok))
             self._stats.increase_counter(Metrics.LOADED_BYTES, len(ok) * self.block_size_bytes)
             for kind, count in job.failures.items():
@@ -390,8 +404,9 @@ class P2PKVTier(SecondaryTierManager):
 
     def drain_jobs(self) -> None:
         """Wait until no load or store touches the primary region. Loads are bounded by
-        ``fetch_timeout`` (the node fails them at their deadline), stores by a copy."""
-        deadline = time.monotonic() + self._fetch_timeout + 5.0
+        ``fetch_timeout`` (the node fails them at their deadline), stores by a copy;
+        ``drain_grace`` more is allowed for them to report."""
+        deadline = time.monotonic() + self._fetch_timeout + self._drain_grace
         while True:
             with self._lock:
                 pending = set(self._outstanding)

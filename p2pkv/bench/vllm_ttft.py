@@ -2,7 +2,7 @@
 
 Run with the vLLM environment::
 
-    .venv-vllm/bin/python -m p2pkv.integrations.vllm.bench_ttft [--prompt-tokens 4096]
+    .venv-vllm/bin/python -m p2pkv.bench.vllm_ttft [--prompt-tokens 4096]
         [--rounds 3] [--model-dir DIR] [--json PATH]
 
 ``--prompt-tokens`` takes a comma-separated list (``1024,4096,8000``): every length is
@@ -32,7 +32,7 @@ import tempfile
 import time
 from typing import Any
 
-from p2pkv.integrations.vllm.tinymodel import TinyLlama, write_tiny_llama
+from p2pkv.bench.tinymodel import TinyLlama, write_tiny_llama
 
 #: About 170 M parameters: 8 layers of width 1024, a 32k vocabulary.
 BENCH_MODEL = TinyLlama(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8,
@@ -75,7 +75,7 @@ class _Proc:
             "VLLM_CPU_KVCACHE_SPACE", "2"), "PYTHONHASHSEED": "0",
             "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "p2pkv.integrations.vllm.bench_ttft", "--engine",
+            [sys.executable, "-m", "p2pkv.bench.vllm_ttft", "--engine",
              json.dumps(config), "--model", model, "--max-len", str(max_len)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"),  # noqa: SIM115
             text=True, env=env)
