@@ -1,7 +1,7 @@
 """``p2pkv-node``: run, inspect and debug p2pkv nodes.
 
 Subcommands: ``serve``, ``fingerprint``, ``probe``, ``fetch``, ``demo``, ``keygen``,
-``bench``, ``cluster``, ``cluster-bench``. Exit codes: 0 success; 2 bad configuration
+``bench``, ``cluster``, ``cluster-bench``, ``chaos``. Exit codes: 0 success; 2 bad configuration
 (nothing started); 3 peer refused the handshake; 4 peer unreachable, lost or timed out;
 5 ``fetch``: a block was missing, failed or did not match the fill rule; 6 ZeroMQ's
 security handshake failed (CurveZMQ required or not offered, key not accepted, no
@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_options(p)
     p = sub.add_parser("cluster-bench", help="cluster directory scale benchmark (own Redis)")
     p.add_argument("--quick", action="store_true", help="small version, under a minute")
+    p.add_argument("--json", dest="json_path", metavar="PATH", help="also write results here")
+    p = sub.add_parser("chaos", help="bounded fault-injection run with figures (own Redis)")
+    p.add_argument("--seconds", type=float, default=600.0, help="length of the fault phase")
+    p.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="also write results here")
     return parser
 
@@ -508,6 +512,12 @@ def cmd_cluster_bench(args: argparse.Namespace) -> int:
     return run_cluster_bench(quick=args.quick, json_path=args.json_path)
 
 
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from p2pkv.bench.chaos import run_chaos
+
+    return run_chaos(args.seconds, seed=args.seed, json_path=args.json_path)
+
+
 _COMMANDS = {
     "fingerprint": cmd_fingerprint,
     "serve": cmd_serve,
@@ -518,6 +528,7 @@ _COMMANDS = {
     "bench": cmd_bench,
     "cluster": cmd_cluster,
     "cluster-bench": cmd_cluster_bench,
+    "chaos": cmd_chaos,
 }
 
 

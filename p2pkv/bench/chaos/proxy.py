@@ -1,0 +1,121 @@
+"""A TCP relay in front of one holder that can flip bytes or stall while a fault is on.
+
+The holder registers the relay's address (``serve --advertise``), so every consumer
+reaches it through here. :attr:`FaultProxy.mode` is read for every chunk: ``"pass"``
+relays unchanged, ``"flip"`` flips one random bit in each chunk the holder sends (block
+bytes, frame headers, handshakes alike), ``"stall"`` holds what arrives until the mode
+changes. Threads: one acceptor and two pumps per connection, each waiting at most
+:data:`TICK` seconds at a time; :meth:`close` stops and joins them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import socket
+import threading
+import time
+
+__all__ = ["FaultProxy"]
+
+TICK = 0.1
+MODES = ("pass", "flip", "stall")
+
+
+class FaultProxy:
+    """Listens on 127.0.0.1:``port`` and relays to 127.0.0.1:``upstream``."""
+
+    def __init__(self, port: int, upstream: int, *, seed: int) -> None:
+        self.port = port
+        self.upstream = upstream
+        self.mode = "pass"
+        self.flipped = 0
+        self._rng = random.Random(seed)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._sockets: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", port))
+        self._listener.settimeout(TICK)
+        self._spawn(self._accept, "p2pkv-chaos-accept")
+
+    @property
+    def address(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    def set_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"proxy mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+
+    def _spawn(self, target: object, name: str, *args: object) -> None:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)  # type: ignore[arg-type]
+        with self._lock:
+            self._threads = [x for x in self._threads if x.is_alive()]
+            self._threads.append(t)
+        t.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(("127.0.0.1", self.upstream), timeout=2)
+            except OSError:
+                client.close()
+                continue
+            for s in (client, server):
+                s.settimeout(TICK)
+            with self._lock:
+                self._sockets += [client, server]
+            self._spawn(self._pump, "p2pkv-chaos-up", client, server, False)
+            self._spawn(self._pump, "p2pkv-chaos-down", server, client, True)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_holder: bool) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    data = src.recv(65536)
+                except TimeoutError:
+                    continue
+                if not data:
+                    break
+                while self.mode == "stall" and not self._stop.is_set():
+                    time.sleep(TICK / 2)
+                if from_holder and self.mode == "flip":
+                    buf = bytearray(data)
+                    i = self._rng.randrange(len(buf))
+                    buf[i] ^= 1 << self._rng.randrange(8)
+                    data = bytes(buf)
+                    self.flipped += 1
+                self._send_all(dst, data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def _send_all(self, dst: socket.socket, data: bytes) -> None:
+        view = memoryview(data)
+        while view and not self._stop.is_set():
+            try:
+                sent = dst.send(view)
+            except TimeoutError:
+                continue
+            view = view[sent:]
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._listener.close()
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            threads, sockets = list(self._threads), list(self._sockets)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        for s in sockets:
+            s.close()

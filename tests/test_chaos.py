@@ -1,0 +1,62 @@
+"""The chaos run, short: ``p2pkv-node chaos --seconds 40 --seed 1`` against its own
+holders (``serve`` processes), a real 3-master, 3-replica Redis Cluster and a bit-flipping,
+stalling proxy. Every fault kind is injected at least once; no corrupt block reaches a
+consumer, no future misses its deadline, nothing leaks, and the hit rate comes back after
+every fault. The tool owns and stops every process it starts; this test bounds it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from p2pkv.bench.chaos.faults import KINDS
+from p2pkv.bench.redis_servers import find_redis_server, find_tool
+
+
+def test_a_short_chaos_run_shows_no_corruption_no_missed_deadline_no_leak(
+        tmp_path: Path) -> None:
+    if find_redis_server() is None or find_tool("redis-cli") is None:
+        pytest.skip("redis-server and redis-cli are not installed")
+    out = tmp_path / "chaos.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "p2pkv.cli", "chaos", "--seconds", "40", "--seed", "1",
+         "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:  # its whole session: holders and Redis servers too
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+    assert out.exists(), text[-3000:]
+    report = json.loads(out.read_text())
+    assert proc.returncode == 0, text[-3000:]
+    assert report["ok"], text[-3000:]
+    assert report["directory"].startswith("redis-cluster"), report["notes"]
+    for kind in KINDS:
+        figures = report["kinds"][kind]
+        assert figures["injected"] >= 1, (kind, report["faults"])
+        assert figures["corrupt_visible"] == 0, kind
+        assert figures["missed_deadlines"] == 0, kind
+        assert figures["recovery_s"] and figures["unrecovered"] == 0, (kind, figures)
+    totals = report["totals"]
+    assert totals["blocks_verified"] > 0
+    assert totals["corrupt_visible"] == 0 and totals["missed_deadlines"] == 0
+    assert report["leaks"] == {"pins": 0, "shm_segments": 0, "fds": 0, "threads": 0,
+                               "os_threads": 0}, report["leaks"]
+    # The faults were real: the proxy flipped bits, the drained holder exited 0, the
+    # Redis master's replica took over.
+    faults = report["faults"]
+    assert sum(f["chunks_flipped"] for f in faults if f["kind"] == "proxy_flip") > 0
+    assert all(f["exit"] == 0 for f in faults if f["kind"] == "drain")
+    assert all(f["promoted"] for f in faults if f["kind"] == "redis_master")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-v"]))
