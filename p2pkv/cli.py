@@ -248,7 +248,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              "error": str(exc)}, f"peer {address}: {exc}")
         while not stop.wait(0.5):
             pass
-        _emit(args, {"event": "stopping"}, "shutting down")
+        # A signal means a drain (below); the stopping event says for how long at most.
+        _emit(args, {"event": "stopping", "drain_seconds": settings["drain_timeout"]},
+              "shutting down")
     finally:
         if metrics is not None:
             metrics.close()
@@ -257,9 +259,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if cluster is not None:
             cluster.close()
         if stop.is_set():
-            _emit(args, {"event": "draining", "seconds": settings["drain_timeout"]},
-                  f"draining: new fetches declined, up to {settings['drain_timeout']:g}s "
-                  "for those in flight")
+            log.info("draining: new fetches declined, up to %gs for those in flight",
+                     settings["drain_timeout"])
             node.drain(settings["drain_timeout"])
         else:
             node.close()
