@@ -508,7 +508,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster_bench(args: argparse.Namespace) -> int:
-    from p2pkv.cluster.bench import run_cluster_bench
+    from p2pkv.bench.directory import run_cluster_bench
 
     return run_cluster_bench(quick=args.quick, json_path=args.json_path)
 

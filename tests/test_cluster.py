@@ -447,7 +447,7 @@ def test_serve_with_a_redis_directory_registers_and_reports_metrics(
 
 
 def test_cluster_bench_rows_check_every_answer(redis_server: LocalRedis) -> None:
-    from p2pkv.cluster.bench import fanout_rows, scale_rows
+    from p2pkv.bench.directory import fanout_rows, scale_rows
 
     rows = scale_rows(redis_server.url, members=8, entries=16_000, lookups=5)
     rows += fanout_rows(redis_server.url, (1, 2), rounds=3)

@@ -28,8 +28,8 @@ from redisprocs import (
 )
 from test_cluster import FAST, SMALL, ClusterProcess, holder_ids, verify, wait_for
 
+from p2pkv.bench.directory import _fake_record
 from p2pkv.cluster import Cluster, ClusterConfig, DirectoryError, NodeRecord, RedisDirectory
-from p2pkv.cluster.bench import _fake_record
 from p2pkv.cluster.redis_urls import parse_directory_url
 from p2pkv.errors import ConfigError
 from p2pkv.node import KeyOutcome
@@ -453,7 +453,7 @@ def test_tls_and_acl_users_only_the_cluster_s_credentials_write(procs: list[Any]
 
 
 def test_hot_identity_bench_rows_check_every_answer(redis_cluster: LocalRedisCluster) -> None:
-    from p2pkv.cluster.bench import hot_identity_rows
+    from p2pkv.bench.directory import hot_identity_rows
 
     rows = hot_identity_rows(redis_cluster.url, 3, seconds=0.3, threads=(1, 2))
     metrics = {r["metric"]: r["value"] for r in rows}

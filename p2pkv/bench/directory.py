@@ -23,7 +23,7 @@ port, no persistence):
   masters as a third backend.
 
 Absolute numbers move with the machine and whatever else runs on it; compare rows of
-one run. Run as ``python -m p2pkv.cluster.bench host N URLS_JSON NAMESPACE`` the module
+one run. Run as ``python -m p2pkv.bench.directory host N URLS_JSON NAMESPACE`` the module
 is the child that hosts the nodes, each registered in every directory of the JSON list
 (JSON lines on stdout; closing stdin stops it).
 """
@@ -212,7 +212,7 @@ def fanout_rows(url: str, counts: Sequence[int], rounds: int,
         namespace = f"fanout{count}"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         child = subprocess.Popen(
-            [sys.executable, "-m", "p2pkv.cluster.bench", "host", str(count),
+            [sys.executable, "-m", "p2pkv.bench.directory", "host", str(count),
              json.dumps(urls), namespace],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         node = _make_node(8)
