@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from p2pkv.node import FetchResult
 
 __all__ = [
+    "CLAIMS_LUA",
     "DirectoryError",
     "DirectoryView",
     "Holder",
@@ -302,3 +303,47 @@ def advertised_address(listen: str, host: str | None = None) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"tcp://{host}:{port}"
+
+
+CLAIMS_LUA = """
+for i = first, first + nadd - 1 do
+  local k = ARGV[i]
+  local v = redis.call('HGET', KEYS[1], k)
+  if not v then
+    redis.call('HSET', KEYS[1], k, me)
+    delta = delta + 1
+  else
+    local found = false
+    for p = 1, #v, 4 do
+      if string.sub(v, p, p + 3) == me then found = true break end
+    end
+    if not found then
+      redis.call('HSET', KEYS[1], k, v .. me)
+      delta = delta + 1
+    end
+  end
+end
+for i = first + nadd, #ARGV do
+  local k = ARGV[i]
+  local v = redis.call('HGET', KEYS[1], k)
+  if v then
+    local rest = ''
+    for p = 1, #v, 4 do
+      local t = string.sub(v, p, p + 3)
+      if t ~= me then rest = rest .. t end
+    end
+    if #rest ~= #v then
+      delta = delta - 1
+      if rest == '' then
+        redis.call('HDEL', KEYS[1], k)
+      else
+        redis.call('HSET', KEYS[1], k, rest)
+      end
+    end
+  end
+end
+"""
+"""Lua that edits block entries (``KEYS[1]``, a hash of key -> the holders' 4-byte tokens
+back to back) for the token ``me``: adds it to ``ARGV[first .. first + nadd - 1]``, takes
+it off every later ``ARGV`` key, and counts the change in ``delta``. Shared by the
+directory's announce scripts (one Redis, and each sub-partition of a cluster)."""

@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from p2pkv.cluster.records import (
+    CLAIMS_LUA,
     DirectoryError,
     DirectoryView,
     Holder,
@@ -161,43 +162,8 @@ if nadd > 0 then
   local s = redis.call('ZSCORE', KEYS[2], me)
   if not s or tonumber(s) < now_ms() then return -1 end
 end
-for i = 4, 3 + nadd do
-  local k = ARGV[i]
-  local v = redis.call('HGET', KEYS[1], k)
-  if not v then
-    redis.call('HSET', KEYS[1], k, me)
-    delta = delta + 1
-  else
-    local found = false
-    for p = 1, #v, 4 do
-      if string.sub(v, p, p + 3) == me then found = true break end
-    end
-    if not found then
-      redis.call('HSET', KEYS[1], k, v .. me)
-      delta = delta + 1
-    end
-  end
-end
-for i = 4 + nadd, #ARGV do
-  local k = ARGV[i]
-  local v = redis.call('HGET', KEYS[1], k)
-  if v then
-    local rest = ''
-    for p = 1, #v, 4 do
-      local t = string.sub(v, p, p + 3)
-      if t ~= me then rest = rest .. t end
-    end
-    if #rest ~= #v then
-      delta = delta - 1
-      if rest == '' then
-        redis.call('HDEL', KEYS[1], k)
-      else
-        redis.call('HSET', KEYS[1], k, rest)
-      end
-    end
-  end
-end
-if delta ~= 0 and redis.call('HEXISTS', KEYS[3], me) == 1 then
+local first = 4
+""" + CLAIMS_LUA + """if delta ~= 0 and redis.call('HEXISTS', KEYS[3], me) == 1 then
   redis.call('HINCRBY', KEYS[3], me, delta)
 end
 return delta

@@ -29,7 +29,7 @@ import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from p2pkv.cluster.records import DirectoryError, Holder, Member
+from p2pkv.cluster.records import CLAIMS_LUA, DirectoryError, Holder, Member
 
 if TYPE_CHECKING:
     from p2pkv.cluster.redis_directory import RedisDirectory
@@ -98,43 +98,8 @@ _SUB_ANNOUNCE = """
 local me = ARGV[1]
 local nadd = tonumber(ARGV[2])
 local delta = 0
-for i = 3, 2 + nadd do
-  local k = ARGV[i]
-  local v = redis.call('HGET', KEYS[1], k)
-  if not v then
-    redis.call('HSET', KEYS[1], k, me)
-    delta = delta + 1
-  else
-    local found = false
-    for p = 1, #v, 4 do
-      if string.sub(v, p, p + 3) == me then found = true break end
-    end
-    if not found then
-      redis.call('HSET', KEYS[1], k, v .. me)
-      delta = delta + 1
-    end
-  end
-end
-for i = 3 + nadd, #ARGV do
-  local k = ARGV[i]
-  local v = redis.call('HGET', KEYS[1], k)
-  if v then
-    local rest = ''
-    for p = 1, #v, 4 do
-      local t = string.sub(v, p, p + 3)
-      if t ~= me then rest = rest .. t end
-    end
-    if #rest ~= #v then
-      delta = delta - 1
-      if rest == '' then
-        redis.call('HDEL', KEYS[1], k)
-      else
-        redis.call('HSET', KEYS[1], k, rest)
-      end
-    end
-  end
-end
-return delta
+local first = 3
+""" + CLAIMS_LUA + """return delta
 """
 
 # KEYS: count. ARGV: token, delta.
