@@ -356,8 +356,11 @@ class P2PKVTier(SecondaryTierManager):
         row = self.block_size_bytes
         stored = 0
         failed = 0
-        if node is None:
-            node = self._ensure_node(wait=self._identity_timeout)
+        # Waits in short slices, so that a shutdown never waits for a digest.
+        deadline = time.monotonic() + self._identity_timeout
+        while (node is None and not self._run.closed and self._run.failed is None
+               and time.monotonic() < deadline):
+            node = self._ensure_node(wait=min(0.5, max(0.0, deadline - time.monotonic())))
         if node is None:
             log.warning("p2pkv tier: store job %d dropped: the identity is not known (%s)",
                         job_id, self._run.failed or "weights digest still being computed")
