@@ -9,7 +9,9 @@ what the run config cannot see but that still decides whether two KV caches are
 interchangeable: the block byte order in the engine's memory, the weights revision, the
 model overrides that change the K/V values, and the engine's block-key hash. It travels
 in the handshake next to the run config and is never hashed into the fingerprint, so
-namespaces stay equal to vLLM's. Pure: no IO, no torch, no zmq.
+namespaces stay equal to vLLM's. Pure: no IO, no torch, no zmq. The one module that
+reads files, :mod:`p2pkv.identity.checkpoint` (the ``model_weights`` and ``model_config``
+digests of a checkpoint on disk), is not imported here.
 """
 
 from __future__ import annotations
