@@ -72,19 +72,14 @@ def _fake_record(i: int) -> Any:
 
 def scale_rows(url: str, *, members: int, entries: int, lookups: int) -> list[dict[str, Any]]:
     """The scale part against the Redis at ``url`` (flushed first)."""
+    from p2pkv.bench.fleet import chains_held, timed_prefix_lookups
     from p2pkv.cluster import RedisDirectory
 
     directory = RedisDirectory(url, namespace="bench", socket_timeout=30.0)
     try:
         chains = entries // (2 * _CHAIN)
         rng = np.random.default_rng(7)
-        raw = rng.bytes(chains * _CHAIN * 20)
-        keys = [raw[i * 20:(i + 1) * 20] for i in range(chains * _CHAIN)]
-        held: list[list[bytes]] = [[] for _ in range(members)]
-        for c in range(chains):
-            chain = keys[c * _CHAIN:(c + 1) * _CHAIN]
-            held[c % members].extend(chain)
-            held[(c + 1) % members].extend(chain)
+        keys, held = chains_held(chains, members, rng)
         regs = [directory.register(_fake_record(i), ttl=3600.0) for i in range(members)]
         before = directory.memory()
         rates = []
@@ -98,18 +93,9 @@ def scale_rows(url: str, *, members: int, entries: int, lookups: int) -> list[di
         after = directory.memory()
         total = sum(len(b) for b in held)
         distinct = chains * _CHAIN
-        lat = []
-        bad = 0
         directory.client.config_resetstat()
-        for n in range(lookups):
-            c = int(rng.integers(0, chains))
-            ask = [*keys[c * _CHAIN:(c + 1) * _CHAIN], b"absent-%014d" % n]
-            t0 = time.perf_counter()
-            found = directory.lookup(regs[0].partition, ask)
-            lat.append((time.perf_counter() - t0) * 1e3)
-            want = {f"sim-{c % members:03d}", f"sim-{(c + 1) % members:03d}"}
-            if len(found) != _CHAIN or any({h.node_id for h in f} != want for f in found):
-                bad += 1
+        lat, bad = timed_prefix_lookups(directory, regs[0].partition, keys, chains,
+                                        lambda i: f"sim-{i % members:03d}", lookups, rng)
         stats = directory.client.info("commandstats").get("cmdstat_evalsha", {})
         server_ms = float(stats.get("usec_per_call", float("nan"))) / 1e3
         ok = "yes" if bad == 0 else f"NO ({bad} wrong)"

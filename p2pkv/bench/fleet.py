@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["fleet_rows"]
+__all__ = ["chains_held", "fleet_rows", "timed_prefix_lookups"]
 
 _CHAIN = 1000
 _FP = "fedcba9876543210"
@@ -38,6 +39,39 @@ def _record(i: int) -> Any:
         capabilities=("checksum-xxh3-64",), pool_blocks=65536,
         run_config={"model_name": "bench/fleet"}, bytes_per_block=589824,
         segments=(49152,) * 12, key_hash_algo="xxh3-128", key_hash_seed=0, protocol=(1, 2))
+
+
+def chains_held(chains: int, members: int,
+                rng: np.random.Generator) -> tuple[list[bytes], list[list[bytes]]]:
+    """``chains`` random 1,000-key prefix chains (20-byte keys), chain ``c`` held by
+    members ``c`` and ``c + 1`` (mod ``members``): all keys, and each member's keys."""
+    raw = rng.bytes(chains * _CHAIN * 20)
+    keys = [raw[i * 20:(i + 1) * 20] for i in range(chains * _CHAIN)]
+    held: list[list[bytes]] = [[] for _ in range(members)]
+    for c in range(chains):
+        chain = keys[c * _CHAIN:(c + 1) * _CHAIN]
+        held[c % members].extend(chain)
+        held[(c + 1) % members].extend(chain)
+    return keys, held
+
+
+def timed_prefix_lookups(directory: Any, partition: str, keys: list[bytes], chains: int,
+                         names: Callable[[int], str], lookups: int,
+                         rng: np.random.Generator) -> tuple[list[float], int]:
+    """``lookups`` lookups of a random chain plus one absent key: the latencies in ms,
+    sorted, and how many answers differed from the chain's two holders (``names(i)``
+    is member ``i``'s node id)."""
+    lat, bad = [], 0
+    for n in range(lookups):
+        c = int(rng.integers(0, chains))
+        ask = [*keys[c * _CHAIN:(c + 1) * _CHAIN], b"absent-%013d" % n]
+        t0 = time.perf_counter()
+        found = directory.lookup(partition, ask)
+        lat.append((time.perf_counter() - t0) * 1e3)
+        want = {names(c), names(c + 1)}
+        if len(found) != _CHAIN or any({h.node_id for h in f} != want for f in found):
+            bad += 1
+    return sorted(lat), bad
 
 
 def _announce_all(directory: Any, held: list[list[bytes]]) -> tuple[list[Any], float, float]:
@@ -61,27 +95,13 @@ def fleet_rows(url: str, *, engines: int, entries: int, lookups: int,
         _flush(directory)
         chains = max(1, entries // (2 * _CHAIN))
         rng = np.random.default_rng(11)
-        raw = rng.bytes(chains * _CHAIN * 20)
-        keys = [raw[i * 20:(i + 1) * 20] for i in range(chains * _CHAIN)]
-        held: list[list[bytes]] = [[] for _ in range(engines)]
-        for c in range(chains):
-            chain = keys[c * _CHAIN:(c + 1) * _CHAIN]
-            held[c % engines].extend(chain)
-            held[(c + 1) % engines].extend(chain)
+        keys, held = chains_held(chains, engines, rng)
         total = sum(len(b) for b in held)
         before = directory.memory()
         regs, first_s, cpu_s = _announce_all(directory, held)
         used = directory.memory() - before
-        lat, bad = [], 0
-        for n in range(lookups):
-            c = int(rng.integers(0, chains))
-            ask = [*keys[c * _CHAIN:(c + 1) * _CHAIN], b"absent-%013d" % n]
-            t0 = time.perf_counter()
-            found = directory.lookup(regs[0].partition, ask)
-            lat.append((time.perf_counter() - t0) * 1e3)
-            want = {f"eng-{c % engines:04d}", f"eng-{(c + 1) % engines:04d}"}
-            if len(found) != _CHAIN or any({h.node_id for h in f} != want for f in found):
-                bad += 1
+        lat, bad = timed_prefix_lookups(directory, regs[0].partition, keys, chains,
+                                        lambda i: f"eng-{i % engines:04d}", lookups, rng)
         # The directory loses everything (a restart without persistence, or a failover
         # that dropped writes): the fleet registers again and re-announces its blocks.
         _flush(directory)
@@ -92,7 +112,6 @@ def fleet_rows(url: str, *, engines: int, entries: int, lookups: int,
             bad += 1
         ok = "yes" if bad == 0 else f"NO ({bad} wrong)"
         case = f"{label}: fleet of {engines:,} engines, {total:,} entries"
-        lat.sort()
         return [
             {"case": case, "metric": "Redis bytes per entry", "value": used / total, "ok": ok},
             {"case": case, "metric": "lookup 1,000-key prefix p50 ms",

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CLAIMS_LUA",
+    "STRIP_DEAD_LUA",
     "DirectoryError",
     "DirectoryView",
     "Holder",
@@ -347,3 +348,22 @@ end
 back to back) for the token ``me``: adds it to ``ARGV[first .. first + nadd - 1]``, takes
 it off every later ``ARGV`` key, and counts the change in ``delta``. Shared by the
 directory's announce scripts (one Redis, and each sub-partition of a cluster)."""
+
+
+STRIP_DEAD_LUA = """
+local fields = res[2]
+for i = 1, #fields, 2 do
+  local k, v = fields[i], fields[i + 1]
+  local rest = ''
+  for p = 1, #v, 4 do
+    local t = string.sub(v, p, p + 3)
+    if not dead[t] then rest = rest .. t end
+  end
+  if #rest ~= #v then
+    if rest == '' then redis.call('HDEL', KEYS[1], k) else redis.call('HSET', KEYS[1], k, rest) end
+  end
+end
+"""
+"""Lua that takes the tokens in the table ``dead`` off the block entries of one HSCAN
+step (``res``, over ``KEYS[1]``), deleting entries left empty. Shared by the sweep of one
+Redis and of each cluster sub-partition."""

@@ -45,6 +45,7 @@ from typing import Any
 
 from p2pkv.cluster.records import (
     CLAIMS_LUA,
+    STRIP_DEAD_LUA,
     DirectoryError,
     DirectoryView,
     Holder,
@@ -180,19 +181,7 @@ redis.call('SET', KEYS[6], ARGV[1], 'PX', 30000)
 local dead = {}
 for i = 4, #ARGV do dead[ARGV[i]] = true end
 local res = redis.call('HSCAN', KEYS[1], ARGV[2], 'COUNT', tonumber(ARGV[3]))
-local fields = res[2]
-for i = 1, #fields, 2 do
-  local k, v = fields[i], fields[i + 1]
-  local rest = ''
-  for p = 1, #v, 4 do
-    local t = string.sub(v, p, p + 3)
-    if not dead[t] then rest = rest .. t end
-  end
-  if #rest ~= #v then
-    if rest == '' then redis.call('HDEL', KEYS[1], k) else redis.call('HSET', KEYS[1], k, rest) end
-  end
-end
-if res[1] == '0' then
+""" + STRIP_DEAD_LUA + """if res[1] == '0' then
   local now = now_ms()
   for i = 4, #ARGV do
     local t = ARGV[i]

@@ -29,7 +29,7 @@ import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from p2pkv.cluster.records import CLAIMS_LUA, DirectoryError, Holder, Member
+from p2pkv.cluster.records import CLAIMS_LUA, STRIP_DEAD_LUA, DirectoryError, Holder, Member
 
 if TYPE_CHECKING:
     from p2pkv.cluster.redis_directory import RedisDirectory
@@ -124,19 +124,7 @@ _SUB_SWEEP = """
 local dead = {}
 for i = 3, #ARGV do dead[ARGV[i]] = true end
 local res = redis.call('HSCAN', KEYS[1], ARGV[1], 'COUNT', tonumber(ARGV[2]))
-local fields = res[2]
-for i = 1, #fields, 2 do
-  local k, v = fields[i], fields[i + 1]
-  local rest = ''
-  for p = 1, #v, 4 do
-    local t = string.sub(v, p, p + 3)
-    if not dead[t] then rest = rest .. t end
-  end
-  if #rest ~= #v then
-    if rest == '' then redis.call('HDEL', KEYS[1], k) else redis.call('HSET', KEYS[1], k, rest) end
-  end
-end
-return res[1]
+""" + STRIP_DEAD_LUA + """return res[1]
 """
 
 # KEYS: live, nodes, addr, count, owner, sweep lock. ARGV: dead tokens... The end of a
