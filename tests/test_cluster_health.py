@@ -9,6 +9,7 @@ a real Redis for the drain on SIGTERM.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -260,6 +261,125 @@ def test_serve_drains_on_sigterm_and_consumers_fail_over(built: list[Any],
             if p.poll() is None:
                 p.kill()
             p.wait(30)
+
+
+def _cluster_command(url: str, *extra: str) -> str:
+    """``p2pkv-node cluster --directory URL`` in its own process; its stdout."""
+    done = subprocess.run([sys.executable, "-m", "p2pkv.cli", "cluster", "--directory", url,
+                           *extra], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _verdicts(url: str, partition: str) -> dict[int, list[Any]]:
+    """Reporting member -> the quarantine verdicts the directory shows for it now."""
+    from p2pkv.cluster import RedisDirectory
+
+    directory = RedisDirectory(url)
+    try:
+        members = directory.view().partitions.get(partition, [])
+    finally:
+        directory.close()
+    return {m.member: list(m.reports) for m in members if m.reports}
+
+
+def _until(predicate: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout}s")
+        time.sleep(0.05)
+
+
+def test_cluster_command_shows_who_quarantines_a_corrupting_holder(redis_url: str) -> None:
+    """Three processes in one Redis directory: a good holder, a holder behind a proxy
+    that corrupts every block it relays (the address it registered), and a consumer that
+    fetches through the directory. Once the consumer has quarantined the corrupting
+    holder, ``p2pkv-node cluster`` (JSON and text, its own process) shows that holder
+    quarantined by the consumer's member, with the reason, the count and the time left
+    the consumer's own stats give; the verdict goes when the backoff ends (the consumer
+    withdraws it), comes back counted twice, and goes when the consumer dies (kill -9:
+    invisible once its TTL passed, then swept out of Redis)."""
+    import redis as redis_py
+    from redisprocs import free_port
+    from test_cluster import FAST, ClusterProcess
+
+    port = free_port()
+    proxy = CorruptingProxy(f"tcp://127.0.0.1:{port}", every=1, first=1)
+    base = {**SMALL, "directory": redis_url, "cluster": FAST}
+    procs = [ClusterProcess({**base, "count": 80, "pool": 88}),
+             ClusterProcess({**base, "count": 80, "pool": 88, "advertise": proxy.address,
+                             "config": {"listen": f"tcp://127.0.0.1:{port}"}}),
+             ClusterProcess({**base, "count": 0, "pool": 48, "cluster": {
+                 **FAST, "health": {"after": 2, "base": 10.0, "longest": 60.0, "ramp": 0}}})]
+    try:
+        for p in procs:
+            p.ready = p.event(60)
+            assert p.ready["event"] == "ready", p.ready
+        good, sick, reporter = procs
+        me = reporter.ready["member"]
+        for r in range(2):  # two rounds with failed blocks from it: quarantined
+            fetched = reporter.send(op="fetch", count=20, offset=20 * r)
+            assert fetched["outcomes"] == ["LANDED"] * 20 and fetched["corrupt"] == 0
+            assert set(fetched["sources"]) == {good.ready["address"]}
+        stats = reporter.send(op="stats")
+        assert stats["quarantines"] == 1
+        assert list(stats["quarantined"]) == [proxy.address]
+        left, times, reason = stats["quarantined"][proxy.address]
+        assert (times, reason) == (1, "failed blocks") and 0 < left <= 10.0
+        partition = stats["partition"]
+        (verdict,) = _until(lambda: _verdicts(redis_url, partition).get(me), 5,
+                            "the verdict in the directory")
+        assert (verdict.address, verdict.node_id, verdict.reason, verdict.times) == (
+            proxy.address, sick.ready["node_id"], "failed blocks", 1)
+        assert abs(verdict.expires_in - left) < 1.0
+
+        doc = json.loads(_cluster_command(redis_url, "--json"))
+        (group,) = doc["groups"]
+        nodes = {n["node_id"]: n for n in group["nodes"]}
+        (shown,) = nodes[sick.ready["node_id"]]["quarantined_by"]
+        assert (shown["member"], shown["reporter_node_id"], shown["reason"],
+                shown["times"]) == (me, reporter.ready["node_id"], "failed blocks", 1)
+        assert 0 < shown["expires_in"] <= 10.0
+        assert nodes[good.ready["node_id"]]["quarantined_by"] == []
+        assert nodes[reporter.ready["node_id"]]["quarantined_by"] == []
+        assert group["quarantined"] == 1 and doc["quarantined_unregistered"] == []
+        text = _cluster_command(redis_url)
+        (row,) = [line for line in text.splitlines() if proxy.address in line]
+        assert f"member {me} (failed blocks, 1x, " in row, text
+        assert "1 quarantined" in text
+
+        # The backoff ends: the consumer withdraws its verdict; nothing is left in Redis.
+        client = redis_py.Redis.from_url(redis_url)
+        key = f"p2pkv:{{{partition}}}:quarantine"
+        _until(lambda: not _verdicts(redis_url, partition) and client.hlen(key) == 0, 15,
+               "the verdict withdrawn after the backoff")
+        assert reporter.send(op="stats")["quarantined"] == {}
+
+        # Quarantined again (the second time in a row), then the consumer dies.
+        for r in range(2, 4):
+            fetched = reporter.send(op="fetch", count=20, offset=20 * r)
+            assert fetched["outcomes"] == ["LANDED"] * 20 and fetched["corrupt"] == 0
+        (verdict,) = _until(lambda: _verdicts(redis_url, partition).get(me), 5,
+                            "the second verdict")
+        assert verdict.times == 2 and 10.0 < verdict.expires_in <= 20.0
+        os.kill(reporter.proc.pid, signal.SIGKILL)  # no goodbye: it cannot deregister
+        reporter.proc.wait(10)
+        killed = time.monotonic()
+        _until(lambda: not _verdicts(redis_url, partition), FAST["ttl"] + 5,
+               "a dead reporter's verdict hidden")
+        assert time.monotonic() - killed < 10.0  # before its verdict would have ended
+        _until(lambda: client.hlen(key) == 0, 15, "a dead reporter's verdict swept")
+        doc = json.loads(_cluster_command(redis_url, "--json"))
+        assert all(n["quarantined_by"] == [] for g in doc["groups"] for n in g["nodes"])
+        client.close()
+    finally:
+        for p in procs:
+            p.kill()
+        proxy.close()
 
 
 def _events_until(proc: subprocess.Popen[str], wanted: str) -> dict[str, Any]:

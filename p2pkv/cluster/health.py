@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from p2pkv.cluster.records import QuarantineReport
 from p2pkv.errors import ConfigError
 
 __all__ = ["HealthConfig", "HolderHealth", "Quarantine"]
@@ -61,11 +62,13 @@ class HealthConfig:
 @dataclass(frozen=True)
 class Quarantine:
     """A holder kept out of the choice: until when (clock seconds), after how many
-    quarantines in a row, and the last failure."""
+    quarantines in a row, the last failure, and the node id it had then ("" when
+    the caller did not say)."""
 
     until: float
     times: int
     reason: str
+    node_id: str = ""
 
 
 @dataclass
@@ -74,6 +77,7 @@ class _State:
     times: int = 0
     until: float = 0.0
     reason: str = ""
+    failed_node: str = ""
     #: When this consumer started giving the holder keys (slow start counts from it).
     since: float | None = None
     node_ids: set[str] = field(default_factory=set)
@@ -96,13 +100,15 @@ class HolderHealth:
             state = self._holders[address] = _State()
         return state
 
-    def failed(self, address: str, reason: str) -> bool:
-        """Count a failed fetch; True when it put the holder in quarantine."""
+    def failed(self, address: str, reason: str, node_id: str = "") -> bool:
+        """Count a failed fetch (of the node ``node_id`` at ``address``); True when it
+        put the holder in quarantine."""
         with self._lock:
             now = self._clock()
             state = self._state(address)
             state.streak += 1
             state.reason = reason
+            state.failed_node = node_id
             if state.streak < self.config.after or state.until > now:
                 return False
             state.times += 1
@@ -142,9 +148,18 @@ class HolderHealth:
                 return 1.0
             return max(self.config.floor, min(1.0, (now - state.since) / ramp))
 
+    def reports(self) -> list[QuarantineReport]:
+        """The holders in quarantine now, with the seconds each has left, by address:
+        what :meth:`Cluster.stats` shows and what a registered node publishes."""
+        with self._lock:
+            now = self._clock()
+            return [QuarantineReport(address, s.failed_node, s.reason, s.times,
+                                     round(s.until - now, 3))
+                    for address, s in sorted(self._holders.items()) if s.until > now]
+
     def snapshot(self) -> dict[str, Quarantine]:
         """The holders in quarantine now."""
         with self._lock:
             now = self._clock()
-            return {address: Quarantine(s.until, s.times, s.reason)
+            return {address: Quarantine(s.until, s.times, s.reason, s.failed_node)
                     for address, s in self._holders.items() if s.until > now}

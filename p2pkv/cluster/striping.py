@@ -172,7 +172,7 @@ class PrefixJob:
         exc = fut.exception()
         if exc is not None:
             self.dead.add(holder)
-            if self.health.failed(holder.address, type(exc).__name__):
+            if self.health.failed(holder.address, type(exc).__name__, holder.node_id):
                 log.warning("holder %s quarantined after repeated failures (%s: %s)",
                             _who(holder), type(exc).__name__, exc)
             if isinstance(exc, (PeerGone, ProtocolError)):
@@ -190,7 +190,7 @@ class PrefixJob:
         # Blocks that failed (a checksum, a write) count against the holder; a stale
         # entry (MISSING) does not.
         if KeyOutcome.FAILED in result.outcomes:
-            if self.health.failed(holder.address, "failed blocks"):
+            if self.health.failed(holder.address, "failed blocks", holder.node_id):
                 log.warning("holder %s quarantined after repeated failures (failed "
                             "blocks)", _who(holder))
         elif KeyOutcome.LANDED in result.outcomes:
