@@ -82,6 +82,31 @@ def test_slow_start_ramps_a_new_holder_and_a_restarted_one() -> None:
     assert HolderHealth(HealthConfig(ramp=0)).weight("b", "n") == 1.0
 
 
+def test_a_restarted_node_is_not_held_to_the_old_one_s_quarantine() -> None:
+    """Quarantine judges a node, not a port: a node id that never failed at the address
+    (the old node restarted) ends the quarantine and starts slow; the old id, still in
+    an unexpired directory entry, does not lift a later quarantine of the new one."""
+    clock = Clock()
+    health = HolderHealth(HealthConfig(after=2, base=2.0, longest=60.0, ramp=10.0,
+                                       floor=0.1), clock=clock)
+    health.weight("a", "old")
+    for _ in range(2):  # down for a while: quarantined twice in a row, 2 s then 4 s
+        health.failed("a", "PeerGone", "old")
+        assert health.failed("a", "PeerGone", "old")
+        clock.now += 2.01
+    assert health.quarantined("a", "old") and health.quarantined("a")
+    assert health.snapshot()["a"].times == 2
+    assert not health.quarantined("a", "new")  # the restarted node
+    assert not health.quarantined("a", "old") and health.snapshot() == {}
+    assert health.weight("a", "new") == pytest.approx(0.1)  # slow start
+    # The new node fails in its turn: a first quarantine (2 s), which the old id does
+    # not lift.
+    health.failed("a", "failed blocks", "new")
+    assert health.failed("a", "failed blocks", "new")
+    assert health.snapshot()["a"].until - clock.now == pytest.approx(2.0)
+    assert health.quarantined("a", "old") and health.quarantined("a", "new")
+
+
 @pytest.mark.parametrize("bad", [{"after": 0}, {"base": -1}, {"longest": 1.0, "base": 2.0},
                                  {"ramp": -1}, {"floor": 0}, {"floor": 1.5}])
 def test_health_settings_are_checked(bad: dict[str, Any]) -> None:
@@ -261,6 +286,60 @@ def test_serve_drains_on_sigterm_and_consumers_fail_over(built: list[Any],
             if p.poll() is None:
                 p.kill()
             p.wait(30)
+
+
+def test_a_holder_killed_and_restarted_is_asked_again_at_once(redis_url: str,
+                                                               built: list[Any]) -> None:
+    """A holder process is killed with kill -9; its consumer's fetches fail until it
+    quarantines the address (for 20 s). The holder comes back on the same port under a
+    new node id: the consumer finds and fetches from it at once (slowly at first),
+    instead of waiting out the dead node's quarantine."""
+    from redisprocs import free_port
+    from test_cluster import FAST, ClusterProcess
+
+    port = free_port()
+    spec = {**SMALL, "directory": redis_url, "cluster": FAST, "count": 16, "pool": 24,
+            "config": {"listen": f"tcp://127.0.0.1:{port}"}}
+    first = ClusterProcess(spec)
+    second: ClusterProcess | None = None
+    try:
+        first.ready = first.event(60)
+        assert first.ready["event"] == "ready", first.ready
+        node = make_node({**SMALL, "pool": 32})
+        built.append(node)
+        cluster = Cluster(node, directory=redis_url, config=ClusterConfig(**{
+            **FAST, "health": HealthConfig(after=2, base=20.0, longest=60.0, ramp=5.0)}))
+        built.append(cluster)
+        keys = keys_for(16)
+        bufs = [[memoryview(bytearray(n)) for n in node.layout.segment_sizes] for _ in keys]
+        assert cluster.fetch_prefix(keys, bufs, timeout=10).complete == 16
+        os.kill(first.proc.pid, signal.SIGKILL)
+        first.proc.wait(10)
+        for _ in range(10):  # its entry outlives it for a TTL: fetches fail, then ...
+            fetched = cluster.fetch_prefix(keys, bufs, timeout=5)
+            if cluster.stats().quarantined:
+                break
+            assert fetched.complete == 0
+        (left, times, _), = cluster.stats().quarantined.values()  # ... quarantined
+        assert left > 10.0 and times == 1
+        assert cluster.lookup_prefix(keys, timeout=5).length == 0
+        second = ClusterProcess(spec)
+        second.ready = second.event(60)
+        assert second.ready["event"] == "ready", second.ready
+        assert second.ready["node_id"] != first.ready["node_id"]
+        found = cluster.lookup_prefix(keys, timeout=10)
+        assert found.length == 16 and second.ready["node_id"] in {
+            h.node_id for h in found.holders[0]}, found
+        fetched = cluster.fetch_prefix(keys, bufs, timeout=10, lookup=found)
+        assert fetched.result.outcomes == (KeyOutcome.LANDED,) * 16, fetched.result.errors
+        size = node.layout.bytes_per_block
+        assert all(b"".join(bytes(m) for m in bufs[i]) == content(k, size)
+                   for i, k in enumerate(keys))
+        assert cluster.stats().quarantined == {}
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
 
 
 def _cluster_command(url: str, *extra: str) -> str:

@@ -414,10 +414,28 @@ def test_a_master_killed_under_traffic_its_replica_takes_over_and_hits_come_back
 
 
 def test_sentinel_failover_under_traffic(procs: list[Any]) -> None:
+    """A Sentinel set whose data nodes only know an ACL user (the default user off) and
+    whose Sentinels want a password: nodes with the credentials register and fetch, and
+    keep doing so when the primary is killed under traffic; without them, or with a wrong
+    one, a call fails at once with a DirectoryError."""
     _need_redis("redis-sentinel")
-    sentinels = SentinelSet(replicas=1, sentinels=3, down_after=1000).start()
+    sentinels = SentinelSet(replicas=1, sentinels=3, down_after=1000,
+                            acl=("p2pkv", "s3cret", "sent1nel")).start()
     try:
         url = sentinels.url
+        hosts = url.split("@", 1)[1].split("/", 1)[0]
+        for bad in (f"redis+sentinel://p2pkv:wrong@{hosts}/p2pkv?sentinel_password=sent1nel",
+                    f"redis+sentinel://{hosts}/p2pkv?sentinel_password=sent1nel",
+                    f"redis+sentinel://p2pkv:s3cret@{hosts}/p2pkv?sentinel_password=no"):
+            d = RedisDirectory(bad, socket_timeout=1.0)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(DirectoryError, match=r"redis\+sentinel://"):
+                    d.register(_fake_record(3), ttl=30)
+                assert time.monotonic() - t0 < 10
+                assert "s3cret" not in d.url and "sent1nel" not in d.url
+            finally:
+                d.close()
         a, = start_holders(procs, url, {"count": 24})
         _, cluster = start_consumer(procs, url, redis_timeout=0.5)
         announcer, _ = start_consumer(procs, url)

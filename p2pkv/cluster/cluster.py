@@ -274,7 +274,8 @@ class Cluster:
                 addresses += [h.address for h in self._pool.connected()]
             holders = self._fan_out(list(dict.fromkeys(addresses)), keys, deadline, errors)
         # A holder in quarantine is no holder: a hit it would fail is a miss now.
-        holders = [tuple(h for h in found if not self.health.quarantined(h.address))
+        holders = [tuple(h for h in found
+                         if not self.health.quarantined(h.address, h.node_id))
                    for found in holders]
         length = longest_prefix(holders)
         result = PrefixLookup(keys=keys, length=length, holders=tuple(holders[:length]),

@@ -7,6 +7,8 @@ holder it has just met may take.
   quarantine, from ``base`` up to ``longest`` seconds. Its keys go to the other holders,
   or are recomputed; nobody retries a sick node in a loop. One good fetch ends the
   streak. A stale directory entry (the holder answers MISSING) is not a failure.
+  Quarantine judges a node, not a port: another node at the address (a restart: a
+  new node id) is not held to the old one's verdict; it starts over, slowly.
 - **Slow start.** A holder this consumer has not seen before (a restarted node comes back
   under a new node id), or one just out of quarantine, takes a share of the keys that
   grows linearly from ``floor`` to a full share over ``ramp`` seconds, so a node that
@@ -78,6 +80,9 @@ class _State:
     until: float = 0.0
     reason: str = ""
     failed_node: str = ""
+    #: Node ids that failed at this address (the last few): none of them lifts the
+    #: quarantine by showing up again, e.g. in a directory entry that has not expired.
+    failed_nodes: list[str] = field(default_factory=list)
     #: When this consumer started giving the holder keys (slow start counts from it).
     since: float | None = None
     node_ids: set[str] = field(default_factory=set)
@@ -109,6 +114,8 @@ class HolderHealth:
             state.streak += 1
             state.reason = reason
             state.failed_node = node_id
+            if node_id and node_id not in state.failed_nodes:
+                state.failed_nodes = [*state.failed_nodes[-7:], node_id]
             if state.streak < self.config.after or state.until > now:
                 return False
             state.times += 1
@@ -126,10 +133,21 @@ class HolderHealth:
             state.streak = 0
             state.times = 0
 
-    def quarantined(self, address: str) -> bool:
+    def quarantined(self, address: str, node_id: str = "") -> bool:
+        """Whether the holder at ``address`` is in quarantine now. A ``node_id`` that
+        never failed there is another node (the old one restarted): the quarantine ends,
+        the count of quarantines in a row starts over, and it starts slow (see
+        :meth:`weight`)."""
         with self._lock:
             state = self._holders.get(address)
-            return state is not None and state.until > self._clock()
+            if state is None or state.until <= self._clock():
+                return False
+            if node_id and state.failed_nodes and node_id not in state.failed_nodes:
+                state.until = 0.0
+                state.streak = state.times = 0
+                state.since = None
+                return False
+            return True
 
     def weight(self, address: str, node_id: str) -> float:
         """The share of keys the holder may take now, in ``[floor, 1]``."""

@@ -100,7 +100,8 @@ class PrefixJob:
         health = self.health
         choices = [(i, [h for h in self.found.holders[i]
                         if h not in self.tried[i] and h not in self.dead
-                        and not health.quarantined(h.address)]) for i in pending]
+                        and not health.quarantined(h.address, h.node_id)])
+                   for i in pending]
         # Keys with the fewest holders first, then each key to its least loaded holder:
         # the flexible keys even out what the constrained ones left.
         choices.sort(key=lambda item: len(item[1]))

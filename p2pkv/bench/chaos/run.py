@@ -14,12 +14,14 @@ root) is skipped, and the output says so and why.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import gc
 import json
 import os
 import random
+import re
 import signal
 import tempfile
 import threading
@@ -53,6 +55,19 @@ class Fetched:
     corrupt: int
     missed: bool
     error: str | None
+    #: Why keys of the prefix were not fetched (one entry per such key; see _reason).
+    unfetched: tuple[str, ...] = ()
+
+
+_HOLDER = re.compile(r"^\S+ at tcp://\S+?: ")
+_NUMBERS = re.compile(r"tcp://\S+|\d+(\.\d+)?")
+
+
+def _reason(error: str) -> str:
+    """A FAILED key's error without the holder and numbers, so that equal causes count
+    together: ``PeerGone: could not connect to ADDR (refused, ...)``."""
+    text = _NUMBERS.sub("N", _HOLDER.sub("", error))
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 class Consumers:
@@ -113,7 +128,11 @@ class Consumers:
             error = f"{type(exc).__name__}: {exc}"
         t1 = time.monotonic()
         stored = verified = corrupt = 0
+        unfetched: list[str] = []
         if answer is not None:
+            unfetched = [_reason(e) for e in answer.result.errors.values()]
+            short = n - answer.lookup.length  # keys the lookup found no holder for
+            unfetched += [f"no holder found (lookup source {answer.lookup.source})"] * short
             for i, outcome in enumerate(answer.result.outcomes):
                 if outcome is KeyOutcome.STORED:
                     stored += 1
@@ -123,7 +142,8 @@ class Consumers:
                     else:
                         corrupt += 1
         with self._lock:
-            self.log.append(Fetched(t0, t1, n, stored, verified, corrupt, missed, error))
+            self.log.append(Fetched(t0, t1, n, stored, verified, corrupt, missed, error,
+                                    tuple(unfetched)))
 
     def since(self, t: float) -> list[Fetched]:
         with self._lock:
@@ -184,6 +204,8 @@ def _figures(faults: list[Fault], fetched: list[Fetched],
             "missed_deadlines": sum(x.missed for x in during),
             "recovery_s": times, "recovery_max_s": max(times) if times else None,
             "unrecovered": len(mine) - len(times),
+            "unfetched_reasons": dict(collections.Counter(
+                r for x in during for r in x.unfetched).most_common(5)),
             **({"skipped": skipped[kind]} if kind in skipped else {}),
         }
     return out
@@ -243,6 +265,14 @@ def run_chaos(seconds: float, *, seed: int = 0, json_path: str | None = None) ->
                 h.log.read_text(errors="replace")[-500:] for h in holders))
         consumers = Consumers(url, seed)
         consumers.start()
+        names = {f"tcp://127.0.0.1:{h.port}": h.name for h in holders[:2]}
+        names[proxy.address] = holders[2].name
+
+        def quarantined() -> list[str]:
+            """The holders the consumers keep in quarantine now, by name."""
+            assert consumers is not None
+            return sorted(names.get(a, a) for a in consumers.cluster.stats().quarantined)
+
         t_start = time.monotonic()
         warm = _recovered(consumers, t_start, 30)
         injector = Injector(rng, holders[:2], proxy, redis, link)
@@ -253,9 +283,12 @@ def run_chaos(seconds: float, *, seed: int = 0, json_path: str | None = None) ->
         while time.monotonic() < end - 4:
             kind = order.pop(0) if order else rng.choice(kinds)
             failovers = consumers.cluster.stats().failovers
+            before = quarantined()
             fault = injector.inject(kind)
+            after = quarantined()
             fault.recovery = _recovered(consumers, fault.off, RECOVERY_BOUND)
-            fault.notes["failovers"] = consumers.cluster.stats().failovers - failovers
+            fault.notes.update(failovers=consumers.cluster.stats().failovers - failovers,
+                               quarantined_before=before, quarantined_after=after)
             faults.append(fault)
             print(f"  {time.monotonic() - t_start:7.1f}s {fault.kind:<13} {fault.target:<12} "
                   f"on {fault.off - fault.on:5.2f}s  recovered "
@@ -332,6 +365,9 @@ def render(report: dict[str, Any]) -> str:
                      f"{hit:>9}{k['corrupt_visible']:>9}{k['missed_deadlines']:>8}{rec:>16}"
                      + (f"  ({k['unrecovered']} unrecovered)" if k["unrecovered"] else "")
                      + ("  (skipped)" if "skipped" in k else ""))
+    for kind, k in report["kinds"].items():
+        for why, count in k.get("unfetched_reasons", {}).items():
+            lines.append(f"  {kind}: {count} key(s) not fetched: {why}")
     t = report["totals"]
     lines.append(f"all fetches: {t['fetches']}, blocks verified {t['blocks_verified']}, "
                  f"corrupt visible {t['corrupt_visible']}, missed deadlines "
