@@ -1,14 +1,18 @@
 """A p2pkv node in a cluster directory, in its own process (for kill -9 tests).
 
 Usage: ``python tests/clusterproc.py SPEC_JSON`` where SPEC is a ``nodeproc`` spec plus
-``directory`` (the Redis URL), ``cluster`` (ClusterConfig keyword arguments), ``count``
-and ``key_offset`` (which of ``nodeproc.keys_for`` it holds). It stores its blocks,
+``directory`` (the Redis URL), ``cluster`` (ClusterConfig keyword arguments; ``health``
+holds HealthConfig's), ``advertise`` (the address it registers, default its own),
+``count`` and ``key_offset`` (which of ``nodeproc.keys_for`` it holds). It stores its blocks,
 waits until it is registered, prints ``{"event": "ready", "address", "node_id"}`` and
 then answers one JSON command per stdin line:
 
 * ``{"op": "discard", "indices": [...]}``: drop those of its keys from the store (the
   directory hears of it at the next announce interval) -> ``{"event": "discarded"}``;
-* ``{"op": "stats"}`` -> ``{"event": "stats", "registered", "registrations", ...}``.
+* ``{"op": "stats"}`` -> ``{"event": "stats", "registered", "registrations", ...}``;
+* ``{"op": "fetch", "count": N, "offset": K}``: ``fetch_prefix`` of those ``keys_for``
+  keys through the directory -> ``{"event": "fetched", "outcomes", "sources",
+  "corrupt"}`` (``corrupt``: stored blocks whose bytes differ from ``content``).
 
 EOF on stdin: deregister, close, print ``{"event": "stopped"}`` and exit 0.
 """
@@ -22,6 +26,8 @@ from typing import Any
 from nodeproc import content, keys_for, make_node, say
 
 from p2pkv.cluster import Cluster, ClusterConfig
+from p2pkv.cluster.health import HealthConfig
+from p2pkv.node import KeyOutcome
 
 
 def main(spec: dict[str, Any]) -> int:
@@ -32,8 +38,11 @@ def main(spec: dict[str, Any]) -> int:
         size = node.layout.bytes_per_block
         for key in keys:
             node.put(key, content(key, size))
-        cluster = Cluster(node, directory=spec["directory"],
-                          config=ClusterConfig(**spec.get("cluster", {})))
+        options = dict(spec.get("cluster", {}))
+        if "health" in options:
+            options["health"] = HealthConfig(**options["health"])
+        cluster = Cluster(node, directory=spec["directory"], advertise=spec.get("advertise"),
+                          config=ClusterConfig(**options))
         if not cluster.wait_registered(30):
             say({"event": "error", "error": "not registered within 30 s"})
             return 1
@@ -48,6 +57,16 @@ def main(spec: dict[str, Any]) -> int:
             elif cmd["op"] == "stats":
                 s = cluster.stats()
                 say({"event": "stats", **s.__dict__})
+            elif cmd["op"] == "fetch":
+                wanted = keys_for(cmd["count"], cmd.get("offset", 0))
+                fetched = cluster.fetch_prefix(wanted, timeout=30)
+                stored = [k for k, o in zip(fetched.lookup.prefix, fetched.result.outcomes,
+                                            strict=True) if o is KeyOutcome.LANDED]
+                say({"event": "fetched", "outcomes": [o.name for o in fetched.result.outcomes],
+                     "sources": [s.address if s else None for s in fetched.sources],
+                     "corrupt": sum(node.get(k) != content(k, size) for k in stored)})
+                for k in stored:  # fetched again next time
+                    node.store.discard(k)
         cluster.close()
         cluster = None
         say({"event": "stopped"})

@@ -70,20 +70,43 @@ class TestCertificates:
 
 class SentinelSet:
     """A primary, ``replicas`` replicas and ``sentinels`` Sentinels watching it as
-    ``service`` (quorum: a majority), with a fast failover (``down_after`` ms)."""
+    ``service`` (quorum: a majority), with a fast failover (``down_after`` ms).
+
+    ``acl``: ``(USER, PASSWORD, SENTINEL_PASSWORD)`` turns the default user of the data
+    nodes off and gives them only USER (all commands; replicas and Sentinels use it too),
+    and protects the Sentinels with SENTINEL_PASSWORD (``requirepass``)."""
 
     def __init__(self, *, replicas: int = 1, sentinels: int = 3, service: str = "p2pkv",
-                 down_after: int = 1000) -> None:
+                 down_after: int = 1000, acl: tuple[str, str, str] | None = None) -> None:
         self.service = service
-        self.primary = LocalRedis()
-        self.replicas = [LocalRedis(args=["--replicaof", "127.0.0.1", str(self.primary.port)])
-                         for _ in range(replicas)]
+        self.acl = acl
+        data = ""
         quorum = sentinels // 2 + 1
-        conf = (f"sentinel monitor {service} 127.0.0.1 {self.primary.port} {quorum}\n"
+        conf = (f"sentinel monitor {service} 127.0.0.1 {{port}} {quorum}\n"
                 f"sentinel down-after-milliseconds {service} {down_after}\n"
                 f"sentinel failover-timeout {service} {max(3 * down_after, 3000)}\n"
                 f"sentinel parallel-syncs {service} 1\n")
+        if acl is not None:
+            user, password, sentinel_password = acl
+            data = (f"user default off\nuser {user} on >{password} ~* &* +@all\n"
+                    f"masteruser {user}\nmasterauth {password}\n")
+            conf += (f"sentinel auth-user {service} {user}\n"
+                     f"sentinel auth-pass {service} {password}\n"
+                     f"requirepass {sentinel_password}\n"
+                     f"sentinel sentinel-pass {sentinel_password}\n")
+        self.primary = LocalRedis(config=data)
+        self.replicas = [LocalRedis(args=["--replicaof", "127.0.0.1", str(self.primary.port)],
+                                    config=data) for _ in range(replicas)]
+        conf = conf.replace("{port}", str(self.primary.port))
         self.sentinels = [LocalRedis(sentinel=True, config=conf) for _ in range(sentinels)]
+
+    @property
+    def data_auth(self) -> tuple[str, ...]:
+        return self.acl[:2] if self.acl else ()
+
+    @property
+    def sentinel_auth(self) -> tuple[str, ...]:
+        return self.acl[2:] if self.acl else ()
 
     @property
     def servers(self) -> list[LocalRedis]:
@@ -92,7 +115,11 @@ class SentinelSet:
     @property
     def url(self) -> str:
         hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
-        return f"redis+sentinel://{hosts}/{self.service}"
+        if self.acl is None:
+            return f"redis+sentinel://{hosts}/{self.service}"
+        user, password, sentinel_password = self.acl
+        return (f"redis+sentinel://{user}:{password}@{hosts}/{self.service}"
+                f"?sentinel_password={sentinel_password}")
 
     def start(self, timeout: float = 30.0) -> SentinelSet:
         try:
@@ -100,7 +127,8 @@ class SentinelSet:
                 s.start()
             deadline = time.monotonic() + timeout
             while self.primary_port() != self.primary.port or not all(
-                    b"master_link_status:up" in command(r.port, "INFO", "replication")
+                    b"master_link_status:up" in command(r.port, "INFO", "replication",
+                                                        auth=self.data_auth)
                     for r in self.replicas):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the Sentinel set did not settle")
@@ -115,7 +143,8 @@ class SentinelSet:
         for s in self.sentinels:
             if not s.running:
                 continue
-            raw = command(s.port, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service)
+            raw = command(s.port, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service,
+                          auth=self.sentinel_auth)
             parts = raw.split(b"\r\n")
             if raw.startswith(b"*2") and len(parts) >= 5:
                 return int(parts[4])

@@ -231,6 +231,7 @@ def test_static_fan_out_finds_the_prefix_and_fetches_it_into_buffers(
     assert sources.count(a.node_id) == 32 and sources.count(b.node_id) == 32
     assert set(sources[:16]) == {a.node_id} and set(sources[32:]) == {b.node_id}
     assert fetched.stale == 0 and fetched.failovers == 0
+    assert cluster.stats().backend == "static" and not cluster.stats().registered
 
 
 # ----------------------------------------------------------------------- redis backend

@@ -9,6 +9,7 @@ a real Redis for the drain on SIGTERM.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -79,6 +80,31 @@ def test_slow_start_ramps_a_new_holder_and_a_restarted_one() -> None:
     # Another node id at the same address: a restart, it starts slow again.
     assert health.weight("a", "node-2") == pytest.approx(0.1)
     assert HolderHealth(HealthConfig(ramp=0)).weight("b", "n") == 1.0
+
+
+def test_a_restarted_node_is_not_held_to_the_old_one_s_quarantine() -> None:
+    """Quarantine judges a node, not a port: a node id that never failed at the address
+    (the old node restarted) ends the quarantine and starts slow; the old id, still in
+    an unexpired directory entry, does not lift a later quarantine of the new one."""
+    clock = Clock()
+    health = HolderHealth(HealthConfig(after=2, base=2.0, longest=60.0, ramp=10.0,
+                                       floor=0.1), clock=clock)
+    health.weight("a", "old")
+    for _ in range(2):  # down for a while: quarantined twice in a row, 2 s then 4 s
+        health.failed("a", "PeerGone", "old")
+        assert health.failed("a", "PeerGone", "old")
+        clock.now += 2.01
+    assert health.quarantined("a", "old") and health.quarantined("a")
+    assert health.snapshot()["a"].times == 2
+    assert not health.quarantined("a", "new")  # the restarted node
+    assert not health.quarantined("a", "old") and health.snapshot() == {}
+    assert health.weight("a", "new") == pytest.approx(0.1)  # slow start
+    # The new node fails in its turn: a first quarantine (2 s), which the old id does
+    # not lift.
+    health.failed("a", "failed blocks", "new")
+    assert health.failed("a", "failed blocks", "new")
+    assert health.snapshot()["a"].until - clock.now == pytest.approx(2.0)
+    assert health.quarantined("a", "old") and health.quarantined("a", "new")
 
 
 @pytest.mark.parametrize("bad", [{"after": 0}, {"base": -1}, {"longest": 1.0, "base": 2.0},
@@ -260,6 +286,179 @@ def test_serve_drains_on_sigterm_and_consumers_fail_over(built: list[Any],
             if p.poll() is None:
                 p.kill()
             p.wait(30)
+
+
+def test_a_holder_killed_and_restarted_is_asked_again_at_once(redis_url: str,
+                                                               built: list[Any]) -> None:
+    """A holder process is killed with kill -9; its consumer's fetches fail until it
+    quarantines the address (for 20 s). The holder comes back on the same port under a
+    new node id: the consumer finds and fetches from it at once (slowly at first),
+    instead of waiting out the dead node's quarantine."""
+    from redisprocs import free_port
+    from test_cluster import FAST, ClusterProcess
+
+    port = free_port()
+    spec = {**SMALL, "directory": redis_url, "cluster": FAST, "count": 16, "pool": 24,
+            "config": {"listen": f"tcp://127.0.0.1:{port}"}}
+    first = ClusterProcess(spec)
+    second: ClusterProcess | None = None
+    try:
+        first.ready = first.event(60)
+        assert first.ready["event"] == "ready", first.ready
+        node = make_node({**SMALL, "pool": 32})
+        built.append(node)
+        cluster = Cluster(node, directory=redis_url, config=ClusterConfig(**{
+            **FAST, "health": HealthConfig(after=2, base=20.0, longest=60.0, ramp=5.0)}))
+        built.append(cluster)
+        keys = keys_for(16)
+        bufs = [[memoryview(bytearray(n)) for n in node.layout.segment_sizes] for _ in keys]
+        assert cluster.fetch_prefix(keys, bufs, timeout=10).complete == 16
+        os.kill(first.proc.pid, signal.SIGKILL)
+        first.proc.wait(10)
+        for _ in range(10):  # its entry outlives it for a TTL: fetches fail, then ...
+            fetched = cluster.fetch_prefix(keys, bufs, timeout=5)
+            if cluster.stats().quarantined:
+                break
+            assert fetched.complete == 0
+        (left, times, _), = cluster.stats().quarantined.values()  # ... quarantined
+        assert left > 10.0 and times == 1
+        assert cluster.lookup_prefix(keys, timeout=5).length == 0
+        second = ClusterProcess(spec)
+        second.ready = second.event(60)
+        assert second.ready["event"] == "ready", second.ready
+        assert second.ready["node_id"] != first.ready["node_id"]
+        found = cluster.lookup_prefix(keys, timeout=10)
+        assert found.length == 16 and second.ready["node_id"] in {
+            h.node_id for h in found.holders[0]}, found
+        fetched = cluster.fetch_prefix(keys, bufs, timeout=10, lookup=found)
+        assert fetched.result.outcomes == (KeyOutcome.LANDED,) * 16, fetched.result.errors
+        size = node.layout.bytes_per_block
+        assert all(b"".join(bytes(m) for m in bufs[i]) == content(k, size)
+                   for i, k in enumerate(keys))
+        assert cluster.stats().quarantined == {}
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
+
+
+def _cluster_command(url: str, *extra: str) -> str:
+    """``p2pkv-node cluster --directory URL`` in its own process; its stdout."""
+    done = subprocess.run([sys.executable, "-m", "p2pkv.cli", "cluster", "--directory", url,
+                           *extra], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _verdicts(url: str, partition: str) -> dict[int, list[Any]]:
+    """Reporting member -> the quarantine verdicts the directory shows for it now."""
+    from p2pkv.cluster import RedisDirectory
+
+    directory = RedisDirectory(url)
+    try:
+        members = directory.view().partitions.get(partition, [])
+    finally:
+        directory.close()
+    return {m.member: list(m.reports) for m in members if m.reports}
+
+
+def _until(predicate: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout}s")
+        time.sleep(0.05)
+
+
+def test_cluster_command_shows_who_quarantines_a_corrupting_holder(redis_url: str) -> None:
+    """Three processes in one Redis directory: a good holder, a holder behind a proxy
+    that corrupts every block it relays (the address it registered), and a consumer that
+    fetches through the directory. Once the consumer has quarantined the corrupting
+    holder, ``p2pkv-node cluster`` (JSON and text, its own process) shows that holder
+    quarantined by the consumer's member, with the reason, the count and the time left
+    the consumer's own stats give; the verdict goes when the backoff ends (the consumer
+    withdraws it), comes back counted twice, and goes when the consumer dies (kill -9:
+    invisible once its TTL passed, then swept out of Redis)."""
+    import redis as redis_py
+    from redisprocs import free_port
+    from test_cluster import FAST, ClusterProcess
+
+    port = free_port()
+    proxy = CorruptingProxy(f"tcp://127.0.0.1:{port}", every=1, first=1)
+    base = {**SMALL, "directory": redis_url, "cluster": FAST}
+    procs = [ClusterProcess({**base, "count": 80, "pool": 88}),
+             ClusterProcess({**base, "count": 80, "pool": 88, "advertise": proxy.address,
+                             "config": {"listen": f"tcp://127.0.0.1:{port}"}}),
+             ClusterProcess({**base, "count": 0, "pool": 48, "cluster": {
+                 **FAST, "health": {"after": 2, "base": 10.0, "longest": 60.0, "ramp": 0}}})]
+    try:
+        for p in procs:
+            p.ready = p.event(60)
+            assert p.ready["event"] == "ready", p.ready
+        good, sick, reporter = procs
+        me = reporter.ready["member"]
+        for r in range(2):  # two rounds with failed blocks from it: quarantined
+            fetched = reporter.send(op="fetch", count=20, offset=20 * r)
+            assert fetched["outcomes"] == ["LANDED"] * 20 and fetched["corrupt"] == 0
+            assert set(fetched["sources"]) == {good.ready["address"]}
+        stats = reporter.send(op="stats")
+        assert stats["quarantines"] == 1
+        assert list(stats["quarantined"]) == [proxy.address]
+        left, times, reason = stats["quarantined"][proxy.address]
+        assert (times, reason) == (1, "failed blocks") and 0 < left <= 10.0
+        partition = stats["partition"]
+        (verdict,) = _until(lambda: _verdicts(redis_url, partition).get(me), 5,
+                            "the verdict in the directory")
+        assert (verdict.address, verdict.node_id, verdict.reason, verdict.times) == (
+            proxy.address, sick.ready["node_id"], "failed blocks", 1)
+        assert abs(verdict.expires_in - left) < 1.0
+
+        doc = json.loads(_cluster_command(redis_url, "--json"))
+        (group,) = doc["groups"]
+        nodes = {n["node_id"]: n for n in group["nodes"]}
+        (shown,) = nodes[sick.ready["node_id"]]["quarantined_by"]
+        assert (shown["member"], shown["reporter_node_id"], shown["reason"],
+                shown["times"]) == (me, reporter.ready["node_id"], "failed blocks", 1)
+        assert 0 < shown["expires_in"] <= 10.0
+        assert nodes[good.ready["node_id"]]["quarantined_by"] == []
+        assert nodes[reporter.ready["node_id"]]["quarantined_by"] == []
+        assert group["quarantined"] == 1 and doc["quarantined_unregistered"] == []
+        text = _cluster_command(redis_url)
+        (row,) = [line for line in text.splitlines() if proxy.address in line]
+        assert f"member {me} (failed blocks, 1x, " in row, text
+        assert "1 quarantined" in text
+
+        # The backoff ends: the consumer withdraws its verdict; nothing is left in Redis.
+        client = redis_py.Redis.from_url(redis_url)
+        key = f"p2pkv:{{{partition}}}:quarantine"
+        _until(lambda: not _verdicts(redis_url, partition) and client.hlen(key) == 0, 15,
+               "the verdict withdrawn after the backoff")
+        assert reporter.send(op="stats")["quarantined"] == {}
+
+        # Quarantined again (the second time in a row), then the consumer dies.
+        for r in range(2, 4):
+            fetched = reporter.send(op="fetch", count=20, offset=20 * r)
+            assert fetched["outcomes"] == ["LANDED"] * 20 and fetched["corrupt"] == 0
+        (verdict,) = _until(lambda: _verdicts(redis_url, partition).get(me), 5,
+                            "the second verdict")
+        assert verdict.times == 2 and 10.0 < verdict.expires_in <= 20.0
+        os.kill(reporter.proc.pid, signal.SIGKILL)  # no goodbye: it cannot deregister
+        reporter.proc.wait(10)
+        killed = time.monotonic()
+        _until(lambda: not _verdicts(redis_url, partition), FAST["ttl"] + 5,
+               "a dead reporter's verdict hidden")
+        assert time.monotonic() - killed < 10.0  # before its verdict would have ended
+        _until(lambda: client.hlen(key) == 0, 15, "a dead reporter's verdict swept")
+        doc = json.loads(_cluster_command(redis_url, "--json"))
+        assert all(n["quarantined_by"] == [] for g in doc["groups"] for n in g["nodes"])
+        client.close()
+    finally:
+        for p in procs:
+            p.kill()
+        proxy.close()
 
 
 def _events_until(proc: subprocess.Popen[str], wanted: str) -> dict[str, Any]:

@@ -7,9 +7,12 @@ and fetches run; every call is bounded and every answer checked.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +20,7 @@ from typing import Any
 
 import pytest
 from nodeproc import content, keys_for, make_node
+from rawpeer import CorruptingProxy
 from redisprocs import (
     LocalRedis,
     LocalRedisCluster,
@@ -25,11 +29,14 @@ from redisprocs import (
     command,
     find_redis_server,
     find_tool,
+    free_port,
 )
 from test_cluster import FAST, SMALL, ClusterProcess, holder_ids, verify, wait_for
 
 from p2pkv.bench.directory import _fake_record
 from p2pkv.cluster import Cluster, ClusterConfig, DirectoryError, NodeRecord, RedisDirectory
+from p2pkv.cluster.health import HealthConfig
+from p2pkv.cluster.metrics import ClusterCollector
 from p2pkv.cluster.redis_urls import parse_directory_url
 from p2pkv.errors import ConfigError
 from p2pkv.node import KeyOutcome
@@ -125,8 +132,6 @@ def test_directory_urls_name_what_is_wrong() -> None:
 def test_an_unreachable_cluster_is_a_quick_clear_error_and_the_node_serves_on(
         procs: list[Any]) -> None:
     _need_redis()
-    from redisprocs import free_port
-
     url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
     directory = RedisDirectory(url, socket_timeout=0.5)  # connects on first use
     t0 = time.monotonic()
@@ -254,6 +259,73 @@ def test_cluster_holders_are_found_fetched_failed_over_and_swept(
     assert c.ready["node_id"] not in set().union(*holder_ids(cluster.lookup_prefix(keys)))
 
 
+def test_cluster_command_reads_a_redis_cluster_and_shows_quarantine(
+        redis_cluster: LocalRedisCluster, procs: list[Any]) -> None:
+    """``p2pkv-node cluster --directory redis+cluster://...`` (its own process) groups the
+    members whose membership lives in one slot and counts the blocks spread over every
+    master; a consumer that quarantined a holder behind a corrupting proxy is shown as
+    quarantining it (its verdict in the partition's slot), until it deregisters."""
+    url = redis_cluster.url
+    port = free_port()
+    proxy = CorruptingProxy(f"tcp://127.0.0.1:{port}", every=1, first=1)
+    try:
+        good, sick = start_holders(procs, url, {"count": 40}, {
+            "count": 40, "advertise": proxy.address,
+            "config": {"listen": f"tcp://127.0.0.1:{port}"}})
+        node, cluster = start_consumer(procs, url, health=HealthConfig(
+            after=2, base=30.0, longest=60.0, ramp=0))
+        stats = cluster.stats()
+        assert stats.backend == "redis-cluster"
+        (registered,) = [m for m in ClusterCollector(cluster).collect()
+                         if m.name == "p2pkv_directory_registered"]
+        assert [(s.labels, s.value) for s in registered.samples] == [
+            ({"backend": "redis-cluster"}, 1.0)]
+        keys = keys_for(40)
+        for r in range(2):
+            fetched = cluster.fetch_prefix(keys[20 * r:20 * (r + 1)])
+            assert fetched.result.outcomes == (KeyOutcome.LANDED,) * 20
+            verify(node, keys[20 * r:20 * (r + 1)])
+        assert list(cluster.stats().quarantined) == [proxy.address]
+        me = cluster.stats().member
+        directory = RedisDirectory(url)
+        try:
+            wait_for(lambda: any(m.reports for m in
+                                 directory.view().partitions[cluster.partition]), 5,
+                     "the verdict in the partition's slot")
+
+            def command(*extra: str) -> str:
+                done = subprocess.run([sys.executable, "-m", "p2pkv.cli", "cluster",
+                                       "--directory", url, *extra], capture_output=True,
+                                      text=True, timeout=60)
+                assert done.returncode == 0, done.stderr
+                return done.stdout
+
+            doc = json.loads(command("--json"))
+            (group,) = [g for g in doc["groups"] if g["partition"] == cluster.partition]
+            nodes = {n["node_id"]: n for n in group["nodes"] if n["alive"]}
+            assert set(nodes) == {good.ready["node_id"], sick.ready["node_id"], node.node_id}
+            assert nodes[good.ready["node_id"]]["blocks"] == 40
+            assert nodes[sick.ready["node_id"]]["address"] == proxy.address
+            (shown,) = nodes[sick.ready["node_id"]]["quarantined_by"]
+            assert (shown["member"], shown["reason"], shown["times"]) == (
+                me, "failed blocks", 1)
+            assert 0 < shown["expires_in"] <= 30.0
+            assert nodes[good.ready["node_id"]]["quarantined_by"] == []
+            text = command()
+            (row,) = [line for line in text.splitlines() if proxy.address in line]
+            assert f"member {me} (failed blocks, 1x, " in row, text
+            # It leaves: its verdict goes with its registration, at once.
+            cluster.close()
+            key = f"p2pkv:{{{cluster.partition}}}:quarantine"
+            assert directory.client.hlen(key) == 0
+            assert not any(m.reports for m in directory.view().partitions[cluster.partition])
+        finally:
+            directory.close()
+    finally:
+        close_all(procs)
+        proxy.close()
+
+
 def _traffic(cluster: Cluster, announcer: Any, keys: list[bytes], stop: threading.Event,
              log: list[tuple[float, str, Any]]) -> None:
     """Lookups, fetches and announcements in a loop; each call's duration is logged."""
@@ -342,15 +414,34 @@ def test_a_master_killed_under_traffic_its_replica_takes_over_and_hits_come_back
 
 
 def test_sentinel_failover_under_traffic(procs: list[Any]) -> None:
+    """A Sentinel set whose data nodes only know an ACL user (the default user off) and
+    whose Sentinels want a password: nodes with the credentials register and fetch, and
+    keep doing so when the primary is killed under traffic; without them, or with a wrong
+    one, a call fails at once with a DirectoryError."""
     _need_redis("redis-sentinel")
-    sentinels = SentinelSet(replicas=1, sentinels=3, down_after=1000).start()
+    sentinels = SentinelSet(replicas=1, sentinels=3, down_after=1000,
+                            acl=("p2pkv", "s3cret", "sent1nel")).start()
     try:
         url = sentinels.url
+        hosts = url.split("@", 1)[1].split("/", 1)[0]
+        for bad in (f"redis+sentinel://p2pkv:wrong@{hosts}/p2pkv?sentinel_password=sent1nel",
+                    f"redis+sentinel://{hosts}/p2pkv?sentinel_password=sent1nel",
+                    f"redis+sentinel://p2pkv:s3cret@{hosts}/p2pkv?sentinel_password=no"):
+            d = RedisDirectory(bad, socket_timeout=1.0)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(DirectoryError, match=r"redis\+sentinel://"):
+                    d.register(_fake_record(3), ttl=30)
+                assert time.monotonic() - t0 < 10
+                assert "s3cret" not in d.url and "sent1nel" not in d.url
+            finally:
+                d.close()
         a, = start_holders(procs, url, {"count": 24})
         _, cluster = start_consumer(procs, url, redis_timeout=0.5)
         announcer, _ = start_consumer(procs, url)
         keys = keys_for(24)
         assert cluster.fetch_prefix(keys).complete == 24
+        assert cluster.stats().backend == "redis-sentinel"
         old = sentinels.primary_port()
         assert old == sentinels.primary.port
         stop = threading.Event()

@@ -61,19 +61,35 @@ def free_port(*, cluster: bool = False) -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
-def command(port: int, *args: str, timeout: float = 2.0) -> bytes:
+def _resp(*args: str) -> bytes:
+    return b"*%d\r\n" % len(args) + b"".join(
+        b"$%d\r\n%s\r\n" % (len(a.encode()), a.encode()) for a in args)
+
+
+def command(port: int, *args: str, timeout: float = 2.0,
+            auth: tuple[str, ...] = ()) -> bytes:
     """One plain-text RESP command to 127.0.0.1:``port``; the raw reply (b"" if none).
 
     Enough for readiness checks and ``CLUSTER INFO``/``NODES``: it reads until the reply
-    is complete or the socket is quiet, it does not parse nested replies.
+    is complete or the socket is quiet, it does not parse nested replies. ``auth``: the
+    arguments of an ``AUTH`` sent first (``(PASSWORD,)`` or ``(USER, PASSWORD)``); when
+    it is refused, that refusal is the reply.
     """
-    out = b"*%d\r\n" % len(args) + b"".join(
-        b"$%d\r\n%s\r\n" % (len(a.encode()), a.encode()) for a in args)
+    out = (_resp("AUTH", *auth) if auth else b"") + _resp(*args)
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
             s.settimeout(timeout)
             s.sendall(out)
             data = s.recv(65536)
+            if auth:
+                while b"\r\n" not in data:
+                    more = s.recv(65536)
+                    if not more:
+                        return data
+                    data += more
+                if not data.startswith(b"+OK\r\n"):
+                    return data[:data.index(b"\r\n") + 2]
+                data = data[len(b"+OK\r\n"):] or s.recv(65536)
             if data.startswith(b"$"):
                 want = int(data[1:data.index(b"\r\n")])
                 while want >= 0 and len(data) < want + len(b"$%d\r\n\r\n" % want):

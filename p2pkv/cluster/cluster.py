@@ -62,6 +62,8 @@ __all__ = ["Cluster", "ClusterConfig", "ClusterStats"]
 
 log = logging.getLogger("p2pkv.cluster")
 
+#: ClusterStats.backend by the directory URL's kind.
+_BACKENDS = {"redis": "redis", "sentinel": "redis-sentinel", "cluster": "redis-cluster"}
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,8 @@ class ClusterStats:
     fell back to the connected peers); ``stale_entries``: keys a listed holder answered
     MISSING; ``failovers``: keys fetched again from another holder; ``registered``:
     whether the node is registered in Redis now (always False for static).
+    ``backend``: the deployment, ``"static"``, ``"redis"`` (one server),
+    ``"redis-sentinel"`` or ``"redis-cluster"``.
     """
 
     backend: str
@@ -137,6 +141,8 @@ class ClusterStats:
     #: seconds left, after how many quarantines in a row, the last failure).
     quarantines: int = 0
     quarantined: dict[str, tuple[float, int, str]] = field(default_factory=dict)
+    #: Times the quarantine verdicts were published to the directory (they change).
+    quarantine_reports: int = 0
 
 
 class Cluster:
@@ -179,14 +185,15 @@ class Cluster:
             self.backend = "static"
         else:
             validate_redis_url(directory)
-            self.backend = "redis"
             self.directory = RedisDirectory(directory, namespace=self.config.namespace,
                                             socket_timeout=self.config.redis_timeout)
+            self.backend = _BACKENDS[self.directory.kind]
             self._registration = RedisRegistration(
                 self.directory,
                 lambda: NodeRecord.for_node(node, extension=extension, address=self.address),
                 node.store.stored_keys, ttl=self.config.ttl, heartbeat=self.config.heartbeat,
-                announce_interval=self.config.announce_interval, on_event=self._count)
+                announce_interval=self.config.announce_interval, on_event=self._count,
+                reports=lambda: self.health.reports())
             # Listen first, then let the registration snapshot the store: nothing is missed.
             node.store.add_listener(self._registration.changed)
             self._registration.start()
@@ -267,7 +274,8 @@ class Cluster:
                 addresses += [h.address for h in self._pool.connected()]
             holders = self._fan_out(list(dict.fromkeys(addresses)), keys, deadline, errors)
         # A holder in quarantine is no holder: a hit it would fail is a miss now.
-        holders = [tuple(h for h in found if not self.health.quarantined(h.address))
+        holders = [tuple(h for h in found
+                         if not self.health.quarantined(h.address, h.node_id))
                    for found in holders]
         length = longest_prefix(holders)
         result = PrefixLookup(keys=keys, length=length, holders=tuple(holders[:length]),
@@ -389,9 +397,9 @@ class Cluster:
 
     def stats(self) -> ClusterStats:
         member = self.member
-        now = time.monotonic()
-        quarantined = {address: (round(q.until - now, 3), q.times, q.reason)
-                       for address, q in self.health.snapshot().items()}
+        # The same verdicts the registration publishes (p2pkv.cluster.verdicts).
+        quarantined = {r.address: (r.expires_in, r.times, r.reason)
+                       for r in self.health.reports()}
         with self._lock:
             c = self._counters
             return ClusterStats(
@@ -405,6 +413,7 @@ class Cluster:
                 registrations_lost=c["lost"], announced_stored=c["stored"],
                 announced_removed=c["removed"], swept_members=c["swept"],
                 quarantines=self.health.quarantines, quarantined=quarantined,
+                quarantine_reports=c["quarantine_reports"],
             )
 
 

@@ -7,6 +7,8 @@ holder it has just met may take.
   quarantine, from ``base`` up to ``longest`` seconds. Its keys go to the other holders,
   or are recomputed; nobody retries a sick node in a loop. One good fetch ends the
   streak. A stale directory entry (the holder answers MISSING) is not a failure.
+  Quarantine judges a node, not a port: another node at the address (a restart: a
+  new node id) is not held to the old one's verdict; it starts over, slowly.
 - **Slow start.** A holder this consumer has not seen before (a restarted node comes back
   under a new node id), or one just out of quarantine, takes a share of the keys that
   grows linearly from ``floor`` to a full share over ``ramp`` seconds, so a node that
@@ -22,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from p2pkv.cluster.records import QuarantineReport
 from p2pkv.errors import ConfigError
 
 __all__ = ["HealthConfig", "HolderHealth", "Quarantine"]
@@ -61,11 +64,13 @@ class HealthConfig:
 @dataclass(frozen=True)
 class Quarantine:
     """A holder kept out of the choice: until when (clock seconds), after how many
-    quarantines in a row, and the last failure."""
+    quarantines in a row, the last failure, and the node id it had then ("" when
+    the caller did not say)."""
 
     until: float
     times: int
     reason: str
+    node_id: str = ""
 
 
 @dataclass
@@ -74,6 +79,10 @@ class _State:
     times: int = 0
     until: float = 0.0
     reason: str = ""
+    failed_node: str = ""
+    #: Node ids that failed at this address (the last few): none of them lifts the
+    #: quarantine by showing up again, e.g. in a directory entry that has not expired.
+    failed_nodes: list[str] = field(default_factory=list)
     #: When this consumer started giving the holder keys (slow start counts from it).
     since: float | None = None
     node_ids: set[str] = field(default_factory=set)
@@ -96,13 +105,17 @@ class HolderHealth:
             state = self._holders[address] = _State()
         return state
 
-    def failed(self, address: str, reason: str) -> bool:
-        """Count a failed fetch; True when it put the holder in quarantine."""
+    def failed(self, address: str, reason: str, node_id: str = "") -> bool:
+        """Count a failed fetch (of the node ``node_id`` at ``address``); True when it
+        put the holder in quarantine."""
         with self._lock:
             now = self._clock()
             state = self._state(address)
             state.streak += 1
             state.reason = reason
+            state.failed_node = node_id
+            if node_id and node_id not in state.failed_nodes:
+                state.failed_nodes = [*state.failed_nodes[-7:], node_id]
             if state.streak < self.config.after or state.until > now:
                 return False
             state.times += 1
@@ -120,10 +133,21 @@ class HolderHealth:
             state.streak = 0
             state.times = 0
 
-    def quarantined(self, address: str) -> bool:
+    def quarantined(self, address: str, node_id: str = "") -> bool:
+        """Whether the holder at ``address`` is in quarantine now. A ``node_id`` that
+        never failed there is another node (the old one restarted): the quarantine ends,
+        the count of quarantines in a row starts over, and it starts slow (see
+        :meth:`weight`)."""
         with self._lock:
             state = self._holders.get(address)
-            return state is not None and state.until > self._clock()
+            if state is None or state.until <= self._clock():
+                return False
+            if node_id and state.failed_nodes and node_id not in state.failed_nodes:
+                state.until = 0.0
+                state.streak = state.times = 0
+                state.since = None
+                return False
+            return True
 
     def weight(self, address: str, node_id: str) -> float:
         """The share of keys the holder may take now, in ``[floor, 1]``."""
@@ -142,9 +166,18 @@ class HolderHealth:
                 return 1.0
             return max(self.config.floor, min(1.0, (now - state.since) / ramp))
 
+    def reports(self) -> list[QuarantineReport]:
+        """The holders in quarantine now, with the seconds each has left, by address:
+        what :meth:`Cluster.stats` shows and what a registered node publishes."""
+        with self._lock:
+            now = self._clock()
+            return [QuarantineReport(address, s.failed_node, s.reason, s.times,
+                                     round(s.until - now, 3))
+                    for address, s in sorted(self._holders.items()) if s.until > now]
+
     def snapshot(self) -> dict[str, Quarantine]:
         """The holders in quarantine now."""
         with self._lock:
             now = self._clock()
-            return {address: Quarantine(s.until, s.times, s.reason)
+            return {address: Quarantine(s.until, s.times, s.reason, s.failed_node)
                     for address, s in self._holders.items() if s.until > now}

@@ -35,6 +35,8 @@ class ClusterCollector:
              "Registrations lost (Redis unreachable or restarted, TTL passed)"),
             ("p2pkv_directory_quarantines", s.quarantines,
              "Holders put in quarantine after repeated failures"),
+            ("p2pkv_directory_quarantine_reports", s.quarantine_reports,
+             "Times this node published its quarantine verdicts to the directory"),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         announced = CounterMetricFamily("p2pkv_directory_announced_blocks",

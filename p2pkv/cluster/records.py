@@ -34,6 +34,7 @@ __all__ = [
     "NodeRecord",
     "PrefixFetch",
     "PrefixLookup",
+    "QuarantineReport",
     "longest_prefix",
     "partition_key",
 ]
@@ -198,8 +199,22 @@ class Member:
 
 
 @dataclass(frozen=True)
+class QuarantineReport:
+    """A holder one consumer keeps in quarantine: its address, the node id it had when
+    it last failed (empty when unknown), the last failure, after how many quarantines
+    in a row, and the seconds left."""
+
+    address: str
+    node_id: str
+    reason: str
+    times: int
+    expires_in: float
+
+
+@dataclass(frozen=True)
 class MemberView:
-    """A registered node as the ``cluster`` command shows it."""
+    """A registered node as the ``cluster`` command shows it. ``reports``: the holders
+    this member keeps in quarantine now (published by it, only while it is alive)."""
 
     member: int
     record: NodeRecord | None
@@ -207,6 +222,7 @@ class MemberView:
     blocks: int
     alive: bool
     expires_in: float  # seconds; negative once expired
+    reports: tuple[QuarantineReport, ...] = ()
 
 
 @dataclass(frozen=True)

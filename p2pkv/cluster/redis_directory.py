@@ -13,6 +13,8 @@ every key of one partition lives on one shard)::
     NS:{P}:count            HASH token -> blocks announced
     NS:{P}:owner            HASH token -> random nonce of the registration that owns it
     NS:{P}:sweep            STRING lock of the member that sweeps dead tokens out
+    NS:{P}:quarantine       HASH token -> the holders that member keeps in quarantine
+                            (:mod:`p2pkv.cluster.verdicts`)
 
 A registration gets a fresh token, so a node that lost its registration (its TTL ran
 out, Redis restarted) never revives old claims: it registers again and republishes
@@ -52,8 +54,10 @@ from p2pkv.cluster.records import (
     Member,
     MemberView,
     NodeRecord,
+    QuarantineReport,
 )
 from p2pkv.cluster.redis_urls import parse_directory_url, validate_redis_url
+from p2pkv.cluster.verdicts import Verdicts, parse_reports
 from p2pkv.errors import ConfigError
 
 __all__ = [
@@ -170,7 +174,8 @@ end
 return delta
 """
 
-# KEYS: blocks, live, nodes, addr, count, sweep lock, owner. ARGV: own token, cursor, count,
+# KEYS: blocks, live, nodes, addr, count, sweep lock, owner, quarantine. ARGV: own token,
+# cursor, count,
 # dead tokens... One HSCAN step that strips the dead tokens from the entries it visits;
 # at the end of the pass the dead tokens' records go too. Returns the next cursor, or
 # "" when another member holds the sweep lock.
@@ -192,6 +197,7 @@ local res = redis.call('HSCAN', KEYS[1], ARGV[2], 'COUNT', tonumber(ARGV[3]))
       redis.call('HDEL', KEYS[4], t)
       redis.call('HDEL', KEYS[5], t)
       redis.call('HDEL', KEYS[7], t)
+      redis.call('HDEL', KEYS[8], t)
     end
   end
   redis.call('DEL', KEYS[6])
@@ -259,6 +265,8 @@ class RedisDirectory:
             from p2pkv.cluster.sharded import Subpartitions
 
             self._shards = Subpartitions(self, parsed.subpartitions)
+        #: Publishes the holders a member keeps in quarantine (the registration's).
+        self.verdicts = Verdicts(self)
 
     @property
     def _redis(self) -> Any:
@@ -394,11 +402,12 @@ class RedisDirectory:
             if count is not None and int(count) == 0:
                 pipe = self._redis.pipeline(transaction=True)
                 pipe.zrem(self._key(p, "live"), member.token)
-                for what in ("nodes", "addr", "count", "owner"):
+                for what in ("nodes", "addr", "count", "owner", "quarantine"):
                     pipe.hdel(self._key(p, what), member.token)
                 pipe.execute()
             else:  # leave it dead (score 0) for a sweep to clean up
                 self._redis.zadd(self._key(p, "live"), {member.token: 0})
+                self._redis.hdel(self._key(p, "quarantine"), member.token)
 
         self._call("deregister", run)
 
@@ -426,7 +435,7 @@ class RedisDirectory:
         result = self._call("sweep", lambda: self._eval(
             self._sweep, keys=[self._key(p, "blocks"), self._key(p, "live"), self._key(p, "nodes"),
                   self._key(p, "addr"), self._key(p, "count"), self._key(p, "sweep"),
-                  self._key(p, "owner")],
+                  self._key(p, "owner"), self._key(p, "quarantine")],
             args=[member.token, cursor, count, *dead]))
         if result in (b"", ""):
             return None
@@ -472,7 +481,8 @@ class RedisDirectory:
                 pipe.hgetall(self._key(p, "nodes"))
                 pipe.zrange(self._key(p, "live"), 0, -1, withscores=True)
                 pipe.hgetall(self._key(p, "count"))
-                nodes, live, counts = pipe.execute()
+                pipe.hgetall(self._key(p, "quarantine"))
+                nodes, live, counts, verdicts = pipe.execute()
                 expiry = {bytes(t): float(s) for t, s in live}
                 members = []
                 for token in sorted(set(nodes) | set(expiry)):
@@ -485,10 +495,16 @@ class RedisDirectory:
                     if record is None and error is None:
                         error = "no node record"
                     exp = expiry.get(token, 0.0)
+                    reports: tuple[QuarantineReport, ...] = ()
+                    if exp >= now and token in verdicts:  # a dead reporter's are void
+                        try:
+                            reports = parse_reports(verdicts[token], int(now))
+                        except DirectoryError as exc:
+                            error = error or str(exc)
                     members.append(MemberView(
                         member=int.from_bytes(token, "big"), record=record, error=error,
                         blocks=int(counts.get(token, 0)), alive=exp >= now,
-                        expires_in=(exp - now) / 1000.0))
+                        expires_in=(exp - now) / 1000.0, reports=reports))
                 if members:
                     out[p] = members
             return DirectoryView(out)

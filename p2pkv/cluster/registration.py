@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from p2pkv.cluster.records import DirectoryError, NodeRecord
+from p2pkv.cluster.records import DirectoryError, NodeRecord, QuarantineReport
 from p2pkv.cluster.redis_directory import ANNOUNCE_BATCH, Member, RedisDirectory
 from p2pkv.errors import ConfigError
 
@@ -31,13 +31,18 @@ class RedisRegistration:
     tries again every ``retry_interval`` seconds; a new registration republishes the
     whole block set, so no stale claim survives. The node itself never notices: it keeps
     serving its peers.
+
+    ``reports`` (when given) says which holders the node keeps in quarantine now; the
+    thread publishes them with the registration whenever they change, checked every
+    ``announce_interval`` (:mod:`p2pkv.cluster.verdicts`).
     """
 
     def __init__(self, directory: RedisDirectory, record: Callable[[], NodeRecord],
                  stored_keys: Callable[[], list[bytes]], *, ttl: float,
                  heartbeat: float | None = None, announce_interval: float = 0.05,
                  retry_interval: float | None = None,
-                 on_event: Callable[[str, int], None] | None = None) -> None:
+                 on_event: Callable[[str, int], None] | None = None,
+                 reports: Callable[[], list[QuarantineReport]] | None = None) -> None:
         if ttl <= 0:
             raise ConfigError(f"directory ttl must be positive, got {ttl!r}")
         self.directory = directory
@@ -52,6 +57,10 @@ class RedisRegistration:
         self.retry_interval = (retry_interval if retry_interval is not None
                                else min(1.0, self.heartbeat_interval))
         self._on_event = on_event or (lambda _what, _n: None)
+        self._reports = reports
+        #: What the current registration published: address -> (times, reason, node
+        #: id, when its quarantine ends on this clock).
+        self._reported: dict[str, tuple[int, str, str, float]] = {}
         self._lock = threading.Lock()
         self._pending: dict[bytes, bool] = {}
         self._collecting = False
@@ -130,6 +139,7 @@ class RedisRegistration:
                     flush, self._flush_now = self._flush_now, False
                 if flush or now >= next_publish:
                     self._publish()
+                    self._report()
                     next_publish = time.monotonic() + self.announce_interval
                 self._sweep_step()
                 if self._outage_logged:
@@ -157,6 +167,7 @@ class RedisRegistration:
             self._collecting = False
             self._pending.clear()
             self._sweep = None
+            self._reported = {}
         if had:
             log.warning("directory registration lost (%s); registering again", why)
             self._on_event("lost", 1)
@@ -175,6 +186,7 @@ class RedisRegistration:
         # can look the blocks up.
         with self._lock:
             self._member = member
+            self._reported = {}  # a fresh token has no verdicts yet
         log.info("registered in directory %s as member %d of partition %s (%d blocks)",
                  self.directory.url, member.number, member.partition, len(held))
         self._on_event("registered", 1)
@@ -195,6 +207,28 @@ class RedisRegistration:
             return
         self._on_event("stored", len(stored))
         self._on_event("removed", len(removed))
+
+    def _report(self) -> None:
+        """Publish the quarantine verdicts when they differ from the published ones (a
+        holder in or out, another count or reason, an end moved by more than 0.5 s)."""
+        member = self.member
+        if member is None or self._reports is None:
+            return
+        reports = self._reports()
+        now = time.monotonic()
+        wanted = {r.address: (r.times, r.reason, r.node_id, now + r.expires_in)
+                  for r in reports}
+        old = self._reported
+        if wanted.keys() == old.keys() and all(
+                wanted[a][:3] == old[a][:3] and abs(wanted[a][3] - old[a][3]) <= 0.5
+                for a in wanted):
+            return
+        if not self.directory.verdicts.publish(member, reports):
+            self._lost("registration expired")
+            return
+        with self._lock:
+            self._reported = wanted
+        self._on_event("quarantine_reports", 1)
 
     def _sweep_step(self) -> None:
         member = self.member

@@ -127,8 +127,9 @@ local res = redis.call('HSCAN', KEYS[1], ARGV[1], 'COUNT', tonumber(ARGV[2]))
 """ + STRIP_DEAD_LUA + """return res[1]
 """
 
-# KEYS: live, nodes, addr, count, owner, sweep lock. ARGV: dead tokens... The end of a
-# pass: the records of the tokens still dead go, and the lock.
+# KEYS: live, nodes, addr, count, owner, sweep lock, quarantine. ARGV: dead tokens... The
+# end of a pass: the records of the tokens still dead go (their quarantine verdicts
+# too), and the lock.
 _SWEEP_END = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -138,6 +139,7 @@ for i = 1, #ARGV do
   if (not s) or tonumber(s) < now then
     redis.call('ZREM', KEYS[1], tok)
     for k = 2, 5 do redis.call('HDEL', KEYS[k], tok) end
+    redis.call('HDEL', KEYS[7], tok)
   end
 end
 redis.call('DEL', KEYS[6])
@@ -290,5 +292,6 @@ class Subpartitions:
             return s + 1
         d._call("sweep", lambda: d._eval(self._sweep_end, keys=[
             d._key(p, "live"), d._key(p, "nodes"), d._key(p, "addr"), d._key(p, "count"),
-            d._key(p, "owner"), d._key(p, "sweep")], args=list(dead)))
+            d._key(p, "owner"), d._key(p, "sweep"), d._key(p, "quarantine")],
+            args=list(dead)))
         return 0

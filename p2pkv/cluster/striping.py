@@ -100,7 +100,8 @@ class PrefixJob:
         health = self.health
         choices = [(i, [h for h in self.found.holders[i]
                         if h not in self.tried[i] and h not in self.dead
-                        and not health.quarantined(h.address)]) for i in pending]
+                        and not health.quarantined(h.address, h.node_id)])
+                   for i in pending]
         # Keys with the fewest holders first, then each key to its least loaded holder:
         # the flexible keys even out what the constrained ones left.
         choices.sort(key=lambda item: len(item[1]))
@@ -172,7 +173,7 @@ class PrefixJob:
         exc = fut.exception()
         if exc is not None:
             self.dead.add(holder)
-            if self.health.failed(holder.address, type(exc).__name__):
+            if self.health.failed(holder.address, type(exc).__name__, holder.node_id):
                 log.warning("holder %s quarantined after repeated failures (%s: %s)",
                             _who(holder), type(exc).__name__, exc)
             if isinstance(exc, (PeerGone, ProtocolError)):
@@ -190,7 +191,7 @@ class PrefixJob:
         # Blocks that failed (a checksum, a write) count against the holder; a stale
         # entry (MISSING) does not.
         if KeyOutcome.FAILED in result.outcomes:
-            if self.health.failed(holder.address, "failed blocks"):
+            if self.health.failed(holder.address, "failed blocks", holder.node_id):
                 log.warning("holder %s quarantined after repeated failures (failed "
                             "blocks)", _who(holder))
         elif KeyOutcome.LANDED in result.outcomes:

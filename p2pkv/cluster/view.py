@@ -6,6 +6,11 @@ computed offline from the registered greetings (:func:`p2pkv.protocol.decide`, t
 same field-level reasons a ``probe`` prints). Inside a group, a member whose greeting
 would still be refused by the group's first member (another block geometry or key-hash
 seed under the same fingerprint) is listed with its reasons too.
+
+Quarantine: each live member publishes the holders it keeps in quarantine
+(:mod:`p2pkv.cluster.verdicts`); every member is shown with who quarantines it (matched
+by the address it registered), and verdicts naming an address no member registered are
+listed on their own.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from p2pkv.cluster.records import QuarantineReport
 from p2pkv.cluster.redis_directory import DirectoryView, MemberView
 from p2pkv.protocol import Reason, decide, layout_label
 from p2pkv.protocol.codes import Code
 
-__all__ = ["GroupDiff", "MemberDiff", "compare_groups", "extension_reason"]
+__all__ = ["GroupDiff", "MemberDiff", "compare_groups", "extension_reason",
+           "quarantined_by"]
 
 
 @dataclass(frozen=True)
@@ -84,9 +91,36 @@ def compare_groups(view: DirectoryView) -> tuple[list[GroupDiff], list[MemberDif
     return groups, inside
 
 
+def quarantined_by(view: DirectoryView) -> tuple[dict[str, list[dict[str, Any]]],
+                                                  list[dict[str, Any]]]:
+    """Who quarantines whom: registered address -> the verdicts naming it (each with
+    the reporting member and its partition), and the verdicts naming an address that no
+    member registered."""
+    registered = {m.record.address for ms in view.partitions.values() for m in ms
+                  if m.record is not None}
+    by_address: dict[str, list[dict[str, Any]]] = {}
+    elsewhere: list[dict[str, Any]] = []
+    for p, members in sorted(view.partitions.items()):
+        for m in members:
+            for r in m.reports:
+                entry = _verdict_dict(p, m, r)
+                if r.address in registered:
+                    by_address.setdefault(r.address, []).append(entry)
+                else:
+                    elsewhere.append({"address": r.address, "node_id": r.node_id, **entry})
+    return by_address, elsewhere
+
+
+def _verdict_dict(partition: str, reporter: MemberView, r: QuarantineReport) -> dict[str, Any]:
+    return {"member": reporter.member, "partition": partition,
+            "reporter_node_id": reporter.record.node_id if reporter.record else None,
+            "reason": r.reason, "times": r.times, "expires_in": round(r.expires_in, 3)}
+
+
 def report(view: DirectoryView) -> dict[str, Any]:
     """The ``cluster --json`` document."""
     groups, inside = compare_groups(view)
+    verdicts, elsewhere = quarantined_by(view)
     out_groups = []
     for p, members in sorted(view.partitions.items()):
         rep = _representative(members)
@@ -99,7 +133,9 @@ def report(view: DirectoryView) -> dict[str, Any]:
             "layout": layout_label(rec.run_config) if rec else None,
             "alive": sum(1 for m in members if m.alive),
             "blocks": sum(m.blocks for m in members if m.alive),
-            "nodes": [_member_dict(m) for m in members],
+            "quarantined": sum(1 for m in members if m.record is not None
+                               and m.record.address in verdicts),
+            "nodes": [_member_dict(m, verdicts) for m in members],
         })
     return {
         "groups": out_groups,
@@ -108,10 +144,11 @@ def report(view: DirectoryView) -> dict[str, Any]:
         "refused_inside_group": [{"partition": d.partition, "member": d.member,
                                   "reasons": [_reason_dict(r) for r in d.reasons]}
                                  for d in inside],
+        "quarantined_unregistered": elsewhere,
     }
 
 
-def _member_dict(m: MemberView) -> dict[str, Any]:
+def _member_dict(m: MemberView, verdicts: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     rec = m.record
     return {
         "member": m.member, "node_id": rec.node_id if rec else None,
@@ -119,6 +156,7 @@ def _member_dict(m: MemberView) -> dict[str, Any]:
         "pool_blocks": rec.pool_blocks if rec else None, "blocks": m.blocks,
         "alive": m.alive, "expires_in": round(m.expires_in, 3),
         "capabilities": list(rec.capabilities) if rec else [], "error": m.error,
+        "quarantined_by": verdicts.get(rec.address, []) if rec else [],
     }
 
 
@@ -140,17 +178,20 @@ def render(view: DirectoryView, table: Any) -> str:
         return "no nodes registered"
     for g in doc["groups"]:
         ext = f"  extension {g['extension']}" if g["extension"] else ""
+        quarantined = f", {g['quarantined']} quarantined" if g["quarantined"] else ""
         lines.append(f"group {g['partition']}  fingerprint {g['fingerprint']}{ext}  "
                      f"model {g['model']}  {g['layout']}  {g['alive']} alive, "
-                     f"{g['blocks']} blocks")
-        rows = [("MEMBER", "NODE", "ADDRESS", "RANK", "BLOCKS", "POOL", "LIVENESS")]
+                     f"{g['blocks']} blocks{quarantined}")
+        rows = [("MEMBER", "NODE", "ADDRESS", "RANK", "BLOCKS", "POOL", "QUARANTINED BY",
+                 "LIVENESS")]
         for n in g["nodes"]:
             live = (f"alive (expires in {n['expires_in']:.1f}s)" if n["alive"]
                     else f"expired {-n['expires_in']:.1f}s ago")
             if n["error"]:
                 live += f" ({n['error']})"
             rows.append((str(n["member"]), str(n["node_id"]), str(n["address"]),
-                         str(n["rank"]), str(n["blocks"]), str(n["pool_blocks"]), live))
+                         str(n["rank"]), str(n["blocks"]), str(n["pool_blocks"]),
+                         _verdicts_text(n["quarantined_by"]) or "-", live))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         for r in rows:
             lines.append("  " + "  ".join([c.ljust(w) for c, w in zip(r, widths,
@@ -168,4 +209,13 @@ def render(view: DirectoryView, table: Any) -> str:
         lines.append(f"member {md.member} of {md.partition} would be refused inside its group:")
         lines.append(table(md.reasons))
         lines.append("")
+    for v in doc["quarantined_unregistered"]:
+        lines.append(f"{v['address']} (registered by no member) quarantined by "
+                     + _verdicts_text([v]))
     return "\n".join(lines).rstrip()
+
+
+def _verdicts_text(verdicts: list[dict[str, Any]]) -> str:
+    """``member 5 (failed blocks, 2x, 3.1s left); ...``"""
+    return "; ".join(f"member {v['member']} ({v['reason']}, {v['times']}x, "
+                     f"{v['expires_in']:.1f}s left)" for v in verdicts)

@@ -15,15 +15,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from p2pkv.bench.chaos.holders import Holder
+from p2pkv.bench.chaos.netns import NetnsLink
 from p2pkv.bench.chaos.proxy import FaultProxy
 from p2pkv.bench.redis_servers import LocalRedis, LocalRedisCluster
 
 __all__ = ["KINDS", "Fault", "Injector"]
 
-KINDS = ("kill9", "sigstop", "drain", "redis_master", "proxy_flip", "proxy_stall")
+KINDS = ("kill9", "sigstop", "drain", "redis_master", "proxy_flip", "proxy_stall",
+         "partition")
 """kill -9 and restart of a holder; SIGSTOP then SIGCONT; SIGTERM (a graceful drain)
 and restart; a Redis master killed and restarted (as a replica, after its replica took
-over); the proxy in front of one holder flipping bits in what it relays; and stalling."""
+over); the proxy in front of one holder flipping bits in what it relays; and stalling;
+the network link between that holder and its consumers cut, then healed (root only:
+:mod:`p2pkv.bench.chaos.netns`)."""
 
 
 @dataclass
@@ -38,14 +42,16 @@ class Fault:
 
 class Injector:
     """Puts faults on and takes them off. ``plain``: holders that process faults hit
-    (one at a time, so another always serves); ``proxy``: the relay of the last one."""
+    (one at a time, so another always serves); ``proxy``: the relay of the last one;
+    ``link``: the network link to that one (None: no partition can be made)."""
 
     def __init__(self, rng: random.Random, plain: list[Holder], proxy: FaultProxy,
-                 redis: LocalRedisCluster | LocalRedis) -> None:
+                 redis: LocalRedisCluster | LocalRedis, link: NetnsLink | None = None) -> None:
         self.rng = rng
         self.plain = plain
         self.proxy = proxy
         self.redis = redis
+        self.link = link
 
     def inject(self, kind: str) -> Fault:
         hold = self.rng.uniform(1.0, 2.0)
@@ -112,3 +118,15 @@ class Injector:
         time.sleep(hold)
         self.proxy.set_mode("pass")
         return f"proxy:{self.proxy.port}", {}
+
+    def _partition(self, hold: float) -> tuple[str, dict[str, object]]:
+        if self.link is None:
+            raise ValueError("no network-namespace link: the partition cannot be injected")
+        before = self.proxy.relayed
+        down = self.link.cut()
+        try:
+            time.sleep(hold)
+            during = self.proxy.relayed - before
+        finally:
+            self.link.heal()
+        return f"netns:{self.link.a}", {"link_down": down, "bytes_from_holder": during}

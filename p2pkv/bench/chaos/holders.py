@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["Holder", "Resources", "shm_segments"]
@@ -26,18 +27,21 @@ _SHM_OWNER = re.compile(r"p2pkv-(\d+)-")
 
 
 class Holder:
-    """One ``serve`` process; ``advertise``: the address it registers (a proxy's)."""
+    """One ``serve`` process; ``advertise``: the address it registers (a proxy's);
+    ``listen``: where it listens (default ``tcp://127.0.0.1:PORT``); ``prefix``: a
+    command it runs under (``ip netns exec NS``)."""
 
     def __init__(self, name: str, *, directory: str, fill: int, port: int, metrics_port: int,
-                 log_dir: Path, advertise: str | None = None, shm: bool = False) -> None:
+                 log_dir: Path, advertise: str | None = None, shm: bool = False,
+                 listen: str | None = None, prefix: Sequence[str] = ()) -> None:
         self.name = name
         self.port = port
         self.metrics_port = metrics_port
         self.log = log_dir / f"{name}.log"
-        self.argv = [sys.executable, "-m", "p2pkv.cli", "serve", "--json", "--fill", str(fill),
-                     "--pool-blocks", str(fill + 16), "--directory", directory,
+        self.argv = [*prefix, sys.executable, "-m", "p2pkv.cli", "serve", "--json",
+                     "--fill", str(fill), "--pool-blocks", str(fill + 16), "--directory", directory,
                      "--directory-ttl", "3", "--drain-timeout", "2",
-                     "--listen", f"tcp://127.0.0.1:{port}",
+                     "--listen", listen or f"tcp://127.0.0.1:{port}",
                      "--metrics-port", str(metrics_port),
                      *(["--advertise", advertise] if advertise else []),
                      *(["--shm"] if shm else [])]

@@ -4,8 +4,11 @@ The holder registers the relay's address (``serve --advertise``), so every consu
 reaches it through here. :attr:`FaultProxy.mode` is read for every chunk: ``"pass"``
 relays unchanged, ``"flip"`` flips one random bit in each chunk the holder sends (block
 bytes, frame headers, handshakes alike), ``"stall"`` holds what arrives until the mode
-changes. Threads: one acceptor and two pumps per connection, each waiting at most
-:data:`TICK` seconds at a time; :meth:`close` stops and joins them all.
+changes. Threads: one acceptor and, per connection, one that dials the holder and then
+two pumps, each waiting at most :data:`TICK` seconds at a time; :meth:`close` stops and
+joins them all. ``listener`` and ``dial`` replace the listening socket and the
+connection to the holder (the partition fault makes both in network namespaces, see
+:mod:`p2pkv.bench.chaos.netns`); in ``"pass"`` mode the proxy is a plain relay.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 __all__ = ["FaultProxy"]
 
@@ -23,19 +27,26 @@ MODES = ("pass", "flip", "stall")
 
 
 class FaultProxy:
-    """Listens on 127.0.0.1:``port`` and relays to 127.0.0.1:``upstream``."""
+    """Listens on 127.0.0.1:``port`` (or ``listener``) and relays to
+    127.0.0.1:``upstream`` (or to what ``dial`` connects)."""
 
-    def __init__(self, port: int, upstream: int, *, seed: int) -> None:
+    def __init__(self, port: int, upstream: int, *, seed: int,
+                 listener: socket.socket | None = None,
+                 dial: Callable[[], socket.socket] | None = None) -> None:
         self.port = port
         self.upstream = upstream
         self.mode = "pass"
         self.flipped = 0
+        #: Bytes relayed from the holder so far.
+        self.relayed = 0
         self._rng = random.Random(seed)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._sockets: list[socket.socket] = []
-        self._listener = socket.create_server(("127.0.0.1", port))
+        self._dial = dial or (lambda: socket.create_connection(("127.0.0.1", upstream),
+                                                               timeout=2))
+        self._listener = listener or socket.create_server(("127.0.0.1", port))
         self._listener.settimeout(TICK)
         self._spawn(self._accept, "p2pkv-chaos-accept")
 
@@ -63,17 +74,31 @@ class FaultProxy:
                 continue
             except OSError:
                 return
-            try:
-                server = socket.create_connection(("127.0.0.1", self.upstream), timeout=2)
-            except OSError:
+            # Dialled on a thread of its own: a holder that does not answer (a cut link)
+            # must not hold up the next connection.
+            self._spawn(self._connect, "p2pkv-chaos-dial", client)
+
+    def _connect(self, client: socket.socket) -> None:
+        with self._lock:
+            if self._stop.is_set():
                 client.close()
-                continue
-            for s in (client, server):
-                s.settimeout(TICK)
-            with self._lock:
-                self._sockets += [client, server]
-            self._spawn(self._pump, "p2pkv-chaos-up", client, server, False)
-            self._spawn(self._pump, "p2pkv-chaos-down", server, client, True)
+                return
+            self._sockets.append(client)
+        try:
+            server = self._dial()
+        except OSError:
+            with contextlib.suppress(OSError):
+                client.shutdown(socket.SHUT_RDWR)
+            return
+        for s in (client, server):
+            s.settimeout(TICK)
+        with self._lock:
+            if self._stop.is_set():  # closed while dialling: close() saw no such socket
+                server.close()
+                return
+            self._sockets.append(server)
+        self._spawn(self._pump, "p2pkv-chaos-up", client, server, False)
+        self._spawn(self._pump, "p2pkv-chaos-down", server, client, True)
 
     def _pump(self, src: socket.socket, dst: socket.socket, from_holder: bool) -> None:
         try:
@@ -92,6 +117,8 @@ class FaultProxy:
                     buf[i] ^= 1 << self._rng.randrange(8)
                     data = bytes(buf)
                     self.flipped += 1
+                if from_holder:
+                    self.relayed += len(data)
                 self._send_all(dst, data)
         except OSError:
             pass

@@ -1,23 +1,27 @@
 """``p2pkv-node chaos``: holders, a Redis directory, verifying consumers and faults.
 
-Holders are ``serve --fill`` processes (two plain, one behind a :class:`FaultProxy`);
-the directory is a 3-master, 3-replica Redis Cluster (one server when a cluster cannot
-be started, said in the output). Consumer threads of this process fetch prefixes of the
-fill keys through one :class:`~p2pkv.cluster.Cluster` with a deadline and compare every
-stored block with :func:`~p2pkv.fill.fill_block`. Faults drawn from the seed run one at
-a time; after each, the run waits (bounded) until three fetches in a row found their
-whole prefix: that is the recovery time. A network-namespace partition is not among
-the faults (it needs root; ``tests/test_netns.py`` covers cut and lossy links).
+Holders are ``serve --fill`` processes (two plain, one behind a :class:`FaultProxy`;
+as root that one runs in a network namespace of its own, behind a veth link the
+partition fault cuts, see :mod:`p2pkv.bench.chaos.netns`); the directory is a 3-master,
+3-replica Redis Cluster (one server when a cluster cannot be started, said in the
+output). Consumer threads of this process fetch prefixes of the fill keys through one
+:class:`~p2pkv.cluster.Cluster` with a deadline and compare every stored block with
+:func:`~p2pkv.fill.fill_block`. Faults drawn from the seed run one at a time; after
+each, the run waits (bounded) until three fetches in a row found their whole prefix:
+that is the recovery time. A fault kind that cannot be made here (the partition without
+root) is skipped, and the output says so and why.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import gc
 import json
 import os
 import random
+import re
 import signal
 import tempfile
 import threading
@@ -28,6 +32,7 @@ from typing import Any
 
 from p2pkv.bench.chaos.faults import KINDS, Fault, Injector
 from p2pkv.bench.chaos.holders import Holder, Resources, shm_segments
+from p2pkv.bench.chaos.netns import NetnsLink, Unavailable
 from p2pkv.bench.chaos.proxy import FaultProxy
 from p2pkv.bench.redis_servers import LocalRedis, LocalRedisCluster, free_port
 
@@ -50,6 +55,19 @@ class Fetched:
     corrupt: int
     missed: bool
     error: str | None
+    #: Why keys of the prefix were not fetched (one entry per such key; see _reason).
+    unfetched: tuple[str, ...] = ()
+
+
+_HOLDER = re.compile(r"^\S+ at tcp://\S+?: ")
+_NUMBERS = re.compile(r"tcp://\S+|\d+(\.\d+)?")
+
+
+def _reason(error: str) -> str:
+    """A FAILED key's error without the holder and numbers, so that equal causes count
+    together: ``PeerGone: could not connect to ADDR (refused, ...)``."""
+    text = _NUMBERS.sub("N", _HOLDER.sub("", error))
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 class Consumers:
@@ -110,7 +128,11 @@ class Consumers:
             error = f"{type(exc).__name__}: {exc}"
         t1 = time.monotonic()
         stored = verified = corrupt = 0
+        unfetched: list[str] = []
         if answer is not None:
+            unfetched = [_reason(e) for e in answer.result.errors.values()]
+            short = n - answer.lookup.length  # keys the lookup found no holder for
+            unfetched += [f"no holder found (lookup source {answer.lookup.source})"] * short
             for i, outcome in enumerate(answer.result.outcomes):
                 if outcome is KeyOutcome.STORED:
                     stored += 1
@@ -120,7 +142,8 @@ class Consumers:
                     else:
                         corrupt += 1
         with self._lock:
-            self.log.append(Fetched(t0, t1, n, stored, verified, corrupt, missed, error))
+            self.log.append(Fetched(t0, t1, n, stored, verified, corrupt, missed, error,
+                                    tuple(unfetched)))
 
     def since(self, t: float) -> list[Fetched]:
         with self._lock:
@@ -165,7 +188,8 @@ def _directory(log: list[str]) -> LocalRedisCluster | LocalRedis:
         return LocalRedis().start()
 
 
-def _figures(faults: list[Fault], fetched: list[Fetched]) -> dict[str, dict[str, Any]]:
+def _figures(faults: list[Fault], fetched: list[Fetched],
+             skipped: dict[str, str]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for kind in KINDS:
         mine = [f for f in faults if f.kind == kind]
@@ -180,8 +204,23 @@ def _figures(faults: list[Fault], fetched: list[Fetched]) -> dict[str, dict[str,
             "missed_deadlines": sum(x.missed for x in during),
             "recovery_s": times, "recovery_max_s": max(times) if times else None,
             "unrecovered": len(mine) - len(times),
+            "unfetched_reasons": dict(collections.Counter(
+                r for x in during for r in x.unfetched).most_common(5)),
+            **({"skipped": skipped[kind]} if kind in skipped else {}),
         }
     return out
+
+
+def _link(redis: LocalRedisCluster | LocalRedis, metrics_port: int, holder_port: int,
+          skipped: dict[str, str]) -> NetnsLink | None:
+    """The partition's link, or None with the reason in ``skipped``."""
+    ports = ([n.port for n in redis.nodes] if isinstance(redis, LocalRedisCluster)
+             else [redis.port])
+    try:
+        return NetnsLink(ports, metrics_port, holder_port)
+    except (Unavailable, RuntimeError, OSError) as exc:
+        skipped["partition"] = str(exc)
+        return None
 
 
 def run_chaos(seconds: float, *, seed: int = 0, json_path: str | None = None) -> int:
@@ -189,8 +228,8 @@ def run_chaos(seconds: float, *, seed: int = 0, json_path: str | None = None) ->
     from p2pkv.node import Node  # noqa: F401 - imported before the baseline is taken
 
     rng = random.Random(seed)
-    notes: list[str] = ["network-namespace partition: not run (needs root; "
-                        "tests/test_netns.py covers cut and lossy links)"]
+    notes: list[str] = []
+    skipped: dict[str, str] = {}
     gc.collect()
     baseline = Resources()
     tmp = tempfile.TemporaryDirectory(prefix="p2pkv-chaos-")
@@ -198,18 +237,27 @@ def run_chaos(seconds: float, *, seed: int = 0, json_path: str | None = None) ->
     url = redis.url
     holders: list[Holder] = []
     proxy: FaultProxy | None = None
+    link: NetnsLink | None = None
     consumers: Consumers | None = None
     faults: list[Fault] = []
     report: dict[str, Any] = {}
     try:
-        behind = free_port()
-        proxy = FaultProxy(free_port(), behind, seed=seed)
+        behind, metrics = free_port(), free_port()
+        link = _link(redis, metrics, behind, skipped)
+        proxy = FaultProxy(free_port(), behind, seed=seed,
+                           dial=link.dial if link is not None else None)
         for i in range(2):
             holders.append(Holder(f"h{i}", directory=url, fill=FILL, port=free_port(),
                                   metrics_port=free_port(), log_dir=Path(tmp.name), shm=True))
         holders.append(Holder("h2-proxied", directory=url, fill=FILL, port=behind,
-                              metrics_port=free_port(), log_dir=Path(tmp.name),
-                              advertise=proxy.address))
+                              metrics_port=metrics, log_dir=Path(tmp.name),
+                              advertise=proxy.address,
+                              listen=link.listen if link is not None else None,
+                              prefix=link.prefix if link is not None else ()))
+        if link is not None:
+            notes.append(f"h2-proxied runs in network namespace {link.a}, behind a veth "
+                         f"link the partition cuts")
+        notes += [f"{kind}: skipped ({why})" for kind, why in skipped.items()]
         for h in holders:
             h.start()
         if not all(h.wait_ready(90) for h in holders):
@@ -217,16 +265,30 @@ def run_chaos(seconds: float, *, seed: int = 0, json_path: str | None = None) ->
                 h.log.read_text(errors="replace")[-500:] for h in holders))
         consumers = Consumers(url, seed)
         consumers.start()
+        names = {f"tcp://127.0.0.1:{h.port}": h.name for h in holders[:2]}
+        names[proxy.address] = holders[2].name
+
+        def quarantined() -> list[str]:
+            """The holders the consumers keep in quarantine now, by name."""
+            assert consumers is not None
+            return sorted(names.get(a, a) for a in consumers.cluster.stats().quarantined)
+
         t_start = time.monotonic()
         warm = _recovered(consumers, t_start, 30)
-        injector = Injector(rng, holders[:2], proxy, redis)
-        order = list(KINDS)
+        injector = Injector(rng, holders[:2], proxy, redis, link)
+        kinds = [k for k in KINDS if k not in skipped]
+        order = list(kinds)
         rng.shuffle(order)
         end = t_start + seconds
         while time.monotonic() < end - 4:
-            kind = order.pop(0) if order else rng.choice(KINDS)
+            kind = order.pop(0) if order else rng.choice(kinds)
+            failovers = consumers.cluster.stats().failovers
+            before = quarantined()
             fault = injector.inject(kind)
+            after = quarantined()
             fault.recovery = _recovered(consumers, fault.off, RECOVERY_BOUND)
+            fault.notes.update(failovers=consumers.cluster.stats().failovers - failovers,
+                               quarantined_before=before, quarantined_after=after)
             faults.append(fault)
             print(f"  {time.monotonic() - t_start:7.1f}s {fault.kind:<13} {fault.target:<12} "
                   f"on {fault.off - fault.on:5.2f}s  recovered "
@@ -244,7 +306,7 @@ def run_chaos(seconds: float, *, seed: int = 0, json_path: str | None = None) ->
             "directory": ("redis-cluster 3 masters + 3 replicas"
                           if isinstance(redis, LocalRedisCluster) else "one redis"),
             "notes": notes, "warmup_s": warm, "deadline_s": DEADLINE, "grace_s": GRACE,
-            "kinds": _figures(faults, fetched),
+            "kinds": _figures(faults, fetched, skipped), "skipped": skipped,
             "faults": [{"kind": f.kind, "target": f.target, "on_s": round(f.off - f.on, 3),
                         "recovery_s": f.recovery, **f.notes} for f in faults],
             "totals": {"fetches": len(fetched),
@@ -265,6 +327,8 @@ def run_chaos(seconds: float, *, seed: int = 0, json_path: str | None = None) ->
             h.wait_exit(15)
         if proxy is not None:
             proxy.close()
+        if link is not None:
+            link.close()
         redis.close()
         tmp.cleanup()
     return _finish(report, holders, baseline, json_path)
@@ -299,7 +363,11 @@ def render(report: dict[str, Any]) -> str:
         hit = "-" if k["hit_rate"] is None else f"{k['hit_rate']:.3f}"
         lines.append(f"{kind:<13}{k['injected']:>9}{k['fetches']:>9}{k['blocks_verified']:>10}"
                      f"{hit:>9}{k['corrupt_visible']:>9}{k['missed_deadlines']:>8}{rec:>16}"
-                     + (f"  ({k['unrecovered']} unrecovered)" if k["unrecovered"] else ""))
+                     + (f"  ({k['unrecovered']} unrecovered)" if k["unrecovered"] else "")
+                     + ("  (skipped)" if "skipped" in k else ""))
+    for kind, k in report["kinds"].items():
+        for why, count in k.get("unfetched_reasons", {}).items():
+            lines.append(f"  {kind}: {count} key(s) not fetched: {why}")
     t = report["totals"]
     lines.append(f"all fetches: {t['fetches']}, blocks verified {t['blocks_verified']}, "
                  f"corrupt visible {t['corrupt_visible']}, missed deadlines "
