@@ -1,0 +1,375 @@
+"""When a hit is worth loading: load or recompute a KV prefix another engine holds (pure).
+
+A prefix held by a peer saves its prefill only if moving its bytes here takes less time
+than computing them again. :class:`LoadPolicy` keeps what it needs to tell:
+
+- per peer, the **bandwidth** of this engine's own completed fetches from it (bytes/s);
+- the **prefill rate** of this engine's own steps (tokens/s), per prompt-length band,
+  measured from when a request is first scheduled to its last stored chunk;
+
+and answers, for the leading run of held chunks of one lookup, how many of them to load
+(:meth:`LoadPolicy.advise`): all when the load pays by ``min_speedup``, none when it does
+not (the engine recomputes them), the best-paying leading part when chunks come from
+peers of different speeds.
+
+Defaults are optimistic: while either estimate is unknown, everything is loaded, so a
+new peer or a new engine behaves as without the policy until it has measured. Estimates
+are bounded (a zero-length or clock-glitch sample never decides for minutes) and a peer
+found slow is never refused for good: once its estimate is older than
+``probe_interval``, the next hit from it loads ``probe_chunks`` chunks (a bounded probe)
+and that fetch refreshes the estimate.
+
+No IO, no clock: time (``now``, monotonic seconds) is an argument; the caller serialises
+calls (one lock).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "LOAD_OFF",
+    "LOAD_PAYS",
+    "LOAD_PROBE",
+    "LOAD_UNKNOWN",
+    "SKIP_FLOOR",
+    "SKIP_SLOWER",
+    "Advice",
+    "LoadPolicy",
+    "LoadPolicyConfig",
+    "PrefillMeter",
+    "Rate",
+]
+
+#: Reasons of a decision (the ``reason`` label of the tier's metrics). Loads:
+LOAD_PAYS = "pays"                 # loading is faster than recomputing by min_speedup
+LOAD_UNKNOWN = "no_estimate"       # a bandwidth or the prefill rate is not measured yet
+LOAD_PROBE = "probe"               # a bounded load to measure a peer found slow earlier
+LOAD_OFF = "policy_off"            # the policy is switched off: every hit is loaded
+#: Skips (the engine recomputes the chunks):
+SKIP_FLOOR = "below_floor"         # fewer than min_tokens held
+SKIP_SLOWER = "slower_than_recompute"
+
+#: A bandwidth sample is clamped into this range (bytes/s) ...
+BANDWIDTH_BOUNDS = (1e3, 1e12)
+#: ... and a prefill-rate sample into this one (tokens/s).
+PREFILL_BOUNDS = (1e-1, 1e8)
+#: Weight of a faster bandwidth sample. A slower one replaces the estimate at once:
+#: trusting a link that just got slower costs a whole slow load per request, doubting
+#: one that got faster costs recomputes until the next probe.
+BANDWIDTH_RISE = 0.5
+#: Weight of a new prefill-rate sample (every computed request gives one).
+PREFILL_WEIGHT = 0.3
+#: Requests tracked at once for prefill samples (the oldest are dropped past it).
+MAX_TRACKED_REQUESTS = 4096
+
+
+@dataclass(frozen=True)
+class LoadPolicyConfig:
+    """What the policy decides by (the vLLM tier's ``load_*`` options)."""
+
+    #: False: every hit is loaded (the estimates are still kept and reported).
+    enabled: bool = True
+    #: A hit of fewer tokens than this is always recomputed.
+    min_tokens: int = 0
+    #: Load only when recomputing is estimated to take this many times as long.
+    min_speedup: float = 1.2
+    #: Seconds after which a peer found slow is probed again.
+    probe_interval: float = 30.0
+    #: Chunks a probe loads.
+    probe_chunks: int = 2
+
+    def __post_init__(self) -> None:
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if not self.min_speedup > 0 or math.isinf(self.min_speedup):
+            raise ValueError(f"min_speedup must be a positive number, got {self.min_speedup}")
+        if not self.probe_interval > 0:
+            raise ValueError(f"probe_interval must be positive, got {self.probe_interval}")
+        if self.probe_chunks < 1:
+            raise ValueError(f"probe_chunks must be >= 1, got {self.probe_chunks}")
+
+
+@dataclass
+class Rate:
+    """One estimate (units per second) and when it was last fed or probed."""
+
+    value: float
+    samples: int
+    updated: float
+    probed: float
+
+    def describe(self, now: float) -> dict[str, Any]:
+        return {"per_second": round(self.value, 3), "samples": self.samples,
+                "age_s": round(now - self.updated, 3)}
+
+
+def _clamp(value: float, bounds: tuple[float, float]) -> float:
+    return min(max(value, bounds[0]), bounds[1])
+
+
+@dataclass(frozen=True)
+class Advice:
+    """How many leading chunks of a lookup to promise (HIT), and why."""
+
+    load: int
+    held: int
+    reason: str | None
+    load_seconds: float | None = None
+    recompute_seconds: float | None = None
+    peers: tuple[str, ...] = ()
+
+    @property
+    def skipped(self) -> int:
+        """Chunks held by a peer that the engine recomputes instead."""
+        return self.held - self.load
+
+    @property
+    def skip_reason(self) -> str:
+        """Why the skipped chunks are recomputed: every skip but the floor's is a part
+        whose load was estimated slower than recomputing it."""
+        return SKIP_FLOOR if self.reason == SKIP_FLOOR else SKIP_SLOWER
+
+    def describe(self) -> dict[str, Any]:
+        return {"reason": self.reason, "held": self.held, "load": self.load,
+                "load_s": _round(self.load_seconds),
+                "recompute_s": _round(self.recompute_seconds), "peers": list(self.peers)}
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+@dataclass
+class _Request:
+    asked: set[bytes] = field(default_factory=set)
+    scheduled: float | None = None
+    stored: int = 0
+    last_store: float | None = None
+    void: bool = False
+
+
+class PrefillMeter:
+    """Prefill-rate samples from a scheduler's own hooks.
+
+    A request's sample is the chunks it computed and stored of those it looked up (its
+    prompt's, not the decode's), over the time from its first scheduling to its last
+    store. Preempted requests give none (their time includes the wait)."""
+
+    def __init__(self, chunk_tokens: int) -> None:
+        self.chunk_tokens = chunk_tokens
+        self._requests: OrderedDict[str, _Request] = OrderedDict()
+
+    def _get(self, req_id: str) -> _Request:
+        req = self._requests.get(req_id)
+        if req is None:
+            req = self._requests[req_id] = _Request()
+            while len(self._requests) > MAX_TRACKED_REQUESTS:
+                self._requests.popitem(last=False)
+        return req
+
+    def asked(self, req_id: str, keys: Iterable[bytes]) -> None:
+        self._get(req_id).asked.update(keys)
+
+    def scheduled(self, req_ids: Iterable[str], preempted: Iterable[str], now: float) -> None:
+        for req_id in req_ids:
+            req = self._get(req_id)
+            if req.scheduled is None:
+                req.scheduled = now
+        for req_id in preempted:
+            self._get(req_id).void = True
+
+    def stored(self, req_id: str, keys: Collection[bytes], now: float) -> None:
+        req = self._requests.get(req_id)
+        if req is None or req.scheduled is None:
+            return
+        n = sum(1 for k in keys if k in req.asked)
+        if n:
+            req.stored += n
+            req.last_store = now
+
+    def finished(self, req_id: str) -> tuple[int, float] | None:
+        """The request's sample (tokens, seconds), if it gave one; forgets it."""
+        req = self._requests.pop(req_id, None)
+        if req is None or req.void or req.scheduled is None or req.last_store is None:
+            return None
+        seconds = req.last_store - req.scheduled
+        if req.stored <= 0 or seconds <= 0:
+            return None
+        return req.stored * self.chunk_tokens, seconds
+
+    def tracked(self) -> int:
+        return len(self._requests)
+
+
+def band(tokens: int) -> int:
+    """The prompt-length band of ``tokens``: prefill slows as prompts grow (attention),
+    so rates are kept per power of two."""
+    return max(0, int(tokens).bit_length() - 1)
+
+
+class LoadPolicy:
+    """Bandwidth and prefill-rate estimates, and the load-or-recompute decision."""
+
+    def __init__(self, config: LoadPolicyConfig, *, chunk_bytes: int, chunk_tokens: int) -> None:
+        if chunk_bytes <= 0 or chunk_tokens <= 0:
+            raise ValueError(f"chunk_bytes and chunk_tokens must be positive, got "
+                             f"{chunk_bytes} and {chunk_tokens}")
+        self.config = config
+        self.chunk_bytes = chunk_bytes
+        self.chunk_tokens = chunk_tokens
+        self.meter = PrefillMeter(chunk_tokens)
+        self.bandwidth: dict[str, Rate] = {}
+        #: Prefill rate (tokens/s) by :func:`band` of the tokens computed.
+        self.prefill: dict[int, Rate] = {}
+        self.decisions: dict[str, int] = {}
+        self.skipped: dict[str, int] = {}
+        self.last: Advice | None = None
+
+    # ------------------------------------------------------------------ estimates
+
+    def fetched(self, peer: str, nbytes: int, seconds: float, now: float) -> None:
+        """A completed fetch from ``peer``: ``nbytes`` landed in ``seconds``."""
+        if nbytes <= 0:
+            return
+        sample = _clamp(nbytes / max(seconds, 1e-9), BANDWIDTH_BOUNDS)
+        est = self.bandwidth.get(peer)
+        if est is None:
+            self.bandwidth[peer] = Rate(sample, 1, now, now)
+            return
+        est.value = sample if sample < est.value else \
+            est.value + BANDWIDTH_RISE * (sample - est.value)
+        est.samples += 1
+        est.updated = est.probed = now
+
+    def computed(self, tokens: int, seconds: float, now: float) -> None:
+        """This engine computed ``tokens`` prompt tokens of one request in ``seconds``."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        sample = _clamp(tokens / seconds, PREFILL_BOUNDS)
+        est = self.prefill.get(band(tokens))
+        if est is None:
+            self.prefill[band(tokens)] = Rate(sample, 1, now, now)
+            return
+        est.value += PREFILL_WEIGHT * (sample - est.value)
+        est.samples += 1
+        est.updated = now
+
+    def finished(self, req_id: str, now: float) -> tuple[int, float] | None:
+        """A request ended: its prefill sample (see :class:`PrefillMeter`) is taken."""
+        sample = self.meter.finished(req_id)
+        if sample is not None:
+            self.computed(sample[0], sample[1], now)
+        return sample
+
+    def prefill_rate(self, tokens: int) -> float | None:
+        """Tokens/s for a prompt part of ``tokens``: its band's estimate, else the nearest
+        band's (on a tie the shorter band: it is the faster, which favours recomputing)."""
+        if not self.prefill:
+            return None
+        b = band(tokens)
+        nearest = min(self.prefill, key=lambda x: (abs(x - b), x))
+        return self.prefill[nearest].value
+
+    # ------------------------------------------------------------------ the decision
+
+    def advise(self, holders: Sequence[str | None], now: float) -> Advice:
+        """How many leading chunks to load, for one lookup whose chunk ``i`` is held by
+        peer ``holders[i]`` (None: nobody; only the leading held run can be loaded)."""
+        run: list[str] = []
+        for holder in holders:
+            if holder is None:
+                break
+            run.append(holder)
+        n = len(run)
+        if n == 0:
+            return Advice(0, 0, None)
+        peers = tuple(dict.fromkeys(run))
+        cfg = self.config
+        if not cfg.enabled:
+            return self._decided(Advice(n, n, LOAD_OFF, peers=peers))
+        if n * self.chunk_tokens < cfg.min_tokens:
+            return self._decided(Advice(0, n, SKIP_FLOOR, peers=peers))
+        if not self.prefill or any(p not in self.bandwidth for p in peers):
+            return self._decided(Advice(n, n, LOAD_UNKNOWN, peers=peers))
+        rates = {p: self.bandwidth[p].value for p in peers}
+        best, at_best, whole = self._best_prefix(run, rates)
+        if best == n:
+            return self._decided(Advice(n, n, LOAD_PAYS, *at_best, peers))
+        # The holders of the part not loaded whose estimate is old: probe them.
+        stale = {p for p in run[best:] if now - self.bandwidth[p].probed >= cfg.probe_interval}
+        if stale:
+            for p in stale:
+                self.bandwidth[p].probed = now
+            probe = self._probe_length(run, stale, best)
+            return self._decided(Advice(probe, n, LOAD_PROBE, *whole, peers))
+        if best > 0:
+            return self._decided(Advice(best, n, LOAD_PAYS, *at_best, peers))
+        return self._decided(Advice(0, n, SKIP_SLOWER, *whole, peers))
+
+    def _best_prefix(self, run: list[str], rates: dict[str, float]
+                     ) -> tuple[int, tuple[float, float], tuple[float, float]]:
+        """The leading part that saves the most time among those that pay by
+        ``min_speedup``, with its (load, recompute) seconds, and those of the whole run.
+        Fetches from several peers run in parallel: the slowest one decides."""
+        counts: dict[str, int] = {}
+        by_band: dict[int, float] = {}
+        best, best_gain = 0, 0.0
+        at_best = whole = (0.0, 0.0)
+        for k, peer in enumerate(run, start=1):
+            counts[peer] = counts.get(peer, 0) + 1
+            load = max(c * self.chunk_bytes / rates[p] for p, c in counts.items())
+            tokens = k * self.chunk_tokens
+            rate = by_band.get(band(tokens))
+            if rate is None:
+                rate = by_band[band(tokens)] = self.prefill_rate(tokens) or PREFILL_BOUNDS[0]
+            whole = (load, tokens / rate)
+            gain = whole[1] - load
+            if (tokens >= self.config.min_tokens
+                    and whole[1] >= self.config.min_speedup * load and gain >= best_gain):
+                best, best_gain, at_best = k, gain, whole
+        return best, at_best, whole
+
+    def _probe_length(self, run: list[str], stale: set[str], start: int) -> int:
+        """Leading chunks up to the ``probe_chunks``-th one after ``start`` that a stale
+        peer holds (and at least ``min_tokens`` worth)."""
+        length = len(run)
+        seen = 0
+        for i in range(start, len(run)):
+            if run[i] in stale:
+                seen += 1
+                if seen == self.config.probe_chunks:
+                    length = i + 1
+                    break
+        floor_chunks = -(-self.config.min_tokens // self.chunk_tokens)
+        return min(len(run), max(length, floor_chunks))
+
+    def _decided(self, advice: Advice) -> Advice:
+        assert advice.reason is not None
+        self.decisions[advice.reason] = self.decisions.get(advice.reason, 0) + 1
+        if advice.skipped:
+            why = advice.skip_reason
+            self.skipped[why] = self.skipped.get(why, 0) + advice.skipped
+        self.last = advice
+        return advice
+
+    # ------------------------------------------------------------------ observability
+
+    def describe(self, now: float) -> dict[str, Any]:
+        """The configuration, the estimates, the decisions so far and the last one."""
+        cfg = self.config
+        return {
+            "enabled": cfg.enabled, "min_tokens": cfg.min_tokens,
+            "min_speedup": cfg.min_speedup, "probe_interval": cfg.probe_interval,
+            "probe_chunks": cfg.probe_chunks, "chunk_bytes": self.chunk_bytes,
+            "chunk_tokens": self.chunk_tokens,
+            "bandwidth_bytes_per_s": {p: r.describe(now) for p, r in self.bandwidth.items()},
+            "prefill_tokens_per_s": {str(1 << b): r.describe(now)
+                                     for b, r in sorted(self.prefill.items())},
+            "decisions": dict(self.decisions), "skipped_chunks": dict(self.skipped),
+            "last": self.last.describe() if self.last else None,
+        }

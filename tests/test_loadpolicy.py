@@ -1,0 +1,277 @@
+"""The load-or-recompute decision (p2pkv.loadpolicy), with the numbers of this machine.
+
+SmolLM2-135M in fp32 keeps 46,080 bytes of KV per token (30 layers x 3 KV heads x 64 x
+K and V x 4 bytes): one 64-token chunk is 2,949,120 bytes. Its prefill here runs at
+about 640 tokens/s for 256-token prompts and 300 tokens/s at 4,096 tokens; a loopback
+fetch lands about 1.2 GB/s, and the throttled link of the tests moves 4 MB/s.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from p2pkv.loadpolicy import (
+    BANDWIDTH_BOUNDS,
+    LOAD_OFF,
+    LOAD_PAYS,
+    LOAD_PROBE,
+    LOAD_UNKNOWN,
+    MAX_TRACKED_REQUESTS,
+    SKIP_FLOOR,
+    SKIP_SLOWER,
+    LoadPolicy,
+    LoadPolicyConfig,
+    PrefillMeter,
+    band,
+)
+
+CHUNK_TOKENS = 64
+CHUNK_BYTES = 64 * 46_080
+FAST = 1.2e9  # bytes/s
+SLOW = 4e6
+
+
+def policy(**config: object) -> LoadPolicy:
+    return LoadPolicy(LoadPolicyConfig(**config),  # type: ignore[arg-type]
+                      chunk_bytes=CHUNK_BYTES, chunk_tokens=CHUNK_TOKENS)
+
+
+def measured(p: LoadPolicy, peer: str, bytes_per_second: float, now: float = 0.0) -> None:
+    """One completed 16-chunk fetch from ``peer`` at ``bytes_per_second``."""
+    nbytes = 16 * CHUNK_BYTES
+    p.fetched(peer, nbytes, nbytes / bytes_per_second, now)
+
+
+def smollm2_prefill(p: LoadPolicy, now: float = 0.0) -> None:
+    p.computed(256, 256 / 640, now)
+    p.computed(4096, 4096 / 300, now)
+
+
+def test_unknown_estimates_load_everything_until_measured() -> None:
+    p = policy()
+    advice = p.advise(["a"] * 64, now=0.0)
+    assert (advice.load, advice.held, advice.reason) == (64, 64, LOAD_UNKNOWN)
+    measured(p, "a", SLOW)
+    # The link is measured, this engine's prefill is not: still optimistic.
+    assert p.advise(["a"] * 64, now=1.0).reason == LOAD_UNKNOWN
+    smollm2_prefill(p)
+    assert p.advise(["a"] * 64, now=2.0).reason == SKIP_SLOWER
+    # A new peer is loaded from until it is measured too.
+    assert p.advise(["b"] * 64, now=3.0).reason == LOAD_UNKNOWN
+    assert p.decisions == {LOAD_UNKNOWN: 3, SKIP_SLOWER: 1}
+
+
+def test_fast_link_loads_slow_link_recomputes_with_the_estimates_of_both() -> None:
+    p = policy()
+    smollm2_prefill(p)
+    measured(p, "fast", FAST)
+    measured(p, "slow", SLOW)
+    long_fast = p.advise(["fast"] * 64, now=1.0)  # 4,096 tokens, 189 MB
+    assert (long_fast.load, long_fast.reason) == (64, LOAD_PAYS)
+    assert long_fast.load_seconds == pytest.approx(64 * CHUNK_BYTES / FAST)  # 0.157 s
+    assert long_fast.recompute_seconds == pytest.approx(4096 / 300)  # 13.65 s
+    long_slow = p.advise(["slow"] * 64, now=1.0)
+    assert (long_slow.load, long_slow.skipped, long_slow.reason) == (0, 64, SKIP_SLOWER)
+    assert long_slow.load_seconds == pytest.approx(47.19, abs=0.01)
+    short_fast = p.advise(["fast"] * 4, now=1.0)  # 256 tokens, 11.8 MB
+    assert short_fast.reason == LOAD_PAYS
+    assert short_fast.recompute_seconds == pytest.approx(0.4)
+    short_slow = p.advise(["slow"] * 4, now=1.0)
+    assert short_slow.reason == SKIP_SLOWER
+    assert short_slow.load_seconds == pytest.approx(2.949, abs=0.001)
+    assert p.skipped == {SKIP_SLOWER: 68}
+
+
+def test_min_speedup_is_the_margin_a_load_must_win_by() -> None:
+    # Recomputing 4,096 tokens takes 13.65 s: at 1.2x a load must finish in 11.38 s,
+    # that is 189 MB at 16.6 MB/s or faster.
+    p = policy(min_speedup=1.2)
+    smollm2_prefill(p)
+    need = 64 * CHUNK_BYTES / ((4096 / 300) / 1.2)
+    measured(p, "a", need * 1.01)
+    assert p.advise(["a"] * 64, now=1.0).reason == LOAD_PAYS
+    measured(p, "a", need * 0.99)
+    assert p.advise(["a"] * 64, now=2.0).reason == SKIP_SLOWER
+    # With no margin the same link pays.
+    q = policy(min_speedup=1.0)
+    smollm2_prefill(q)
+    measured(q, "a", need * 0.99)
+    assert q.advise(["a"] * 64, now=1.0).reason == LOAD_PAYS
+
+
+def test_floor_recomputes_short_hits_even_over_a_fast_link() -> None:
+    p = policy(min_tokens=512)
+    smollm2_prefill(p)
+    measured(p, "a", FAST)
+    short = p.advise(["a"] * 4, now=1.0)
+    assert (short.load, short.reason, short.skip_reason) == (0, SKIP_FLOOR, SKIP_FLOOR)
+    assert p.advise(["a"] * 8, now=1.0).reason == LOAD_PAYS
+    assert p.skipped == {SKIP_FLOOR: 4}
+
+
+def test_switched_off_it_loads_everything_and_still_measures() -> None:
+    p = policy(enabled=False)
+    smollm2_prefill(p)
+    measured(p, "a", SLOW)
+    advice = p.advise(["a"] * 64, now=1.0)
+    assert (advice.load, advice.reason) == (64, LOAD_OFF)
+    assert p.bandwidth["a"].value == pytest.approx(SLOW)
+    assert p.describe(now=1.0)["enabled"] is False
+
+
+def test_a_slower_fetch_is_believed_at_once_a_faster_one_halfway() -> None:
+    p = policy()
+    measured(p, "a", FAST)
+    measured(p, "a", SLOW, now=1.0)
+    assert p.bandwidth["a"].value == pytest.approx(SLOW)
+    measured(p, "a", 104e6, now=2.0)
+    assert p.bandwidth["a"].value == pytest.approx(54e6)
+    assert p.bandwidth["a"].samples == 3
+
+
+def test_estimates_are_bounded() -> None:
+    p = policy()
+    p.fetched("a", CHUNK_BYTES, 0.0, now=0.0)  # a clock that did not move
+    assert p.bandwidth["a"].value == BANDWIDTH_BOUNDS[1]
+    p.fetched("b", 1, 3600.0, now=0.0)
+    assert p.bandwidth["b"].value == BANDWIDTH_BOUNDS[0]
+    p.fetched("c", 0, 1.0, now=0.0)  # nothing landed: no sample
+    assert "c" not in p.bandwidth
+    p.computed(64, 0.0, now=0.0)
+    p.computed(0, 1.0, now=0.0)
+    assert p.prefill == {}
+
+
+def test_a_slow_peer_is_probed_again_after_the_interval_never_refused_for_good() -> None:
+    p = policy(probe_interval=30.0, probe_chunks=2)
+    smollm2_prefill(p)
+    measured(p, "a", SLOW, now=0.0)
+    assert p.advise(["a"] * 64, now=10.0).reason == SKIP_SLOWER
+    # 30 s after its last sample: the next hit loads 2 chunks (5.9 MB, 1.5 s at 4 MB/s,
+    # instead of 47 s for the whole prefix).
+    probe = p.advise(["a"] * 64, now=30.0)
+    assert (probe.load, probe.held, probe.reason) == (2, 64, LOAD_PROBE)
+    assert p.skipped[SKIP_SLOWER] == 64 + 62
+    # One probe per interval, even if the probe's fetch never reports.
+    assert p.advise(["a"] * 64, now=31.0).reason == SKIP_SLOWER
+    assert p.advise(["a"] * 64, now=61.0).reason == LOAD_PROBE
+    # The link got fast again: the probe measures it (2 chunks in 6 ms) and the next
+    # hit loads the whole prefix.
+    p.fetched("a", 2 * CHUNK_BYTES, 0.006, now=61.5)
+    assert p.bandwidth["a"].value > 400e6
+    assert p.advise(["a"] * 64, now=62.0).reason == LOAD_PAYS
+    # Over a day of hits every 5 s from a peer that stays slow, it is probed every 35 s
+    # (30 s after the last probe's sample, at the next hit).
+    q = policy(probe_interval=30.0)
+    smollm2_prefill(q)
+    measured(q, "a", SLOW)
+    probes = 0
+    for second in range(1, 86_400, 5):
+        advice = q.advise(["a"] * 64, now=float(second))
+        if advice.reason == LOAD_PROBE:
+            probes += 1
+            measured(q, "a", SLOW, now=second + 1.5)
+    assert probes == pytest.approx(86_400 / 35, abs=2)
+
+
+def test_fast_and_slow_holders_in_one_prefix_load_the_part_that_pays() -> None:
+    p = policy()
+    smollm2_prefill(p)
+    measured(p, "fast", FAST)
+    measured(p, "slow", SLOW)
+    advice = p.advise(["fast"] * 32 + ["slow"] * 32, now=1.0)
+    assert (advice.load, advice.held, advice.reason) == (32, 64, LOAD_PAYS)
+    assert advice.peers == ("fast", "slow")
+    assert p.skipped == {SKIP_SLOWER: 32}
+    # Once the slow holder's estimate is stale, the probe reaches 2 of its chunks.
+    probe = p.advise(["fast"] * 32 + ["slow"] * 32, now=40.0)
+    assert (probe.load, probe.reason) == (34, LOAD_PROBE)
+
+
+def test_only_the_leading_held_run_counts() -> None:
+    p = policy()
+    assert p.advise([None, "a", "a"], now=0.0).reason is None
+    assert p.advise([], now=0.0).reason is None
+    assert p.decisions == {}
+    advice = p.advise(["a", "a", None, "a"], now=0.0)
+    assert (advice.load, advice.held) == (2, 2)
+
+
+def test_prefill_rate_per_band_falls_back_to_the_nearest() -> None:
+    p = policy()
+    assert p.prefill_rate(256) is None
+    p.computed(256, 0.4, now=0.0)
+    assert p.prefill_rate(256) == pytest.approx(640)
+    assert p.prefill_rate(8192) == pytest.approx(640)  # only band measured
+    p.computed(4096, 4096 / 300, now=0.0)
+    assert p.prefill_rate(4096 + 100) == pytest.approx(300)
+    assert p.prefill_rate(300) == pytest.approx(640)
+    # 1,024 is as far from 256 as from 4,096: the shorter (faster) band answers.
+    assert band(1024) - band(256) == band(4096) - band(1024)
+    assert p.prefill_rate(1024) == pytest.approx(640)
+    p.computed(256, 256 / 440, now=1.0)  # EWMA: 0.3 of the new sample
+    assert p.prefill_rate(256) == pytest.approx(640 + 0.3 * (440 - 640))
+
+
+def test_prefill_meter_times_a_request_from_scheduling_to_its_last_prompt_chunk() -> None:
+    meter = PrefillMeter(chunk_tokens=64)
+    prompt = [bytes([i]) * 16 for i in range(6)]
+    meter.asked("r1", prompt)
+    meter.stored("r1", prompt[:2], now=0.5)  # before its scheduling: not timed
+    meter.scheduled(["r1"], (), now=1.0)
+    meter.stored("r1", prompt[:4], now=1.6)
+    meter.stored("r1", prompt[4:], now=2.0)
+    meter.stored("r1", [b"decode chunk...."], now=9.0)  # not one it looked up
+    meter.scheduled(["r1"], (), now=3.0)  # scheduled again: the first time counts
+    assert meter.finished("r1") == (6 * 64, 1.0)
+    assert meter.finished("r1") is None  # forgotten
+    # A preempted request gives no sample; nor does one that stored nothing.
+    meter.asked("r2", prompt)
+    meter.scheduled(["r2"], (), now=1.0)
+    meter.stored("r2", prompt, now=2.0)
+    meter.scheduled((), ["r2"], now=2.5)
+    assert meter.finished("r2") is None
+    meter.scheduled(["r3"], (), now=1.0)
+    assert meter.finished("r3") is None
+    # Requests that never finish do not pile up.
+    for i in range(MAX_TRACKED_REQUESTS + 10):
+        meter.asked(f"x{i}", prompt[:1])
+    assert meter.tracked() == MAX_TRACKED_REQUESTS
+
+
+def test_policy_takes_the_meters_samples_when_requests_finish() -> None:
+    p = policy()
+    keys = [bytes([i]) * 16 for i in range(4)]
+    p.meter.asked("r", keys)
+    p.meter.scheduled(["r"], (), now=10.0)
+    p.meter.stored("r", keys, now=10.4)
+    assert p.finished("r", now=10.5) == (256, pytest.approx(0.4))
+    assert p.prefill_rate(256) == pytest.approx(640)
+
+
+def test_describe_reports_estimates_and_decisions() -> None:
+    p = policy()
+    smollm2_prefill(p)
+    measured(p, "tcp://h:1", SLOW, now=0.0)
+    p.advise(["tcp://h:1"] * 4, now=2.0)
+    report = p.describe(now=2.0)
+    assert report["bandwidth_bytes_per_s"]["tcp://h:1"] == {
+        "per_second": SLOW, "samples": 1, "age_s": 2.0}
+    assert set(report["prefill_tokens_per_s"]) == {"256", "4096"}
+    assert report["decisions"] == {SKIP_SLOWER: 1}
+    assert report["skipped_chunks"] == {SKIP_SLOWER: 4}
+    assert report["last"]["reason"] == SKIP_SLOWER
+    assert report["last"]["load_s"] == pytest.approx(2.9491, abs=1e-4)
+    assert report["chunk_bytes"] == CHUNK_BYTES
+
+
+@pytest.mark.parametrize(("config", "field"), [
+    ({"min_tokens": -1}, "min_tokens"), ({"min_speedup": 0.0}, "min_speedup"),
+    ({"min_speedup": float("inf")}, "min_speedup"), ({"probe_interval": 0.0}, "probe_interval"),
+    ({"probe_chunks": 0}, "probe_chunks"),
+])
+def test_bad_configuration_is_refused_by_name(config: dict[str, float], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        LoadPolicyConfig(**config)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        LoadPolicy(LoadPolicyConfig(), chunk_bytes=0, chunk_tokens=64)
