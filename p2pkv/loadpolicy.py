@@ -14,10 +14,10 @@ peers of different speeds.
 
 Defaults are optimistic: while either estimate is unknown, everything is loaded, so a
 new peer or a new engine behaves as without the policy until it has measured. Estimates
-are bounded (a zero-length or clock-glitch sample never decides for minutes) and a peer
-found slow is never refused for good: once its estimate is older than
-``probe_interval``, the next hit from it loads ``probe_chunks`` chunks (a bounded probe)
-and that fetch refreshes the estimate.
+are bounded (a zero-length or clock-glitch sample never decides for minutes) and decay:
+a peer found slow is never refused for good. Once its estimate is older than
+``probe_interval``, the next hit from it loads ``probe_chunks`` chunks (a bounded probe),
+and that fetch's bandwidth replaces the old estimate.
 
 No IO, no clock: time (``now``, monotonic seconds) is an argument; the caller serialises
 calls (one lock).
@@ -60,7 +60,8 @@ BANDWIDTH_BOUNDS = (1e3, 1e12)
 PREFILL_BOUNDS = (1e-1, 1e8)
 #: Weight of a faster bandwidth sample. A slower one replaces the estimate at once:
 #: trusting a link that just got slower costs a whole slow load per request, doubting
-#: one that got faster costs recomputes until the next probe.
+#: one that got faster costs recomputes until the next probe. Any sample replaces an
+#: estimate older than ``probe_interval`` (a probe's, typically).
 BANDWIDTH_RISE = 0.5
 #: Weight of a new prefill-rate sample (every computed request gives one).
 PREFILL_WEIGHT = 0.3
@@ -241,7 +242,9 @@ class LoadPolicy:
         if est is None:
             self.bandwidth[peer] = Rate(sample, 1, now, now)
             return
-        est.value = sample if sample < est.value else \
+        # An estimate older than probe_interval has decayed: a new sample replaces it.
+        stale = now - est.updated >= self.config.probe_interval
+        est.value = sample if stale or sample < est.value else \
             est.value + BANDWIDTH_RISE * (sample - est.value)
         est.samples += 1
         est.updated = est.probed = now
@@ -315,23 +318,26 @@ class LoadPolicy:
                      ) -> tuple[int, tuple[float, float], tuple[float, float]]:
         """The leading part that saves the most time among those that pay by
         ``min_speedup``, with its (load, recompute) seconds, and those of the whole run.
-        Fetches from several peers run in parallel: the slowest one decides."""
+
+        Parts end where the holder changes (one holder: all or nothing). Fetches from
+        several peers run in parallel, so the slowest one decides a part's load time; its
+        recompute time is at the prefill rate of the whole run's length."""
+        rate = self.prefill_rate(len(run) * self.chunk_tokens) or PREFILL_BOUNDS[0]
         counts: dict[str, int] = {}
-        by_band: dict[int, float] = {}
         best, best_gain = 0, 0.0
         at_best = whole = (0.0, 0.0)
         for k, peer in enumerate(run, start=1):
             counts[peer] = counts.get(peer, 0) + 1
-            load = max(c * self.chunk_bytes / rates[p] for p, c in counts.items())
+            if k < len(run) and run[k] == peer:
+                continue
             tokens = k * self.chunk_tokens
-            rate = by_band.get(band(tokens))
-            if rate is None:
-                rate = by_band[band(tokens)] = self.prefill_rate(tokens) or PREFILL_BOUNDS[0]
-            whole = (load, tokens / rate)
-            gain = whole[1] - load
+            whole = (max(c * self.chunk_bytes / rates[p] for p, c in counts.items()),
+                     tokens / rate)
+            load, recompute = whole
             if (tokens >= self.config.min_tokens
-                    and whole[1] >= self.config.min_speedup * load and gain >= best_gain):
-                best, best_gain, at_best = k, gain, whole
+                    and recompute >= self.config.min_speedup * load
+                    and recompute - load >= best_gain):
+                best, best_gain, at_best = k, recompute - load, whole
         return best, at_best, whole
 
     def _probe_length(self, run: list[str], stale: set[str], start: int) -> int:

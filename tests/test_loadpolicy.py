@@ -127,6 +127,10 @@ def test_a_slower_fetch_is_believed_at_once_a_faster_one_halfway() -> None:
     measured(p, "a", 104e6, now=2.0)
     assert p.bandwidth["a"].value == pytest.approx(54e6)
     assert p.bandwidth["a"].samples == 3
+    # An estimate older than probe_interval (30 s) has decayed: the next sample, faster
+    # or slower, replaces it.
+    measured(p, "a", 500e6, now=40.0)
+    assert p.bandwidth["a"].value == pytest.approx(500e6)
 
 
 def test_estimates_are_bounded() -> None:
@@ -158,7 +162,7 @@ def test_a_slow_peer_is_probed_again_after_the_interval_never_refused_for_good()
     # The link got fast again: the probe measures it (2 chunks in 6 ms) and the next
     # hit loads the whole prefix.
     p.fetched("a", 2 * CHUNK_BYTES, 0.006, now=61.5)
-    assert p.bandwidth["a"].value > 400e6
+    assert p.bandwidth["a"].value == pytest.approx(2 * CHUNK_BYTES / 0.006)
     assert p.advise(["a"] * 64, now=62.0).reason == LOAD_PAYS
     # Over a day of hits every 5 s from a peer that stays slow, it is probed every 35 s
     # (30 s after the last probe's sample, at the next hit).
@@ -275,3 +279,16 @@ def test_bad_configuration_is_refused_by_name(config: dict[str, float], field: s
         LoadPolicyConfig(**config)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="chunk_bytes"):
         LoadPolicy(LoadPolicyConfig(), chunk_bytes=0, chunk_tokens=64)
+
+
+def test_one_holder_is_all_or_nothing_whatever_the_bands_measured() -> None:
+    """Seen on a loaded engine: band 128 measured at 28.8 tokens/s, band 256 at 42, the
+    link at 4.55 MB/s. A 5-chunk prefix from one peer loads whole (7.6 s to recompute
+    against 3.2 s to load), never just the 3 chunks whose band looks slowest."""
+    p = policy()
+    p.computed(192, 192 / 28.8, now=0.0)
+    p.computed(256, 256 / 42.0, now=0.0)
+    p.fetched("a", 5 * CHUNK_BYTES, 5 * CHUNK_BYTES / 4.55e6, now=0.0)
+    advice = p.advise(["a"] * 5, now=1.0)
+    assert (advice.load, advice.reason) == (5, LOAD_PAYS)
+    assert advice.recompute_seconds == pytest.approx(320 / 42.0)
