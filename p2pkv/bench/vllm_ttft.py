@@ -40,13 +40,28 @@ BENCH_MODEL = TinyLlama(hidden_size=1024, num_layers=8, num_heads=16, num_kv_hea
                         max_position_embeddings=16384, seed=1)
 
 
-def _config(listen: str, peers: list[str], cpu_bytes: int,
+#: Tokens per offloaded chunk.
+CHUNK_TOKENS = 64
+
+
+def _config(listen: str, peers: list[str], cpu_bytes: int, pool_blocks: int,
             policy: bool = True) -> dict[str, Any]:
     from p2pkv.integrations.vllm.options import kv_transfer_config
 
     return kv_transfer_config({"listen": listen, "peers": peers, "lookup_timeout": 2.0,
-                               "fetch_timeout": 120.0, "load_policy": policy},
-                              cpu_bytes_to_use=cpu_bytes, block_size=64)
+                               "fetch_timeout": 120.0, "load_policy": policy,
+                               "pool_blocks": pool_blocks},
+                              cpu_bytes_to_use=cpu_bytes, block_size=CHUNK_TOKENS)
+
+
+def _kv_bytes_per_token(config: dict[str, Any]) -> int:
+    """fp32 K and V of every layer for one token (a Hugging Face config.json, or the
+    random model's fields)."""
+    layers = int(config.get("num_hidden_layers") or config["num_layers"])
+    heads = int(config.get("num_attention_heads") or config["num_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or config.get("num_kv_heads") or heads)
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    return layers * kv_heads * head_dim * 2 * 4
 
 
 def _engine(model: str, config: dict[str, Any], max_len: int) -> None:
@@ -63,6 +78,12 @@ def _engine(model: str, config: dict[str, Any], max_len: int) -> None:
     print("@ready", flush=True)
     for line in sys.stdin:
         ids = json.loads(line)
+        if isinstance(ids, dict) and "reset" in ids:
+            # Forget every prompt (prefix cache and the connector's primary region; the
+            # p2pkv tier's pool stays): the next request of a held prompt loads again.
+            print("@" + json.dumps({"reset": llm.reset_prefix_cache(reset_connector=True)}),
+                  flush=True)
+            continue
         if isinstance(ids, dict):
             values = {}
             for m in llm.get_metrics():
@@ -99,7 +120,9 @@ class _Proc:
             if line.startswith(prefix):
                 return line[len(prefix):]
         with open(self.log) as fh:
-            tail = "".join(fh.readlines()[-30:])
+            tail = "".join(line for line in fh.readlines()[-400:]
+                           if "Error" in line or "error" in line or "Traceback" in line
+                           or line.startswith("  "))[-6000:]
         raise SystemExit(f"engine exited with {self.proc.wait()}; its log ends:\n{tail}")
 
     def run(self, ids: list[int] | dict[str, int]) -> dict[str, Any]:
@@ -111,6 +134,10 @@ class _Proc:
 
     def metrics(self) -> dict[str, float]:
         return self.run({"metrics": 1})
+
+    def reset(self) -> None:
+        if not self.run({"reset": 1})["reset"]:
+            raise SystemExit("the consumer engine could not reset its prefix cache")
 
     def close(self) -> None:
         self.proc.communicate("", timeout=300)
@@ -156,28 +183,32 @@ def run(prompt_tokens: int | list[int], rounds: int, model_dir: str | None = Non
         vocab = int(described["vocab_size"])
         limit = int(described.get("max_position_embeddings", 1 << 30))
         max_len = min(max(lengths) + 64, limit)
-        prompts = _prompts(lengths, 2 * per * len(links), vocab)
-        # Per link and length: prompts the producer holds, and fresh ones nobody holds.
-        held = {link: {n: prompts[n][k * per:(k + 1) * per] for n in lengths}
-                for k, link in enumerate(links)}
-        fresh = {link: {n: prompts[n][(len(links) + k) * per:(len(links) + k + 1) * per]
-                        for n in lengths} for k, link in enumerate(links)}
+        # One prompt per length the producer holds, and one nobody holds: the consumer
+        # forgets both after each round (reset), so every round asks again.
+        prompts = _prompts(lengths, 2, vocab)
+        held = {n: prompts[n][0] for n in lengths}
+        fresh = {n: prompts[n][1] for n in lengths}
+        # Memory sized to what is held (the machine is shared).
+        chunk_bytes = CHUNK_TOKENS * _kv_bytes_per_token(described)
+        longest = max(lengths) // CHUNK_TOKENS + 1
+        held_chunks = sum(n // CHUNK_TOKENS + 1 for n in lengths)
+        region = max(512 << 20, 3 * longest * chunk_bytes)
         a = _address()
-        producer = _Proc(model, _config(a, [], 4 << 30), max_len,
+        producer = _Proc(model, _config(a, [], region, held_chunks + longest), max_len,
                          os.path.join(tmp, "producer.log"))
         relay: FaultProxy | None = None
         cells: dict[tuple[str, str, int], dict[str, Any]] = {}
         decisions: dict[tuple[str, str], dict[str, float]] = {}
         estimates: dict[str, dict[str, float]] = {}
         try:
-            produced = {(link, n): [producer.run(p) for p in held[link][n]]
-                        for link in links for n in lengths}
+            produced = {n: producer.run(held[n]) for n in lengths}
             if throttle:
                 port = int(a.rsplit(":", 1)[1])
                 relay = FaultProxy(int(_address().rsplit(":", 1)[1]), port, seed=0)
             for policy in policies:
                 peer = relay.address if relay else a
-                consumer = _Proc(model, _config(_address(), [peer], 2 << 30, policy == "on"),
+                consumer = _Proc(model, _config(_address(), [peer], region, 2 * longest,
+                                                policy == "on"),
                                  max_len, os.path.join(tmp, f"consumer-{policy}.log"))
                 try:
                     for link in links:
@@ -187,11 +218,12 @@ def run(prompt_tokens: int | list[int], rounds: int, model_dir: str | None = Non
                         before = consumer.metrics()
                         for n in lengths:
                             cells[(policy, link, n)] = {"hit": [], "miss": []}
-                        for r in range(per):  # lengths interleaved, hit and miss alternating
+                        for _ in range(per):  # lengths interleaved, miss then hit
                             for n in lengths:
-                                hit = consumer.run(held[link][n][r])
-                                hit["same_token"] = hit["token"] == produced[(link, n)][r]["token"]
-                                miss = consumer.run(fresh[link][n][r])
+                                miss = consumer.run(fresh[n])
+                                hit = consumer.run(held[n])
+                                hit["same_token"] = hit["token"] == produced[n]["token"]
+                                consumer.reset()
                                 cells[(policy, link, n)]["hit"].append(hit)
                                 cells[(policy, link, n)]["miss"].append(miss)
                         after = consumer.metrics()
@@ -214,7 +246,7 @@ def run(prompt_tokens: int | list[int], rounds: int, model_dir: str | None = Non
         miss_s = [m["seconds"] for m in misses]
         rows.append({
             "policy": policy, "link": link, "prompt_tokens": n,
-            "producer_prefill_s": [p["seconds"] for p in produced[(link, n)]],
+            "producer_prefill_s": produced[n]["seconds"],
             "hit_ttft_s": hit_s, "miss_ttft_s": miss_s,
             "warmup_hit_ttft_s": [h["seconds"] for h in cell["hit"][:warm]],
             "warmup_miss_ttft_s": [m["seconds"] for m in cell["miss"][:warm]],

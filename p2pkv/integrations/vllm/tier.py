@@ -11,6 +11,8 @@ Threads and what each may touch:
   only submit work);
 - the **lookup thread** (vLLM's ``AsyncLookupManager``) asks every connected peer about
   one step's keys at once, with one deadline, and records which peer holds each key;
+  the load policy (``loads.py``) then answers MISS for held chunks whose load would take
+  longer than recomputing them;
 - the **store thread** copies stored chunks out of the primary region into the node's
   pool (the region's slots are reused as soon as the store job is reported);
 - the node's **IO thread** lands fetched chunks in the primary region with ``recv_into``
