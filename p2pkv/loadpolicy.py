@@ -16,8 +16,12 @@ Defaults are optimistic: while either estimate is unknown, everything is loaded,
 new peer or a new engine behaves as without the policy until it has measured. Estimates
 are bounded (a zero-length or clock-glitch sample never decides for minutes) and decay:
 a peer found slow is never refused for good. Once its estimate is older than
-``probe_interval``, the next hit from it loads ``probe_chunks`` chunks (a bounded probe),
-and that fetch's bandwidth replaces the old estimate.
+``probe_interval``, a hit from it loads ``probe_chunks`` chunks (a bounded probe), and
+that fetch's bandwidth replaces the old estimate. A probe only goes with a request whose
+recompute it slows by at most ``probe_budget`` (a short prompt is not made to wait for a
+slow link); each probe that finds the peer still slow doubles the wait for the next one,
+up to ``2 ** MAX_PROBE_BACKOFF`` intervals, past which the next hit probes whatever it
+costs.
 
 No IO, no clock: time (``now``, monotonic seconds) is an argument; the caller serialises
 calls (one lock).
@@ -65,6 +69,8 @@ PREFILL_BOUNDS = (1e-1, 1e8)
 BANDWIDTH_RISE = 0.5
 #: Weight of a new prefill-rate sample (every computed request gives one).
 PREFILL_WEIGHT = 0.3
+#: Probes that found a peer still slow double its probe interval, at most this many times.
+MAX_PROBE_BACKOFF = 4
 #: Requests tracked at once for prefill samples (the oldest are dropped past it).
 MAX_TRACKED_REQUESTS = 4096
 
@@ -82,7 +88,9 @@ class LoadPolicyConfig:
     #: Seconds after which a peer found slow is probed again.
     probe_interval: float = 30.0
     #: Chunks a probe loads.
-    probe_chunks: int = 2
+    probe_chunks: int = 1
+    #: A probe may add at most this fraction of the request's estimated recompute time.
+    probe_budget: float = 0.05
 
     def __post_init__(self) -> None:
         if self.min_tokens < 0:
@@ -93,6 +101,8 @@ class LoadPolicyConfig:
             raise ValueError(f"probe_interval must be positive, got {self.probe_interval}")
         if self.probe_chunks < 1:
             raise ValueError(f"probe_chunks must be >= 1, got {self.probe_chunks}")
+        if not self.probe_budget >= 0 or math.isinf(self.probe_budget):
+            raise ValueError(f"probe_budget must be a number >= 0, got {self.probe_budget}")
 
 
 @dataclass
@@ -103,10 +113,15 @@ class Rate:
     samples: int
     updated: float
     probed: float
+    #: Probes since the peer last paid (each doubles the interval to the next one).
+    backoff: int = 0
 
     def describe(self, now: float) -> dict[str, Any]:
-        return {"per_second": round(self.value, 3), "samples": self.samples,
-                "age_s": round(now - self.updated, 3)}
+        out: dict[str, Any] = {"per_second": round(self.value, 3), "samples": self.samples,
+                               "age_s": round(now - self.updated, 3)}
+        if self.backoff:
+            out["probe_backoff"] = self.backoff
+        return out
 
 
 def _clamp(value: float, bounds: tuple[float, float]) -> float:
@@ -207,6 +222,15 @@ class PrefillMeter:
         return len(self._requests)
 
 
+def _load_seconds(part: Sequence[str], rates: dict[str, float], chunk_bytes: int) -> float:
+    """Estimated time to load chunks held by ``part[i]``: one fetch per peer, in
+    parallel, so the slowest decides."""
+    counts: dict[str, int] = {}
+    for peer in part:
+        counts[peer] = counts.get(peer, 0) + 1
+    return max((c * chunk_bytes / rates[p] for p, c in counts.items()), default=0.0)
+
+
 def band(tokens: int) -> int:
     """The prompt-length band of ``tokens``: prefill slows as prompts grow (attention),
     so rates are kept per power of two."""
@@ -301,18 +325,40 @@ class LoadPolicy:
             return self._decided(Advice(n, n, LOAD_UNKNOWN, peers=peers))
         rates = {p: self.bandwidth[p].value for p in peers}
         best, at_best, whole = self._best_prefix(run, rates)
+        for p in run[:best]:  # a peer whose load pays is not probed
+            self.bandwidth[p].backoff = 0
         if best == n:
             return self._decided(Advice(n, n, LOAD_PAYS, *at_best, peers))
-        # The holders of the part not loaded whose estimate is old: probe them.
-        stale = {p for p in run[best:] if now - self.bandwidth[p].probed >= cfg.probe_interval}
-        if stale:
-            for p in stale:
-                self.bandwidth[p].probed = now
-            probe = self._probe_length(run, stale, best)
+        probe = self._probe(run, rates, best, whole[1], now)
+        if probe:
             return self._decided(Advice(probe, n, LOAD_PROBE, *whole, peers))
         if best > 0:
             return self._decided(Advice(best, n, LOAD_PAYS, *at_best, peers))
         return self._decided(Advice(0, n, SKIP_SLOWER, *whole, peers))
+
+    def _probe(self, run: list[str], rates: dict[str, float], best: int, recompute: float,
+               now: float) -> int:
+        """The chunks to load to probe the holders of the part not loaded whose estimate
+        is due (0: no probe now), marking them probed."""
+        cfg = self.config
+
+        def waited(peer: str, backoff: int) -> bool:
+            return now - self.bandwidth[peer].probed >= cfg.probe_interval * (1 << backoff)
+
+        due = {p for p in run[best:] if waited(p, self.bandwidth[p].backoff)}
+        if not due:
+            return 0
+        length = self._probe_length(run, due, best)
+        cost = _load_seconds(run[:length], rates, self.chunk_bytes) - \
+            _load_seconds(run[:best], rates, self.chunk_bytes)
+        if cost > cfg.probe_budget * recompute and not any(
+                waited(p, MAX_PROBE_BACKOFF) for p in due):
+            return 0
+        for p in due:
+            est = self.bandwidth[p]
+            est.probed = now
+            est.backoff = min(est.backoff + 1, MAX_PROBE_BACKOFF)
+        return length
 
     def _best_prefix(self, run: list[str], rates: dict[str, float]
                      ) -> tuple[int, tuple[float, float], tuple[float, float]]:
@@ -371,7 +417,8 @@ class LoadPolicy:
         return {
             "enabled": cfg.enabled, "min_tokens": cfg.min_tokens,
             "min_speedup": cfg.min_speedup, "probe_interval": cfg.probe_interval,
-            "probe_chunks": cfg.probe_chunks, "chunk_bytes": self.chunk_bytes,
+            "probe_chunks": cfg.probe_chunks, "probe_budget": cfg.probe_budget,
+            "chunk_bytes": self.chunk_bytes,
             "chunk_tokens": self.chunk_tokens,
             "bandwidth_bytes_per_s": {p: r.describe(now) for p, r in self.bandwidth.items()},
             "prefill_tokens_per_s": {str(1 << b): r.describe(now)

@@ -3,20 +3,30 @@
 Run with the vLLM environment::
 
     .venv-vllm/bin/python -m p2pkv.bench.vllm_ttft [--prompt-tokens 4096]
-        [--rounds 3] [--model-dir DIR] [--json PATH]
+        [--rounds 3] [--model-dir DIR] [--policy on|off|both] [--throttle MB_PER_S]
+        [--warmup N] [--json PATH]
 
-``--prompt-tokens`` takes a comma-separated list (``1024,4096,8000``): every length is
-measured with the same two engines. ``--model-dir`` runs a real checkpoint (for example
+``--prompt-tokens`` takes a comma-separated list (``256,4096``): every length is
+measured with the same engines. ``--model-dir`` runs a real checkpoint (for example
 SmolLM2 from ``make real-model``: ``.models/smollm2``) instead of the random-weight one.
 
-A producer engine computes ``rounds`` long prompts and keeps their KV chunks in its p2pkv
-tier. A consumer engine (another process, connected to the producer) then alternates, per
-round, a prompt the producer holds (its prefix loads over p2pkv) and a fresh prompt of the
-same length that nobody holds (recomputed; the p2pkv lookup still runs and misses). Both
-are timed end to end with ``max_tokens=1``, so the time is the time to first token of a
-request arriving at an idle engine. The model is a random-weight Llama written locally
-(about 700 MB of fp32 weights by default), large enough that prefill dominates on a CPU.
-Ratios are measured in one run; compare them, not the absolute times.
+A producer engine computes one prompt per length and keeps its KV chunks in its p2pkv
+tier. A consumer engine (another process, connected to the producer) then runs, per
+round and length, a fresh prompt that nobody holds (recomputed; the p2pkv lookup still
+runs and misses) and the prompt the producer holds (its prefix loads over p2pkv, or is
+recomputed where the load policy says a load would be slower), and then forgets both
+(``reset_prefix_cache`` with the connector; the tier's pool stays), so that every round
+asks again. Both are timed end to end with ``max_tokens=1``: the time to first token of
+a request arriving at an idle engine.
+
+``--policy both`` runs one consumer with the tier's ``load_policy`` off and one with it
+on. ``--throttle`` puts a relay between consumer and producer
+(:class:`~p2pkv.bench.chaos.proxy.FaultProxy`), first unlimited (``fast``), then limited
+to that many MB/s each way (``throttled``); the first ``--warmup`` rounds of each link
+(default 1 with a relay) are reported apart: they are where the policy learns the link.
+The default model is a random-weight Llama written locally (about 700 MB of fp32
+weights), large enough that prefill dominates on a CPU. Ratios are measured in one run;
+compare them, not the absolute times.
 """
 
 from __future__ import annotations
@@ -254,6 +264,9 @@ def run(prompt_tokens: int | list[int], rounds: int, model_dir: str | None = Non
             "warmup_hit_cached_tokens": [h["cached"] for h in cell["hit"][:warm]],
             "same_first_token": all(h["same_token"] for h in cell["hit"]),
             "ttft_ratio_hit_over_miss": statistics.median(hit_s) / statistics.median(miss_s),
+            # Each hit over the recompute measured just before it: drift cancels.
+            "paired_ratio_median": statistics.median(
+                h / m for h, m in zip(hit_s, miss_s, strict=True)),
             "decisions": decisions[(policy, link)],
         })
     result: dict[str, Any] = {
@@ -269,7 +282,8 @@ def _print(result: dict[str, Any]) -> None:
     print(f"model {result['model']}, {result['rounds']} rounds (+{result['warmup']} warm-up "
           f"round(s) not counted), throttled link {result['throttle_mb_s']} MB/s")
     print(f"{'policy':6}  {'link':9}  {'prompt':>6}  {'TTFT hit':>9}  {'recompute':>9}  "
-          f"{'hit/rec':>7}  {'cached tokens':24}  decisions (this link, all lengths)")
+          f"{'hit/rec':>7}  {'paired':>7}  {'cached tokens':24}  decisions (this link, all "
+          f"lengths)")
     for row in result["rows"]:
         med_hit = statistics.median(row["hit_ttft_s"])
         med_miss = statistics.median(row["miss_ttft_s"])
@@ -278,6 +292,7 @@ def _print(result: dict[str, Any]) -> None:
                             for k, v in row["decisions"].items())
         print(f"{row['policy']:6}  {row['link']:9}  {row['prompt_tokens']:>6}  "
               f"{med_hit:>8.3f}s  {med_miss:>8.3f}s  {row['ttft_ratio_hit_over_miss']:>6.3f}x  "
+              f"{row['paired_ratio_median']:>6.3f}x  "
               f"{row['hit_cached_tokens']!s:24}  {decided}")
         print(f"{'':6}  {'':9}  {'':>6}  all hit {[round(x, 3) for x in row['hit_ttft_s']]}"
               f"  all recompute {[round(x, 3) for x in row['miss_ttft_s']]}  warm-up hit "

@@ -36,7 +36,7 @@ TIER_OPTIONS: tuple[str, ...] = (
     "identity_policy", "kv_memory_layout", "model_revision", "model_overrides",
     "directory", "directory_ttl", "advertise", "shm", "identity_timeout", "drain_timeout",
     "refused_retry_interval", "drain_grace", "load_policy", "load_min_tokens",
-    "load_min_speedup", "load_probe_interval", "load_probe_chunks",
+    "load_min_speedup", "load_probe_interval", "load_probe_chunks", "load_probe_budget",
 )
 _DEFAULT_RECONNECT = 2.0
 #: Seconds before a peer that refused the handshake is tried again (the configuration
@@ -50,7 +50,8 @@ DEFAULT_DRAIN_GRACE = 5.0
 DEFAULT_IDENTITY_TIMEOUT = 600.0
 _TIER_ONLY = ("peers", "reconnect_interval", "locality", "identity_timeout",
               "refused_retry_interval", "drain_grace", "load_policy", "load_min_tokens",
-              "load_min_speedup", "load_probe_interval", "load_probe_chunks")
+              "load_min_speedup", "load_probe_interval", "load_probe_chunks",
+              "load_probe_budget")
 #: Defaults that differ from ``serve``'s: a scheduler waits on lookups, so silence
 #: becomes a miss sooner; a load that takes longer than recomputing is not worth waiting.
 TIER_DEFAULTS: Mapping[str, Any] = {"lookup_timeout": 1.0, "fetch_timeout": 10.0}
@@ -127,11 +128,16 @@ def load_policy_config(params: Mapping[str, Any]) -> LoadPolicyConfig:
             or not 0 < speedup < float("inf")):
         raise ConfigError(f"P2PKVTier: load_min_speedup must be a positive number (how many "
                           f"times faster than recomputing a load must be), got {speedup!r}")
+    budget = params.get("load_probe_budget", default.probe_budget)
+    if (isinstance(budget, bool) or not isinstance(budget, (int, float))
+            or not 0 <= budget < float("inf")):
+        raise ConfigError(f"P2PKVTier: load_probe_budget must be a number >= 0 (the fraction "
+                          f"of a request's recompute time a probe may add), got {budget!r}")
     return LoadPolicyConfig(
         enabled=enabled, min_tokens=counts["load_min_tokens"], min_speedup=float(speedup),
         probe_interval=_positive_seconds(params, "load_probe_interval",
                                          default.probe_interval),
-        probe_chunks=counts["load_probe_chunks"])
+        probe_chunks=counts["load_probe_chunks"], probe_budget=float(budget))
 
 
 def _positive_seconds(params: Mapping[str, Any], name: str, default: float) -> float:
