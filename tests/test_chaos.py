@@ -74,3 +74,57 @@ def test_a_short_chaos_run_shows_no_corruption_no_missed_deadline_no_leak(
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def test_the_proxy_limits_each_direction_to_its_rate() -> None:
+    """``FaultProxy.set_rate``: a slow link each way (the vLLM load-policy tests use it);
+    bytes still arrive intact and in order, and without a rate they are not held."""
+    import socket
+    import threading
+    import time
+
+    from p2pkv.bench.chaos.proxy import FaultProxy
+
+    size = 400_000
+    upstream = socket.create_server(("127.0.0.1", 0))
+    received = bytearray()
+    first_done = threading.Event()
+    all_done = threading.Event()
+
+    def sink() -> None:
+        conn, _ = upstream.accept()
+        conn.settimeout(10)
+        with conn:
+            while len(received) < 2 * size:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    break
+                received.extend(chunk)
+                if len(received) >= size:
+                    first_done.set()
+        all_done.set()
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proxy = FaultProxy(port, upstream.getsockname()[1], seed=0, rate=2e6)
+    threading.Thread(target=sink, daemon=True).start()
+    try:
+        with pytest.raises(ValueError, match="positive"):
+            proxy.set_rate(0)
+        payload = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            started = time.monotonic()
+            client.sendall(payload)
+            assert first_done.wait(20)
+            elapsed = time.monotonic() - started
+            proxy.set_rate(None)
+            client.sendall(payload)
+            assert all_done.wait(20)
+        assert bytes(received) == payload + payload
+        # 400 kB at 2 MB/s cannot arrive in less than 0.2 s (the first 64 KiB chunk may
+        # pass before the link is busy).
+        assert elapsed >= 0.15, elapsed
+    finally:
+        proxy.close()
+        upstream.close()

@@ -76,6 +76,12 @@ QUESTIONS = {"france": "What is the capital of France?",
              "germany": "What is the capital of Germany?",
              "spain": "What is the capital of Spain?",
              "egypt": "What is the capital of Egypt?"}
+#: Its first four sentences: with a question, one whole 64-token chunk.
+SYSTEM_SHORT = " ".join([
+    "You are a concise geography assistant for a travel company.",
+    "Answer every question in one short sentence that names the place asked about.",
+    "Do not add greetings, lists, caveats or follow-up questions.",
+    "If a question asks for a capital city, give the capital city of that country."])
 CONVERSATIONS = {name: [{"role": "system", "content": SYSTEM},
                         {"role": "user", "content": question}]
                  for name, question in QUESTIONS.items()}
@@ -334,6 +340,8 @@ def test_tier_identity_equals_vllm_file_mapper() -> None:
     assert "peers must be a list" in bad["peers not a list"]
     assert "127.0.0.1:5601" in bad["bad peer address"]
     assert "lookup_timeout" in bad["negative timeout"]
+    assert "load_policy must be true or false" in bad["load policy not a flag"]
+    assert "load_min_speedup must be a positive number" in bad["zero speedup"]
     assert "cannot be bound" in bad["listen taken"]
 
 
@@ -390,6 +398,15 @@ def test_tier_driven_like_vllms_tiering_manager(path: str) -> None:
     metrics_b = checks["metrics"]["b"]
     assert "vllm:p2pkv_loaded_blocks=5" in metrics_b, metrics_b
     assert "vllm:p2pkv_load_failures:('no_holder',)=1" in metrics_b, metrics_b
+    # The load policy: nothing measured before the first load, so it loaded (and says
+    # why); each completed fetch from A (the load, the partial load) is a bandwidth sample.
+    assert "vllm:p2pkv_load_decisions:('no_estimate',)=1" in metrics_b, metrics_b
+    policy = checks["metrics"]["policy"]
+    assert policy["enabled"] and policy["decisions"] == {"no_estimate": 1}, policy
+    assert policy["chunk_tokens"] == 128  # 2 blocks of 64 tokens per chunk
+    peer = policy["bandwidth_bytes_per_s"][checks["metrics"]["address_a"]]
+    assert peer["samples"] == 2 and peer["per_second"] > 0, policy
+    assert any(m.startswith("vllm:p2pkv_peer_bandwidth_bytes_per_second:") for m in metrics_b)
     assert checks["shutdown"]["has_pending"] == [False, False, False]
 
 
@@ -565,6 +582,95 @@ def test_chunks_corrupted_in_flight_are_recomputed(
         engine.close()
     finally:
         proxy.close()
+
+
+def converse(engine: Engine, *conversations: list[dict[str, str]]) -> dict[str, Any]:
+    """Answers of up to 10 tokens ("The capital of France is Paris." is 8)."""
+    engine.send({"cmd": "chat", "conversations": list(conversations), "max_tokens": 10})
+    return engine.read(ANSWER_TIMEOUT)
+
+
+#: The throttled link of the load-policy test: 1 MB/s, so loading a ~370-token prompt's
+#: five chunks (14.7 MB) would take 15 s, far longer than its prefill even on two busy
+#: cores (under 8 s seen at 42 tokens/s).
+SLOW_LINK = 1e6
+
+
+def test_load_policy_recomputes_over_a_throttled_link_and_loads_over_a_fast_one(
+        model_dir: Path, logs: Path, engines: list[Engine], producer_engine: Engine,
+        producer: str) -> None:
+    """The consumer reaches the producer through a relay whose speed the test sets. Each
+    request is a conversation of its own (a distinct system prompt) that the producer
+    answered first: its answer is the expected text. Over the fast link the whole
+    shared prefix loads; after the link slowed, one load (a one-chunk prefix) measures
+    it, and the next request is recomputed (its lookup answers MISS: nothing cached) with
+    the same answer; once the link is fast again and the estimate is older than
+    ``load_probe_interval``, a probe loads one chunk, and the next request all of them
+    (``load_probe_budget`` lets the probe go with a short prompt whose recompute it slows
+    by more than the default 5%)."""
+    from p2pkv.bench.chaos.proxy import FaultProxy
+
+    def conversation(tag: str, question: str, system: str = SYSTEM) -> list[dict[str, str]]:
+        return [{"role": "system", "content": f"Session {tag}. {system}"},
+                {"role": "user", "content": QUESTIONS[question]}]
+
+    def held(conv: list[dict[str, str]]) -> str:
+        """The producer answers ``conv`` (and so holds its chunks): the expected text."""
+        text: str = converse(producer_engine, conv)["texts"][0]
+        return text
+
+    steps = [("F", "france", SYSTEM, None),  # no bandwidth estimate yet: loads
+             ("L", "spain", SYSTEM_SHORT, SLOW_LINK),  # estimated fast: loads slowly
+             ("R", "italy", SYSTEM, SLOW_LINK),  # measured slow: recomputed
+             ("P", "germany", SYSTEM, None),  # estimate old: a probe
+             ("A", "japan", SYSTEM, None)]  # measured fast again: loads
+    convs = [conversation(tag, question, system) for tag, question, system, _ in steps]
+    # 21 chunks: the producer's pool (22 chunks of its 64 MiB) keeps them all.
+    expected = [held(conv) for conv in convs]
+    port = int(producer.rsplit(":", 1)[1])
+    proxy = FaultProxy(free_port(), port, seed=0)
+    # Longer than the slow load's sample takes to reach the next lookup on busy cores.
+    probe_interval = 15.0
+    answers = []
+    try:
+        # heartbeat_timeout: a 2.9 MB chunk takes 2.9 s to arrive over the slow link.
+        engine = consumer("consumer-policy", model_dir, logs, engines, proxy.address,
+                          tier={"load_probe_interval": probe_interval,
+                                "load_probe_budget": 100.0, "heartbeat_timeout": 10.0})
+        # Prompts nobody holds: this engine's own prefill rate.
+        assert converse(engine, conversation("W1", "egypt"),
+                        conversation("W2", "egypt"))["cached"] == [0, 0]
+        learned = 0.0
+        for (tag, _, _, rate), conv in zip(steps, convs, strict=True):
+            proxy.set_rate(rate)
+            if tag == "P":  # the link's estimate must be older than the interval
+                time.sleep(max(0.0, learned + probe_interval + 0.5 - time.monotonic()))
+            answers.append(converse(engine, conv))
+            if tag == "L":
+                learned = time.monotonic()
+            if tag == "R":
+                metrics_slow = engine.metrics()
+        metrics = engine.metrics()
+        log = engine.log_text()
+        engine.close()
+    finally:
+        proxy.close()
+    assert [a["texts"][0] for a in answers] == expected
+    chunks = [shared_tokens(a["prompt_tokens"][0]) // OFFLOAD_TOKENS for a in answers]
+    assert chunks[1] == 1 and min(chunks[0], *chunks[2:]) >= 5, chunks
+    cached = [a["cached"][0] // OFFLOAD_TOKENS for a in answers]
+    assert cached == [chunks[0], 1, 0, 1, chunks[4]], (cached, log[-3000:])
+    skipped = "vllm:p2pkv_load_skipped_blocks{reason=slower_than_recompute}"
+    assert metrics_slow.get(skipped) == chunks[2], metrics_slow
+    decisions = {k.split("reason=", 1)[1].rstrip("}"): v for k, v in metrics.items()
+                 if k.startswith("vllm:p2pkv_load_decisions")}
+    assert decisions == {"no_estimate": 1, "pays": 2, "slower_than_recompute": 1,
+                         "probe": 1}, decisions
+    assert metrics["vllm:p2pkv_loaded_blocks"] == chunks[0] + 1 + 1 + chunks[4]
+    bandwidth = f"vllm:p2pkv_peer_bandwidth_bytes_per_second{{peer={proxy.address}}}"
+    assert metrics.get(bandwidth, 0) > 10 * SLOW_LINK, metrics
+    assert "load policy: slower_than_recompute: recomputing" in log
+    assert "load policy: probe: loading 1 of" in log
 
 
 class StallingProxy(CorruptingProxy):

@@ -108,6 +108,8 @@ def check(tier_class: Any) -> None:
         "peers not a list": {"peers": "tcp://127.0.0.1:1"},
         "bad peer address": {"peers": ["127.0.0.1:5601"]},
         "negative timeout": {"lookup_timeout": -1},
+        "load policy not a flag": {"load_policy": "yes"},
+        "zero speedup": {"load_min_speedup": 0},
         "listen taken": {"listen": f"tcp://127.0.0.1:{taken.getsockname()[1]}"},
     }
     for name, params in bad.items():

@@ -204,7 +204,8 @@ def main() -> int:
                peer=stats_c["peers"][addr_a],
                metrics=sorted(str(k) for k in metrics_c.reduce()),
                server_metrics=sorted(str(k) for k in metrics_a.reduce()))
-        report("metrics", b=sorted(f"{k}={v}" for k, v in b.get_stats().reduce().items()))
+        report("metrics", b=sorted(f"{k}={v}" for k, v in b.get_stats().reduce().items()),
+               policy=b.stats()["load_policy"], address_a=addr_a)
     finally:
         for tier in (c, b, a):
             tier.drain_jobs()

@@ -1,13 +1,15 @@
-"""A TCP relay in front of one holder that can flip bytes or stall while a fault is on.
+"""A TCP relay in front of one holder that can flip bytes, stall, or be a slow link.
 
 The holder registers the relay's address (``serve --advertise``), so every consumer
 reaches it through here. :attr:`FaultProxy.mode` is read for every chunk: ``"pass"``
 relays unchanged, ``"flip"`` flips one random bit in each chunk the holder sends (block
 bytes, frame headers, handshakes alike), ``"stall"`` holds what arrives until the mode
-changes. Threads: one acceptor and, per connection, one that dials the holder and then
-two pumps, each waiting at most :data:`TICK` seconds at a time; :meth:`close` stops and
-joins them all. ``listener`` and ``dial`` replace the listening socket and the
-connection to the holder (the partition fault makes both in network namespaces, see
+changes. :meth:`FaultProxy.set_rate` makes it a link of that many bytes per second each
+way (all connections of one direction share it), or unlimited again. Threads: one
+acceptor and, per connection, one that dials the holder and then two pumps, each waiting
+at most :data:`TICK` seconds at a time; :meth:`close` stops and joins them all.
+``listener`` and ``dial`` replace the listening socket and the connection to the holder
+(the partition fault makes both in network namespaces, see
 :mod:`p2pkv.bench.chaos.netns`); in ``"pass"`` mode the proxy is a plain relay.
 """
 
@@ -32,13 +34,18 @@ class FaultProxy:
 
     def __init__(self, port: int, upstream: int, *, seed: int,
                  listener: socket.socket | None = None,
-                 dial: Callable[[], socket.socket] | None = None) -> None:
+                 dial: Callable[[], socket.socket] | None = None,
+                 rate: float | None = None) -> None:
         self.port = port
         self.upstream = upstream
         self.mode = "pass"
         self.flipped = 0
         #: Bytes relayed from the holder so far.
         self.relayed = 0
+        self.rate: float | None = None
+        #: Per direction (False: to the holder, True: from it), when the link is free.
+        self._free_at = {False: 0.0, True: 0.0}
+        self.set_rate(rate)
         self._rng = random.Random(seed)
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -58,6 +65,26 @@ class FaultProxy:
         if mode not in MODES:
             raise ValueError(f"proxy mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
+
+    def set_rate(self, bytes_per_second: float | None) -> None:
+        """Limit each direction to ``bytes_per_second`` (None: no limit)."""
+        if bytes_per_second is not None and not bytes_per_second > 0:
+            raise ValueError(f"proxy rate must be a positive number of bytes per second or "
+                             f"None, got {bytes_per_second!r}")
+        self.rate = bytes_per_second
+
+    def _pace(self, n: int, from_holder: bool) -> None:
+        """Hold ``n`` bytes until a link of :attr:`rate` would have carried them."""
+        rate = self.rate
+        if rate is None:
+            return
+        with self._lock:
+            now = time.monotonic()
+            start = max(self._free_at[from_holder], now)
+            self._free_at[from_holder] = start + n / rate
+            until = start + n / rate
+        while not self._stop.is_set() and time.monotonic() < until:
+            time.sleep(max(0.0, min(TICK, until - time.monotonic())))
 
     def _spawn(self, target: object, name: str, *args: object) -> None:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)  # type: ignore[arg-type]
@@ -111,6 +138,7 @@ class FaultProxy:
                     break
                 while self.mode == "stall" and not self._stop.is_set():
                     time.sleep(TICK / 2)
+                self._pace(len(data), from_holder)
                 if from_holder and self.mode == "flip":
                     buf = bytearray(data)
                     i = self._rng.randrange(len(buf))

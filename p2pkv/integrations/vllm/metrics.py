@@ -37,6 +37,10 @@ class Metrics:
     DIRECTORY_FAILOVERS = "vllm:p2pkv_directory_failovers"
     DIRECTORY_ERRORS = "vllm:p2pkv_directory_errors"
     DIRECTORY_REGISTERED = "vllm:p2pkv_directory_registered"
+    LOAD_DECISIONS = "vllm:p2pkv_load_decisions"
+    LOAD_SKIPPED = "vllm:p2pkv_load_skipped_blocks"
+    PEER_BANDWIDTH = "vllm:p2pkv_peer_bandwidth_bytes_per_second"
+    PREFILL_RATE = "vllm:p2pkv_prefill_tokens_per_second"
 
 
 def load_failure_reason(cause: KeyOutcome | BaseException) -> str:
@@ -86,4 +90,20 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             "Directory calls that failed (lookups then fell back to the static peers)."),
         Metrics.DIRECTORY_REGISTERED: OffloadingGaugeMetadata(
             "1 while this engine is registered in the cluster directory."),
+        Metrics.LOAD_DECISIONS: OffloadingCounterMetadata(
+            "Load-or-recompute decisions of the load policy (one per lookup with a hit), "
+            "by reason: pays, no_estimate, probe, policy_off, below_floor, "
+            "slower_than_recompute.", labelnames=("reason",)),
+        Metrics.LOAD_SKIPPED: OffloadingCounterMetadata(
+            "Chunks a peer held that the load policy answered MISS (vLLM recomputed "
+            "them), by reason: below_floor, slower_than_recompute.",
+            labelnames=("reason",)),
+        Metrics.PEER_BANDWIDTH: OffloadingGaugeMetadata(
+            "The load policy's bandwidth estimate of each peer (bytes/s of completed "
+            "fetches; peer \"directory\": striped loads through the directory).",
+            labelnames=("peer",)),
+        Metrics.PREFILL_RATE: OffloadingGaugeMetadata(
+            "The load policy's prefill-rate estimate of this engine (tokens/s), by the "
+            "prompt-length band it was measured on (lower bound, in tokens).",
+            labelnames=("tokens",)),
     }

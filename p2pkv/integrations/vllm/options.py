@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2pkv.errors import ConfigError
+from p2pkv.loadpolicy import LoadPolicyConfig
 from p2pkv.transport import validate_address
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "TIER_OPTIONS",
     "TierWaits",
     "kv_transfer_config",
+    "load_policy_config",
     "tier_error",
     "tier_node_config",
     "tier_settings",
@@ -34,7 +36,8 @@ TIER_OPTIONS: tuple[str, ...] = (
     "curve_secret_key", "curve_authorized", "curve_server_key", "reconnect_interval",
     "identity_policy", "kv_memory_layout", "model_revision", "model_overrides",
     "directory", "directory_ttl", "advertise", "shm", "identity_timeout", "drain_timeout",
-    "refused_retry_interval", "drain_grace",
+    "refused_retry_interval", "drain_grace", "load_policy", "load_min_tokens",
+    "load_min_speedup", "load_probe_interval", "load_probe_chunks", "load_probe_budget",
 )
 _DEFAULT_RECONNECT = 2.0
 #: Seconds before a peer that refused the handshake is tried again (the configuration
@@ -47,7 +50,9 @@ DEFAULT_DRAIN_GRACE = 5.0
 #: of a large checkpoint hashes it; later starts read the digest cache).
 DEFAULT_IDENTITY_TIMEOUT = 600.0
 _TIER_ONLY = ("peers", "reconnect_interval", "locality", "identity_timeout",
-              "refused_retry_interval", "drain_grace")
+              "refused_retry_interval", "drain_grace", "load_policy", "load_min_tokens",
+              "load_min_speedup", "load_probe_interval", "load_probe_chunks",
+              "load_probe_budget")
 #: Defaults that differ from ``serve``'s: a scheduler waits on lookups, so silence
 #: becomes a miss sooner; a load that takes longer than recomputing is not worth waiting.
 TIER_DEFAULTS: Mapping[str, Any] = {"lookup_timeout": 1.0, "fetch_timeout": 10.0}
@@ -120,6 +125,36 @@ def tier_error(exc: ConfigError) -> ConfigError:
 
 def _tier_name(name: str) -> str:
     return "peers" if name == "peer" else name
+
+
+def load_policy_config(params: Mapping[str, Any]) -> LoadPolicyConfig:
+    """The ``load_*`` options: when a hit is worth loading (see :mod:`p2pkv.loadpolicy`)."""
+    default = LoadPolicyConfig()
+    enabled = params.get("load_policy", default.enabled)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"P2PKVTier: load_policy must be true or false, got {enabled!r}")
+    counts = {}
+    for name, least in (("load_min_tokens", 0), ("load_probe_chunks", 1)):
+        value = params.get(name, getattr(default, name[len("load_"):]))
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"P2PKVTier: {name} must be an integer >= {least}, got "
+                              f"{value!r}")
+        counts[name] = value
+    speedup = params.get("load_min_speedup", default.min_speedup)
+    if (isinstance(speedup, bool) or not isinstance(speedup, (int, float))
+            or not 0 < speedup < float("inf")):
+        raise ConfigError(f"P2PKVTier: load_min_speedup must be a positive number (how many "
+                          f"times faster than recomputing a load must be), got {speedup!r}")
+    budget = params.get("load_probe_budget", default.probe_budget)
+    if (isinstance(budget, bool) or not isinstance(budget, (int, float))
+            or not 0 <= budget < float("inf")):
+        raise ConfigError(f"P2PKVTier: load_probe_budget must be a number >= 0 (the fraction "
+                          f"of a request's recompute time a probe may add), got {budget!r}")
+    return LoadPolicyConfig(
+        enabled=enabled, min_tokens=counts["load_min_tokens"], min_speedup=float(speedup),
+        probe_interval=_positive_seconds(params, "load_probe_interval",
+                                         default.probe_interval),
+        probe_chunks=counts["load_probe_chunks"], probe_budget=float(budget))
 
 
 def _positive_seconds(params: Mapping[str, Any], name: str, default: float) -> float:

@@ -11,6 +11,8 @@ Threads and what each may touch:
   only submit work);
 - the **lookup thread** (vLLM's ``AsyncLookupManager``) asks every connected peer about
   one step's keys at once, with one deadline, and records which peer holds each key;
+  the load policy (``loads.py``) then answers MISS for held chunks whose load would take
+  longer than recomputing them;
 - the **store thread** copies stored chunks out of the primary region into the node's
   pool (the region's slots are reused as soon as the store job is reported);
 - the node's **IO thread** lands fetched chunks in the primary region with ``recv_into``
@@ -57,6 +59,7 @@ from p2pkv.cluster import PrefixFetch
 from p2pkv.errors import P2PKVError, PeerGone
 from p2pkv.identity import RunConfig
 from p2pkv.integrations.vllm.identity import TierIdentity, run_config_from_spec
+from p2pkv.integrations.vllm.loads import DIRECTORY, TierLoads
 from p2pkv.integrations.vllm.metrics import (
     NO_HOLDER,
     TIER_DISABLED,
@@ -67,6 +70,7 @@ from p2pkv.integrations.vllm.metrics import (
 from p2pkv.integrations.vllm.options import (
     TIER_DEFAULTS,
     TIER_OPTIONS,
+    load_policy_config,
     tier_node_config,
     tier_settings,
 )
@@ -91,6 +95,38 @@ class _LoadJob:
     nbytes: int = 0
     started: float = field(default_factory=time.perf_counter)
 
+    def settle(self, n: int, result: FetchResult | None, exc: BaseException | None,
+               missing: int) -> bool:
+        """Account ``n`` chunks: by their per-key outcomes (``result``, plus ``missing``
+        more keys past it), or all failed by ``exc``. True once every fetch settled."""
+        failures = self.failures
+        if result is not None:
+            for key, outcome in zip(result.keys, result.outcomes, strict=True):
+                if outcome is KeyOutcome.LANDED:
+                    self.landed.add(key)
+                else:
+                    reason = load_failure_reason(outcome)
+                    failures[reason] = failures.get(reason, 0) + 1
+            if missing:
+                reason = load_failure_reason(KeyOutcome.MISSING)
+                failures[reason] = failures.get(reason, 0) + missing
+            self.nbytes += result.nbytes
+        elif exc is not None:
+            reason = load_failure_reason(exc)
+            failures[reason] = failures.get(reason, 0) + n
+        if n:
+            self.pending -= 1
+        return self.pending <= 0
+
+    def report(self, row: int) -> tuple[JobResult, list[OffloadKey]]:
+        """The job's result for vLLM, and the keys that did not land."""
+        ok = [k for k in self.keys if k in self.landed]
+        failed = [k for k in self.keys if k not in self.landed]
+        return JobResult(job_id=self.job_id, success=not failed,
+                         successful_keys=tuple(ok) if failed else None,
+                         transfer_time=time.perf_counter() - self.started,
+                         transfer_bytes=len(ok) * row), failed
+
 
 class _PeerLookup(AsyncLookupManager):
     def __init__(self, tier: P2PKVTier, tier_type: str) -> None:
@@ -98,7 +134,7 @@ class _PeerLookup(AsyncLookupManager):
         self._tier = tier
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        return self._tier._ask_peers(keys)
+        return self._tier._ask_peers(keys, req_context.req_id)
 
 
 class P2PKVTier(SecondaryTierManager):
@@ -151,6 +187,10 @@ class P2PKVTier(SecondaryTierManager):
                 "lookup_timeout": float(settings["lookup_timeout"]),
                 "fetch_timeout": self._fetch_timeout, "advertise": settings["advertise"]})
         self._lookup = _PeerLookup(self, tier_type)
+        self._policy = TierLoads(load_policy_config(params),
+                                 chunk_bytes=self.block_size_bytes,
+                                 chunk_tokens=_chunk_tokens(offloading_spec),
+                                 lock=self._lock, count=self._count)
         self._finished: collections.deque[tuple[JobResult, list[OffloadKey]]] = \
             collections.deque()
         self._loads: dict[int, _LoadJob] = {}
@@ -183,8 +223,9 @@ class P2PKVTier(SecondaryTierManager):
         """Increment one of this tier's metrics (the caller holds the lock)."""
         self._stats.increase_counter(name, n, labels)
 
-    def _ask_peers(self, keys: list[OffloadKey]) -> list[bool]:
-        """Runs on the lookup thread (see :meth:`Peers.ask`)."""
+    def _ask_peers(self, keys: list[OffloadKey], req_id: str) -> list[bool]:
+        """Runs on the lookup thread (see :meth:`Peers.ask`); the load policy then keeps
+        only the hits worth loading (see :class:`TierLoads`)."""
         node = self._run.node
         if node is None or not keys:
             return [False] * len(keys)
@@ -193,8 +234,11 @@ class P2PKVTier(SecondaryTierManager):
             with self._lock:
                 self._count(Metrics.LOOKUP_KEYS, len(keys), ())
                 self._count(Metrics.LOOKUP_HITS, sum(found), ())
-            return found
-        return self._peers.ask(node, keys)
+            holders: list[str | None] = [DIRECTORY] * len(keys)
+        else:
+            found = self._peers.ask(node, keys)
+            holders = self._peers.route(keys)[1]
+        return self._policy.advise(req_id, keys, found, holders)
 
     # ------------------------------------------------------------------ SecondaryTierManager
 
@@ -273,6 +317,7 @@ class P2PKVTier(SecondaryTierManager):
         except BaseException as exc:
             self._load_done(job, len(job.keys), None, exc)
             return
+        self._policy.fetched(DIRECTORY, result)
         # Keys past the available prefix: nobody compatible holds them any more.
         self._load_done(job, len(job.keys), result, None,
                         missing=len(job.keys) - len(result.keys))
@@ -288,46 +333,27 @@ class P2PKVTier(SecondaryTierManager):
                 self._peers.lost(handle, exc)
             self._load_done(job, n, None, exc)
             return
+        self._policy.fetched(handle.address, result)
         self._load_done(job, n, result, None)
 
     def _load_done(self, job: _LoadJob, n: int, result: FetchResult | None,
                    exc: BaseException | None, *, missing: int = 0) -> None:
-        """Settle ``n`` chunks of ``job``: by their per-key outcomes (``result``, plus
-        ``missing`` more keys past it), or all failed by ``exc``."""
+        """Settle ``n`` chunks of ``job`` (see :meth:`_LoadJob.settle`); once all are
+        settled, count them and report the job."""
+        if exc is not None:
+            log.warning("p2pkv tier: load job %d: %d chunk(s) failed: %s", job.job_id, n, exc)
         with self._lock:
-            failures = job.failures
-            if result is not None:
-                for key, outcome in zip(result.keys, result.outcomes, strict=True):
-                    if outcome is KeyOutcome.LANDED:
-                        job.landed.add(key)
-                    else:
-                        reason = load_failure_reason(outcome)
-                        failures[reason] = failures.get(reason, 0) + 1
-                if missing:
-                    reason = load_failure_reason(KeyOutcome.MISSING)
-                    failures[reason] = failures.get(reason, 0) + missing
-                job.nbytes += result.nbytes
-            elif exc is not None:
-                reason = load_failure_reason(exc)
-                failures[reason] = failures.get(reason, 0) + n
-                log.warning("p2pkv tier: load job %d: %d chunk(s) failed: %s", job.job_id, n, exc)
-            if n:
-                job.pending -= 1
-            if job.pending > 0:
+            if not job.settle(n, result, exc, missing):
                 return
             self._loads.pop(job.job_id, None)
-            ok = [k for k in job.keys if k in job.landed]
-            failed = [k for k in job.keys if k not in job.landed]
-            self._stats.increase_counter(Metrics.LOADED_BLOCKS, len(ok))
-            self._stats.increase_counter(Metrics.LOADED_BYTES, len(ok) * self.block_size_bytes)
+            row = self.block_size_bytes
+            finished, failed = job.report(row)
+            loaded = len(job.keys) - len(failed)
+            self._stats.increase_counter(Metrics.LOADED_BLOCKS, loaded)
+            self._stats.increase_counter(Metrics.LOADED_BYTES, loaded * row)
             for kind, count in job.failures.items():
                 self._stats.increase_counter(Metrics.LOAD_FAILURES, count, (kind,))
-            self._finished.append((JobResult(
-                job_id=job.job_id, success=not failed,
-                successful_keys=tuple(ok) if failed else None,
-                transfer_time=time.perf_counter() - job.started,
-                transfer_bytes=len(ok) * self.block_size_bytes,
-            ), failed))
+            self._finished.append((finished, failed))
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         node = self._ensure_node()
@@ -338,6 +364,7 @@ class P2PKVTier(SecondaryTierManager):
                 self._finished.append((JobResult(job_id=job_metadata.job_id, success=False,
                                                  transfer_bytes=0), []))
             return
+        self._policy.stored(job_metadata.req_context.req_id, keys)
         fut = self._stores.submit(self._store, node, job_metadata.job_id, keys, chunk_ids)
         with self._lock:
             self._outstanding.add(fut)
@@ -399,9 +426,11 @@ class P2PKVTier(SecondaryTierManager):
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookup.cleanup(req_context.req_id)
+        self._policy.finished(req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._lookup.flush()
+        self._policy.scheduled(context)
         self._maintain()
 
     def drain_jobs(self) -> None:
@@ -446,6 +475,7 @@ class P2PKVTier(SecondaryTierManager):
             "handshakes_refused": refusals,
             "directory": self._run.directory.describe() if self._run.directory else None,
             "node": self._run.node.stats() if self._run.node else None,
+            "load_policy": self._policy.describe(),
         }
 
     @classmethod
@@ -465,11 +495,19 @@ class P2PKVTier(SecondaryTierManager):
                                            ("inbound", reason))
             self._inbound_refusals = inbound
         stats.set_gauge(Metrics.PEERS, connected)
+        self._policy.gauges(stats)
         if self._run.directory is not None:
             for name, delta in self._run.directory.deltas().items():
                 stats.increase_counter(name, delta)
             stats.set_gauge(Metrics.DIRECTORY_REGISTERED, int(self._run.directory.registered()))
         return stats
+
+
+def _chunk_tokens(spec: OffloadingSpec) -> int:
+    """Prompt tokens behind one offload key: a chunk of ``blocks_per_chunk`` blocks, one
+    key per KV-cache group."""
+    groups = spec.tokens_per_block
+    return max(1, max(groups) * spec.blocks_per_chunk // len(groups)) if groups else 1
 
 
 def _job_chunks(job: TransferJob, what: str) -> tuple[list[OffloadKey], list[int]]:
