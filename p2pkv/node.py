@@ -44,6 +44,8 @@ from p2pkv.layout import Layout
 from p2pkv.pool import BlockPool
 from p2pkv.protocol.codes import MAX_HEAD_BYTES
 from p2pkv.runtime.client import Client
+from p2pkv.runtime.data_client import DataReceiver
+from p2pkv.runtime.data_server import DataListener, DataSender
 from p2pkv.runtime.inbound import InboundParts
 from p2pkv.runtime.landing import Landing
 from p2pkv.runtime.outbound import OutboundParts
@@ -61,6 +63,7 @@ from p2pkv.shm import ShmUnavailable
 from p2pkv.store import BlockStore
 from p2pkv.transport import (
     bound_address,
+    datachannel,
     make_dealer,
     make_router,
     start_authenticator,
@@ -147,6 +150,9 @@ class Node:
             caps.append(proto.CAP_SHM_V1)
         if self.config.packed_blocks:
             caps.append(proto.CAP_PACKED_V1)
+        offers_data = self.config.offers_data_channel
+        if offers_data:
+            caps.append(proto.CAP_TCP_DATA_V1)
         self._deadlines = proto.Deadlines(
             handshake=self.config.handshake_timeout,
             lookup=self.config.lookup_timeout,
@@ -189,6 +195,16 @@ class Node:
             self._ctx.term()
             raise
         self.address = bound_address(self._router)
+        try:
+            # The data port listens where the ROUTER does (capability tcp-data-v1).
+            data_sock = (datachannel.listen(datachannel.host_of(self.address),
+                                            self.config.data_port) if offers_data else None)
+        except BaseException:
+            self._router.close(0)
+            if self._auth is not None:
+                self._auth.stop()
+            self._ctx.term()
+            raise
 
         self._counters = Counters()
         # Fetch futures -> their tickets, for abort(); entries go with their futures.
@@ -204,8 +220,14 @@ class Node:
         self._shm_sender = SharedSender(self._router, store, segment, self._bpb,
                                         self._counters, pin_limit=2 * window)
         shm_sender = self._shm_sender
-        self._inbound_parts = InboundParts(router=self._router, store=store, sender=sender,
-                                           shm=shm_sender, counters=self._counters)
+        self._data_listener = None if data_sock is None else DataListener(
+            self._reactor, data_sock, self._counters, timeout=self.config.handshake_timeout,
+            max_pending=self.config.max_peers)
+        self._inbound_parts = InboundParts(
+            router=self._router, store=store, sender=sender, shm=shm_sender,
+            counters=self._counters, data=self._data_listener,
+            data_sender=DataSender(store, self._segments, self._bpb, self._counters),
+            cport=datachannel.port_of(self.address))
         self._server = Server(
             self._reactor,
             self._inbound_parts,
@@ -227,6 +249,8 @@ class Node:
             hello=self.hello, owner=self, store=store,
             receiver=Receiver(landing, self._segments, self._bpb, self._counters),
             shm=SharedReceiver(landing, self._segments, self._counters, enabled=config.shm),
+            data=DataReceiver(self._reactor, landing, self._segments, self._counters,
+                              enabled=offers_data),
             budget=proto.CreditBudget(window), counters=self._counters,
             curve=config.curve is not None, bytes_per_block=self._bpb),
             max_peers=config.max_peers)
@@ -385,6 +409,13 @@ class Node:
             shm_pinned=self._shm_sender.pinned(),
             fetches_declined_draining=c[Count.FETCHES_DECLINED_DRAINING],
             draining=self._inbound_parts.draining.is_set(),
+            data_port=None if self._data_listener is None else self._data_listener.port,
+            data_peers_out=sum(1 for h in handles if h.data_path == "tcp-data"),
+            data_peers_in=self._server.stream_peers(),
+            blocks_sent_stream=c[Count.BLOCKS_SENT_STREAM],
+            blocks_received_stream=c[Count.BLOCKS_RECEIVED_STREAM],
+            data_streams_refused=c[Count.DATA_STREAMS_REFUSED],
+            data_fallbacks=c[Count.DATA_FALLBACKS],
         )
 
     def drain(self, timeout: float | None = None) -> None:

@@ -28,6 +28,7 @@ from p2pkv import protocol as proto
 from p2pkv.errors import ProtocolError
 from p2pkv.protocol.codes import OUTCOME_FAILED
 from p2pkv.reports import reason_name
+from p2pkv.runtime.data_server import DataListener, DataSender, OutStream
 from p2pkv.runtime.sender import Sender
 from p2pkv.runtime.shm_server import SharedSender
 from p2pkv.runtime.state import Sending
@@ -63,6 +64,12 @@ class InboundParts:
     sender: Sender
     shm: SharedSender
     counters: Counters
+    #: The data port (``tcp-data-v1``) and what sends on its streams; None when this
+    #: node offers no data channel.
+    data: DataListener | None = None
+    data_sender: DataSender | None = None
+    #: The port of this node's ZeroMQ endpoint (``welcome.data.cport``).
+    cport: int = 0
     #: Set by :meth:`Node.drain`: new fetches are declined, lookups answer misses.
     draining: threading.Event = field(default_factory=threading.Event)
 
@@ -103,12 +110,25 @@ class InboundConnection:
         self._parts = parts
         self._on_closed = on_closed
         self._jobs: collections.OrderedDict[int, Sending] = collections.OrderedDict()
+        #: The peer's data stream once bound (``tcp-data-v1``), and the offer made for it.
+        self.stream: OutStream | None = None
+        self._offer: proto.DataOffer | None = None
+        self._may_offer = parts.data is not None
 
     # -- what the peer sends -------------------------------------------------------------
 
     def receive(self, head: bytes, extra_frames: int, now: float) -> None:
         """One message from the peer: its frame 0 and how many frames followed it."""
-        self._handle(self.session.receive_data(head, now, _Counted(extra_frames)))
+        out = self.session.receive_data(head, now, _Counted(extra_frames))
+        if self._may_offer and self.session.state is proto.State.READY:
+            # The handshake was just accepted: a welcome that negotiated tcp-data-v1
+            # names the data port and this session's token.
+            self._may_offer = False
+            data = self._parts.data
+            if data is not None and proto.CAP_TCP_DATA_V1 in self.session.capabilities:
+                self._offer = data.offer(self, self._parts.cport, now)
+                out = proto.with_data_offer(out, self._offer)
+        self._handle(out)
 
     def poll(self, now: float) -> None:
         """Check the session's deadlines; forget the peer once its session ended."""
@@ -187,6 +207,26 @@ class InboundConnection:
     def _on_released(self, ev: proto.BlocksReleased) -> None:
         self._parts.shm.release(self.rid, ev.req, ev.idx)
 
+    # -- the data stream (StreamOwner) ---------------------------------------------------
+
+    def bind_stream(self, stream: OutStream) -> None:
+        """The peer's stream arrived with its token: fetches go out on it from now."""
+        self._offer = None
+        self.stream = stream
+        log.info("peer %s bound its data stream", self.rid.hex())
+
+    def stream_lost(self, code: int, why: str) -> None:
+        """The bound stream ended or failed: the session ends with it (blocks counted
+        as sent there never reach the peer, so no ``done`` could be honest)."""
+        if self.closed:
+            return
+        log.info("peer %s: %s; dropping it", self.rid.hex(), why)
+        if code == proto.Code.PROTOCOL_VIOLATION:
+            self._parts.counters.add(Count.PROTOCOL_VIOLATIONS)
+        if self.session.state is proto.State.READY:
+            self.send(self.session.close(code, why).replies)
+        self.drop(cut=True)
+
     def _on_peer_closed(self, ev: proto.PeerClosed) -> None:
         log.info("peer %s closed: %s", self.rid.hex(), ev.msg)
         # A peer silent past its heartbeat deadline may have stopped reading: cut its
@@ -211,15 +251,23 @@ class InboundConnection:
 
     @property
     def busy(self) -> bool:
-        """Whether a fetch of this peer is still being served."""
-        return bool(self._jobs)
+        """Whether a fetch of this peer is still being served (or its data stream still
+        has bytes queued)."""
+        return bool(self._jobs) or (self.stream is not None and self.stream.busy)
 
     def can_send(self) -> bool:
-        """Whether a job has blocks left that its credit (and the pin limit) lets go now."""
-        session, shm = self.session, self._parts.shm
-        return any(j.next_index < len(j.keys) and session.window_left(j.req) > 0
-                   and (not session.shared_fetch(j.req) or shm.can_send(self.rid))
-                   for j in self._jobs.values())
+        """Whether a job has blocks left that its credit (and the pin limit, or the data
+        stream's queue) lets go now."""
+        session, shm, stream = self.session, self._parts.shm, self.stream
+        for j in self._jobs.values():
+            if j.next_index >= len(j.keys) or session.window_left(j.req) <= 0:
+                continue
+            if session.shared_fetch(j.req):
+                if shm.can_send(self.rid):
+                    return True
+            elif stream is None or stream.has_room:
+                return True
+        return False
 
     def serve(self) -> None:
         """Send blocks for every job of this peer that has credit."""
@@ -240,7 +288,18 @@ class InboundConnection:
                 self.drop(cut=True)
 
     def _serve(self, job: Sending) -> None:
-        parts, session = self._parts, self.session
+        parts, session, stream = self._parts, self.session, self.stream
+        if stream is not None and parts.data_sender is not None and \
+                not session.shared_fetch(job.req):
+            # Its blocks and its done on the data stream, in order (SPEC §18).
+            parts.data_sender.send_job(session, job, stream)
+            if self.closed:
+                return
+            if job.next_index >= len(job.keys):
+                self._jobs.pop(job.req, None)
+                stream.push(proto.encode_head(session.fetch_done(job.req, job.outcomes)))
+                stream.flush()
+            return
         sender = parts.shm if session.shared_fetch(job.req) else parts.sender
         if not sender.send_job(self.rid, session, job):
             self.drop(cut=True)
@@ -261,6 +320,11 @@ class InboundConnection:
         self._jobs.clear()
         self._on_closed(self)
         self._parts.shm.forget(self.rid)
+        if self._parts.data is not None:
+            self._parts.data.revoke(self._offer)
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            stream.close()  # unpins what it still queued
         if cut and self.address is not None and cut_connection(self.fd, self.address):
             log.info("cut the connection of peer %s (%s:%d)", self.rid.hex(), *self.address)
             self.address = None

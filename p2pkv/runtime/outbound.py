@@ -2,12 +2,14 @@
 
 An :class:`OutboundConnection` owns its socket (and the socket's monitor), its client
 :class:`~p2pkv.protocol.SharingSession`, the lookups and fetches it carries with their
-futures and deadlines, and its shared-memory link. What the peer sends enters the
-session through one door (:meth:`~p2pkv.protocol.Session.receive_data`), which also has
-the blocks land (through the :class:`~p2pkv.runtime.receiver.Receiver`, or copied from
-the peer's pool); the session's events then become results and typed errors on the
-callers' futures, and credit goes back to the peer as the per-peer
-:class:`~p2pkv.protocol.CreditBudget` decides. A closed or silent connection fails
+futures and deadlines, its shared-memory link and its data stream (``tcp-data-v1``).
+What the peer sends, on the DEALER or on the data stream, enters the session through
+one door (:meth:`~p2pkv.protocol.Session.receive_data`), which also has the blocks land
+(through the :class:`~p2pkv.runtime.receiver.Receiver`, copied from the peer's pool, or
+scattered from the stream by the :class:`~p2pkv.runtime.data_client.DataLink`); the
+session's events then become results and typed errors on the callers' futures, and
+credit goes back to the peer as the per-peer :class:`~p2pkv.protocol.CreditBudget`
+decides. A closed or silent connection fails
 everything waiting on it.
 
 IO thread only, except :attr:`OutboundConnection.handle` and
@@ -34,27 +36,29 @@ from p2pkv.errors import (
     PeerTimeout,
     ProtocolError,
     TransferFailed,
-    TransportHandshakeFailed,
 )
 from p2pkv.identity import IdentityExtension
 from p2pkv.protocol.codes import CodeFamily, code_family
 from p2pkv.reports import incompatible
+from p2pkv.runtime.data_client import DataLink, DataReceiver, LinkOwner
 from p2pkv.runtime.public import FetchResult, KeyOutcome, PeerHandle, PeerOwner
 from p2pkv.runtime.reactor import Reactor, fail, resolve
 from p2pkv.runtime.receiver import Receiver, drain
-from p2pkv.runtime.shm_client import SharedReceiver
+from p2pkv.runtime.shm_client import SharedLink, SharedReceiver
 from p2pkv.runtime.state import FetchTicket, Receiving
 from p2pkv.runtime.stats import Count, Counters
 from p2pkv.runtime.tuning import MONITOR_GRACE_MS, READ_BUDGET, READ_BURST_BYTES
 from p2pkv.store import BlockStore
-from p2pkv.transport import handshake_failure, monitor_messages
+from p2pkv.transport import monitor_failure, monitor_messages
 
 __all__ = [
     "OutboundConnection",
     "OutboundParts",
-    "monitor_failure",
+    "admit",
+    "data_path",
     "refusal_error",
     "request_error",
+    "wanted_keys",
 ]
 
 log = logging.getLogger("p2pkv.node")
@@ -89,22 +93,51 @@ def refusal_error(address: str, hello: proto.Hello, ev: proto.HandshakeRefused) 
                          f"[{proto.code_name(ev.code)}]")
 
 
-def monitor_failure(address: str, messages: list[tuple[int, int]], *, curve: bool,
-                    handshaken: bool) -> P2PKVError | None:
-    """What a connection's socket monitor events mean: a failed security handshake, a
-    lost connection, or nothing."""
-    for event, value in messages:
-        failure = handshake_failure(event, value, curve=curve, address=address)
-        if failure is not None:
-            kind, text = failure
-            return TransportHandshakeFailed(
-                f"{address}: ZeroMQ security handshake failed: {text}", kind, text)
-    if any(event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) for event, _ in messages):
-        if not handshaken:
-            return PeerGone(f"could not connect to {address} (refused, or closed during "
-                            "the handshake)")
-        return PeerGone(f"connection to {address} was lost")
-    return None
+def admit(session: proto.Session, address: str, nkeys: int, what: str,
+          deadline: float) -> None:
+    """Local limits and the caller's deadline, checked before a request is sent, so
+    that the caller gets a typed LocalLimitExceeded or PeerTimeout."""
+    limit = session.key_limit
+    if nkeys > limit:
+        raise LocalLimitExceeded(
+            f"{what} of {nkeys} keys: {address} accepts at most {limit} keys per "
+            "request; split the request", limit="max_keys", allowed=limit,
+            requested=nkeys)
+    in_flight, allowed = session.in_flight, session.request_limit
+    if in_flight >= allowed:
+        raise LocalLimitExceeded(
+            f"{what}: {in_flight} requests already in flight to {address} "
+            f"(limit {allowed}); wait for one to finish",
+            limit="max_inflight_requests", allowed=allowed, requested=in_flight + 1)
+    if time.monotonic() >= deadline:  # timeout=0: nothing is sent
+        raise PeerTimeout(f"{what} on {address}: the timeout expired before the "
+                          "request could be sent")
+
+
+def wanted_keys(store: BlockStore, keys: Sequence[bytes], into_store: bool
+                ) -> tuple[list[KeyOutcome | None], list[int]]:
+    """A new fetch's outcomes so far and the indices of the keys to ask for: those not
+    held locally when it fills the store, all of them when it fills caller buffers."""
+    outcomes: list[KeyOutcome | None] = [None] * len(keys)
+    if not into_store:
+        return outcomes, list(range(len(keys)))
+    wanted: list[int] = []
+    for i, present in enumerate(store.lookup(list(keys))):
+        if present:
+            outcomes[i] = KeyOutcome.LANDED
+        else:
+            wanted.append(i)
+    return outcomes, wanted
+
+
+def data_path(session: proto.SharingSession, shm: SharedLink, data: DataLink
+              ) -> tuple[str, str]:
+    """How a ready connection's blocks move (``PeerHandle.data_path``) and why."""
+    if session.shared_memory:
+        return "shm", shm.detail
+    if data.bound:
+        return "tcp-data", data.detail
+    return "tcp", "; ".join(d for d in (shm.detail, data.detail) if d)
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,6 +154,7 @@ class OutboundParts:
     store: BlockStore
     receiver: Receiver
     shm: SharedReceiver
+    data: DataReceiver
     budget: proto.CreditBudget
     counters: Counters
     #: Whether connections use CurveZMQ (what a failed security handshake means).
@@ -169,6 +203,9 @@ class OutboundConnection:
         self._aborting: dict[int, FetchTicket] = {}
         self._received_blocks = 0
         self._shm = parts.shm.link(address)
+        self._data = parts.data.link(address, LinkOwner(
+            fetch_of=self._fetches.get, deliver=self._deliver, ready=self._ready,
+            lost=self.close))
         self._sock, self._monitor = parts.dial(address)
         self._frames = _Frames(self._sock, self._land)
 
@@ -190,7 +227,7 @@ class OutboundConnection:
                            f"{self.session.state.name})")
 
     def lookup(self, keys: tuple[bytes, ...], fut: Future[list[bool]], deadline: float) -> None:
-        self._admit(len(keys), "lookup", deadline)
+        admit(self.session, self.address, len(keys), "lookup", deadline)
         msg = self.session.lookup(keys, time.monotonic())
         self._lookups[msg.req] = (fut, deadline)
         self._send([msg])
@@ -200,21 +237,12 @@ class OutboundConnection:
         """Fetch the blocks of ``keys`` not held locally (into the store), or all of them
         (into ``destinations``)."""
         now = time.monotonic()
-        outcomes: list[KeyOutcome | None] = [None] * len(keys)
-        wanted: list[int] = []
-        if destinations is None:
-            for i, present in enumerate(self._parts.store.lookup(list(keys))):
-                if present:
-                    outcomes[i] = KeyOutcome.LANDED
-                else:
-                    wanted.append(i)
-        else:
-            wanted = list(range(len(keys)))
+        outcomes, wanted = wanted_keys(self._parts.store, keys, destinations is None)
         if not wanted:
             resolve(fut, FetchResult(keys, tuple(o or KeyOutcome.LANDED for o in outcomes),
                                      {}, 0, 0, 0.0))
             return
-        self._admit(len(wanted), "fetch", deadline)
+        admit(self.session, self.address, len(wanted), "fetch", deadline)
         # One credit budget per peer, shared by all its fetches: it bounds the data
         # queued towards this node, and so how long a lookup answer can wait behind it.
         window = self._parts.budget.opening_window(self._credit_state(), len(wanted))
@@ -250,25 +278,6 @@ class OutboundConnection:
             self._send(self.session.close(proto.Code.SHUTDOWN, "node closing").replies)
         self.close(gone)
 
-    def _admit(self, nkeys: int, what: str, deadline: float) -> None:
-        """Local limits and the caller's deadline, checked before a request is sent, so
-        that the caller gets a typed LocalLimitExceeded or PeerTimeout."""
-        limit = self.session.key_limit
-        if nkeys > limit:
-            raise LocalLimitExceeded(
-                f"{what} of {nkeys} keys: {self.address} accepts at most {limit} keys per "
-                "request; split the request", limit="max_keys", allowed=limit,
-                requested=nkeys)
-        in_flight, allowed = self.session.in_flight, self.session.request_limit
-        if in_flight >= allowed:
-            raise LocalLimitExceeded(
-                f"{what}: {in_flight} requests already in flight to {self.address} "
-                f"(limit {allowed}); wait for one to finish",
-                limit="max_inflight_requests", allowed=allowed, requested=in_flight + 1)
-        if time.monotonic() >= deadline:  # timeout=0: nothing is sent
-            raise PeerTimeout(f"{what} on {self.address}: the timeout expired before the "
-                              "request could be sent")
-
     # -- deadlines -----------------------------------------------------------------------
 
     @property
@@ -286,6 +295,8 @@ class OutboundConnection:
     def check_deadlines(self, now: float) -> None:
         if self.closed:
             return
+        if self.handle is None:
+            self._data.check(now)  # a data port that does not answer: stay on ZeroMQ
         if self.handle is None and now >= self._handshake_deadline:
             self.close(PeerTimeout(f"no handshake answer from {self.address} within the "
                                    "deadline"))
@@ -365,6 +376,12 @@ class OutboundConnection:
                 return
             self._handle(self.session.receive_data(head, now, self._frames), now)
 
+    def _deliver(self, head: bytes, payload: proto.Payload, now: float) -> proto.Output:
+        """A frame 0 read on the data stream: the same door as one from the DEALER."""
+        out = self.session.receive_data(head, now, payload)
+        self._handle(out, now)
+        return out
+
     def _land(self, arrived: proto.DataArrived) -> None:
         """Land the blocks of an accepted message (the session calls this back).
 
@@ -443,22 +460,33 @@ class OutboundConnection:
         if attach is not None:
             self._send([attach])
         else:
-            self._ready()
+            self._open_data()
 
     def _on_attach_answered(self, ev: proto.AttachAnswered, now: float) -> None:
         self._shm.answered(ev)
-        self._ready()
+        if self.session.shared_memory:
+            self._ready()
+        else:
+            self._open_data()
+
+    def _open_data(self) -> None:
+        """Off shared memory, a peer that offers it gets a data stream (tcp-data-v1);
+        the connection is ready once it is bound, or given up."""
+        if not self._data.begin(self.session, self._handshake_deadline):
+            self._ready()
 
     def _ready(self) -> None:
-        """The handshake (and the shared-memory proof, if any) is over: hand out the peer."""
+        """The handshake (and the shared-memory proof or the data stream, if any) is
+        over: hand out the peer."""
         remote = self.session.remote
-        if remote is None or self.closed:
+        if remote is None or self.closed or self.handle is not None:
             return
         session = self.session
+        path, detail = data_path(session, self._shm, self._data)
         self.handle = PeerHandle(self.peer_id, self.address, remote.node, dict(remote.rc),
                                  remote.fp, frozenset(session.capabilities),
                                  self._parts.owner, remote.ext or IdentityExtension(),
-                                 "shm" if session.shared_memory else "tcp", self._shm.detail)
+                                 path, detail)
         resolve(self._connected, self.handle)
 
     def _on_refused(self, ev: proto.HandshakeRefused, now: float) -> None:
@@ -543,6 +571,7 @@ class OutboundConnection:
         self._monitor.close(0)
         self._sock.close(0)
         self._shm.close()
+        self._data.close()
         self._on_closed(self)
 
 
