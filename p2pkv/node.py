@@ -98,6 +98,31 @@ def _seconds(timeout: float | None, default: float) -> float:
     return float(timeout)
 
 
+def _bind(ctx: zmq.Context[zmq.Socket[bytes]], config: NodeConfig, max_message: int,
+          data: bool) -> tuple[Any, zmq.Socket[bytes], socket.socket | None]:
+    """The node's listening sockets: its CURVE authenticator (None without CURVE), its
+    ROUTER, and its data port (tcp-data-v1, where the ROUTER listens; None when it
+    offers no data channel). On failure nothing is left open, the context is ended."""
+    auth: Any = None
+    router: zmq.Socket[bytes] | None = None
+    try:
+        if config.curve is not None:
+            # The authenticator must run before the socket binds so that no
+            # connection slips through unauthenticated.
+            auth = start_authenticator(ctx, config.curve)
+        router = make_router(ctx, config.listen, max_message_bytes=max_message,
+                             curve=config.curve)
+        host = datachannel.host_of(bound_address(router))
+        return auth, router, (datachannel.listen(host, config.data_port) if data else None)
+    except BaseException:
+        if router is not None:
+            router.close(0)
+        if auth is not None:
+            auth.stop()
+        ctx.term()
+        raise
+
+
 class Node:
     """A p2pkv node: serves its block store to compatible peers and fetches from them.
 
@@ -145,14 +170,7 @@ class Node:
         self._segments = tuple(layout.segment_sizes)
         self._bpb = layout.bytes_per_block
         window = proto.window_blocks(self.config.window_bytes, self._bpb)
-        caps = [proto.CAP_CHECKSUM_XXH3_64] if self.config.checksums else []
-        if self.config.shm:
-            caps.append(proto.CAP_SHM_V1)
-        if self.config.packed_blocks:
-            caps.append(proto.CAP_PACKED_V1)
         offers_data = self.config.offers_data_channel
-        if offers_data:
-            caps.append(proto.CAP_TCP_DATA_V1)
         self._deadlines = proto.Deadlines(
             handshake=self.config.handshake_timeout,
             lookup=self.config.lookup_timeout,
@@ -172,7 +190,7 @@ class Node:
             fp=run_config.fingerprint,
             geo=proto.Geometry(bpb=self._bpb, seg=self._segments),
             khash=proto.KeyHash(algo=self.config.key_hash_algo, seed=self.config.key_hash_seed),
-            caps=tuple(caps),
+            caps=self.config.capabilities,
             limits=self._limits.advertised(window=window),
             ext=None if self.extension.is_empty else self.extension,
         )
@@ -180,31 +198,9 @@ class Node:
         self._max_message = max(max(self._segments), MAX_HEAD_BYTES)
 
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._auth: Any = None
-        try:
-            if self.config.curve is not None:
-                # The authenticator must run before the socket binds so that no
-                # connection slips through unauthenticated.
-                self._auth = start_authenticator(self._ctx, self.config.curve)
-            self._router = make_router(self._ctx, self.config.listen,
-                                       max_message_bytes=self._max_message,
-                                       curve=self.config.curve)
-        except BaseException:
-            if self._auth is not None:
-                self._auth.stop()
-            self._ctx.term()
-            raise
+        self._auth, self._router, data_sock = _bind(self._ctx, self.config,
+                                                    self._max_message, offers_data)
         self.address = bound_address(self._router)
-        try:
-            # The data port listens where the ROUTER does (capability tcp-data-v1).
-            data_sock = (datachannel.listen(datachannel.host_of(self.address),
-                                            self.config.data_port) if offers_data else None)
-        except BaseException:
-            self._router.close(0)
-            if self._auth is not None:
-                self._auth.stop()
-            self._ctx.term()
-            raise
 
         self._counters = Counters()
         # Fetch futures -> their tickets, for abort(); entries go with their futures.
@@ -224,10 +220,9 @@ class Node:
             self._reactor, data_sock, self._counters, timeout=self.config.handshake_timeout,
             max_pending=self.config.max_peers)
         self._inbound_parts = InboundParts(
-            router=self._router, store=store, sender=sender, shm=shm_sender,
-            counters=self._counters, data=self._data_listener,
-            data_sender=DataSender(store, self._segments, self._bpb, self._counters),
-            cport=datachannel.port_of(self.address))
+            self._router, store, sender, shm_sender, self._counters, self._data_listener,
+            DataSender(store, self._segments, self._bpb, self._counters),
+            datachannel.port_of(self.address))
         self._server = Server(
             self._reactor,
             self._inbound_parts,
@@ -411,12 +406,10 @@ class Node:
             draining=self._inbound_parts.draining.is_set(),
             data_port=None if self._data_listener is None else self._data_listener.port,
             data_peers_out=sum(1 for h in handles if h.data_path == "tcp-data"),
-            data_peers_in=self._server.stream_peers(),
-            blocks_sent_stream=c[Count.BLOCKS_SENT_STREAM],
-            blocks_received_stream=c[Count.BLOCKS_RECEIVED_STREAM],
-            data_streams_refused=c[Count.DATA_STREAMS_REFUSED],
-            data_fallbacks=c[Count.DATA_FALLBACKS],
-        )
+            data_peers_in=self._server.stream_peers(), data_fallbacks=c[Count.DATA_FALLBACKS],
+            blocks_sent_stream=c[Count.BLOCKS_SENT_STREAM], data_streams_refused=c[
+                Count.DATA_STREAMS_REFUSED], blocks_received_stream=c[
+                Count.BLOCKS_RECEIVED_STREAM])
 
     def drain(self, timeout: float | None = None) -> None:
         """Leave gracefully (after ``Cluster.close``): new fetches are declined with

@@ -51,6 +51,10 @@ _LOOKAHEAD: Final = 16 << 10
 header of a full 1024-block message is ~12 KiB)."""
 
 
+_RECEIVE_CHUNK: Final = 1 << 20
+"""Bytes one ``recvmsg_into`` takes at most, unless a block is larger."""
+
+
 class _State(Enum):
     OFF = "off"
     DIALING = "dialing"
@@ -82,6 +86,9 @@ class DataReceiver:
         self.landing = landing
         self.segments = tuple(segments)
         self.bpb = sum(self.segments)
+        #: Bytes one receive takes at most (whole blocks): each block is hashed right
+        #: after it landed, while it is still in cache.
+        self.chunk = max(self.bpb, _RECEIVE_CHUNK)
         self.counters = counters
         self.enabled = enabled
 
@@ -160,7 +167,10 @@ class DataLink:
         offer, why = proto.usable_offer(session.capabilities, session.remote,
                                         port_of(self._address))
         if offer is None:
-            self.detail = why
+            if proto.CAP_TCP_DATA_V1 in session.capabilities:
+                self._fell_back(why)  # negotiated, and still not used
+            else:
+                self.detail = why
             return False
         host = host_of(self._address)
         try:
@@ -363,7 +373,7 @@ class DataLink:
         tail = memoryview(self._ahead)
         with self._locked(inc):
             if inc.scatter is not None:
-                got = inc.scatter.receive(sock, tail)
+                got = inc.scatter.receive(sock, tail, self._parts.chunk)
                 if got is None:
                     return None
                 if got == 0:

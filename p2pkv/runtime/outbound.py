@@ -205,7 +205,7 @@ class OutboundConnection:
         self._shm = parts.shm.link(address)
         self._data = parts.data.link(address, LinkOwner(
             fetch_of=self._fetches.get, deliver=self._deliver, ready=self._ready,
-            lost=self.close))
+            lost=self._stream_lost))
         self._sock, self._monitor = parts.dial(address)
         self._frames = _Frames(self._sock, self._land)
 
@@ -376,9 +376,17 @@ class OutboundConnection:
                 return
             self._handle(self.session.receive_data(head, now, self._frames), now)
 
+    def _stream_lost(self, exc: P2PKVError) -> None:
+        """The bound data stream ended (the connection goes with it) or carried what
+        the protocol does not allow (a violation: the peer is told why)."""
+        if isinstance(exc, ProtocolError) and not self.closed:
+            self._parts.counters.add(Count.PROTOCOL_VIOLATIONS)
+            log.warning("protocol violation by %s on its data stream: %s", self.address, exc)
+            self._send(self.session.close(exc.code, exc.message).replies)
+        self.close(exc)
+
     def _deliver(self, head: bytes, payload: proto.Payload, now: float) -> proto.Output:
-        """A frame 0 read on the data stream: the same door as one from the DEALER."""
-        out = self.session.receive_data(head, now, payload)
+        out = self.session.receive_data(head, now, payload)  # the DEALER's door too
         self._handle(out, now)
         return out
 
@@ -410,12 +418,8 @@ class OutboundConnection:
 
     def _credit_state(self) -> list[proto.FetchCredit]:
         """The session's credit counts of this connection's running fetches."""
-        out = []
-        for req in self._fetches:
-            state = self.session.fetch_credit(req)
-            if state is not None:
-                out.append(state)
-        return out
+        states = (self.session.fetch_credit(req) for req in self._fetches)
+        return [state for state in states if state is not None]
 
     def _refill_credit(self, now: float) -> None:
         """Grant the credit the peer's budget allows now (see ``CreditBudget.grants``)."""

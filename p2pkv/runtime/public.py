@@ -14,7 +14,13 @@ from typing import Any, Protocol
 from p2pkv.errors import ConfigError
 from p2pkv.identity import IDENTITY_POLICIES, IdentityExtension
 from p2pkv.keys import KEY_HASH_ALGORITHM
-from p2pkv.protocol.codes import MAX_KEY_HASH_ALGO_LEN
+from p2pkv.protocol.codes import (
+    CAP_CHECKSUM_XXH3_64,
+    CAP_PACKED_V1,
+    CAP_SHM_V1,
+    CAP_TCP_DATA_V1,
+    MAX_KEY_HASH_ALGO_LEN,
+)
 from p2pkv.store import StoreStats
 from p2pkv.transport import CurveKeys, validate_address
 
@@ -162,6 +168,18 @@ class NodeConfig:
         if type(self.data_port) is not int or not 0 <= self.data_port <= 65535:
             raise ConfigError(f"data_port must be an int in [0, 65535], got "
                               f"{self.data_port!r}")
+
+    @property
+    def capabilities(self) -> tuple[str, ...]:
+        """The capabilities this node offers in its greeting."""
+        caps = [CAP_CHECKSUM_XXH3_64] if self.checksums else []
+        if self.shm:
+            caps.append(CAP_SHM_V1)
+        if self.packed_blocks:
+            caps.append(CAP_PACKED_V1)
+        if self.offers_data_channel:
+            caps.append(CAP_TCP_DATA_V1)
+        return tuple(caps)
 
     @property
     def offers_data_channel(self) -> bool:

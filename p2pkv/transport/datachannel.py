@@ -201,11 +201,20 @@ class Scatter:
     def done(self) -> bool:
         return self.filled >= self.total
 
-    def receive(self, sock: socket.socket, tail: memoryview | None = None) -> int | None:
-        """One ``recvmsg_into``: bytes received (0: the peer closed the stream), None
-        when nothing is there now. OSError when the stream failed."""
+    def receive(self, sock: socket.socket, tail: memoryview | None = None,
+                limit: int = 1 << 62) -> int | None:
+        """One ``recvmsg_into`` of at most about ``limit`` bytes (whole buffers, at least
+        one): bytes received (0: the peer closed the stream), None when nothing is there
+        now. OSError when the stream failed."""
         views = self._views
-        iov = views[self._at:self._at + IOV_MAX]
+        iov: list[memoryview] = []
+        room = 0
+        end = min(len(views), self._at + IOV_MAX)
+        for i in range(self._at, end):
+            iov.append(views[i])
+            room += views[i].nbytes
+            if room >= limit:
+                break
         if tail is not None and self._at + len(iov) >= len(views):
             iov.append(tail)
         try:
