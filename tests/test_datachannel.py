@@ -15,12 +15,14 @@ socket pairs.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import socket
 import struct
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -539,6 +541,55 @@ def test_stream_frames_and_prefaces_are_checked() -> None:
     assert proto.stream_batch_limit(589824, 12) == 7
     assert proto.stream_batch_limit(1024, 32) == 512
     assert proto.stream_batch_limit(1 << 30, 1) == 1
+
+
+# ---------------------------------------------------------------------- the vectors
+
+VECTORS = json.loads((Path(__file__).resolve().parent.parent / "protocol" / "vectors"
+                      / "datachannel.json").read_text())
+
+
+@pytest.mark.parametrize("vector", VECTORS["messages"],
+                         ids=[v["name"] for v in VECTORS["messages"]])
+def test_datachannel_message_vector_decodes_and_reencodes(vector: dict[str, Any]) -> None:
+    from test_protocol_vectors import as_vector, frames_of
+
+    msg = proto.decode(frames_of(vector), vector["segments"])
+    assert as_vector(msg) == vector["message"]
+    assert as_vector(proto.decode([bytes(f) for f in proto.encode(msg)])) == vector["message"]
+
+
+@pytest.mark.parametrize("vector", VECTORS["errors"], ids=[v["name"] for v in VECTORS["errors"]])
+def test_datachannel_error_vector_raises_its_code(vector: dict[str, Any]) -> None:
+    from test_protocol_vectors import frames_of
+
+    with pytest.raises(ProtocolError) as excinfo:
+        proto.decode(frames_of(vector), vector["segments"])
+    assert excinfo.value.code == vector["code"], excinfo.value.message
+
+
+def test_stream_vectors_read_as_the_spec_says() -> None:
+    by_name = {v["name"]: v for v in VECTORS["stream"]}
+    pre = by_name["preface"]
+    assert proto.preface(bytes.fromhex(pre["token"])).hex() == pre["bytes"]
+    assert proto.token_of(bytes.fromhex(pre["bytes"])) == bytes.fromhex(pre["token"])
+    assert bytes.fromhex(by_name["accepted"]["bytes"]) == proto.ACCEPTED
+    framed = by_name["block_two_blocks_then_done"]
+    data, at, bpb = bytes.fromhex(framed["bytes"]), 0, sum(framed["segments"])
+    for want in framed["messages"]:
+        n = proto.frame_length(data[at:at + 4])
+        head = data[at + 4:at + 4 + n]
+        assert head.hex() == want["frame0"]
+        assert proto.frame_prefix(head) == data[at:at + 4]
+        msg = proto.decode_head(head, None, framed["segments"])
+        size = len(msg.idx) * bpb if type(msg) is proto.Block else 0
+        payload = data[at + 4 + n:at + 4 + n + size]
+        assert payload.hex() == want["payload"]
+        if type(msg) is proto.Block:
+            for k, s in enumerate(msg.sums):
+                assert proto.block_checksum([payload[k * bpb:(k + 1) * bpb]]) == s
+        at += 4 + n + size
+    assert at == len(data)
 
 
 class _Killer:

@@ -194,7 +194,8 @@ class InboundConnection:
             self.send([self.session.fail(ev.req, proto.Code.UNAVAILABLE,
                                          "node draining: ask another holder")])
             return
-        self._jobs[ev.req] = Sending(ev.req, tuple(ev.keys), [OUTCOME_FAILED] * len(ev.keys))
+        self._jobs[ev.req] = Sending(ev.req, tuple(ev.keys), [OUTCOME_FAILED] * len(ev.keys),
+                                     on_stream=self.stream is not None)
 
     def _on_abort(self, ev: proto.AbortRequested) -> None:
         self._jobs.pop(ev.req, None)
@@ -265,7 +266,7 @@ class InboundConnection:
             if session.shared_fetch(j.req):
                 if shm.can_send(self.rid):
                     return True
-            elif stream is None or stream.has_room:
+            elif not j.on_stream or (stream is not None and stream.has_room):
                 return True
         return False
 
@@ -289,7 +290,7 @@ class InboundConnection:
 
     def _serve(self, job: Sending) -> None:
         parts, session, stream = self._parts, self.session, self.stream
-        if stream is not None and parts.data_sender is not None and \
+        if job.on_stream and stream is not None and parts.data_sender is not None and \
                 not session.shared_fetch(job.req):
             # Its blocks and its done on the data stream, in order (SPEC §18).
             parts.data_sender.send_job(session, job, stream)

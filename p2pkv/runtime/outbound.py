@@ -135,9 +135,11 @@ def data_path(session: proto.SharingSession, shm: SharedLink, data: DataLink
     """How a ready connection's blocks move (``PeerHandle.data_path``) and why."""
     if session.shared_memory:
         return "shm", shm.detail
+    # Why shared memory is not used matters where both sides offered it.
+    why_not_shm = shm.detail if proto.CAP_SHM_V1 in session.capabilities else ""
     if data.bound:
-        return "tcp-data", data.detail
-    return "tcp", "; ".join(d for d in (shm.detail, data.detail) if d)
+        return "tcp-data", "; ".join(d for d in (data.detail, why_not_shm) if d)
+    return "tcp", "; ".join(d for d in (why_not_shm or shm.detail, data.detail) if d)
 
 
 @dataclass(frozen=True, eq=False)
