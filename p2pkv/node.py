@@ -221,15 +221,16 @@ class Node:
             max_pending=self.config.max_peers)
         self._inbound_parts = InboundParts(
             self._router, store, sender, shm_sender, self._counters, self._data_listener,
-            DataSender(store, self._segments, self._bpb, self._counters),
-            datachannel.port_of(self.address))
+            DataSender(store, self._segments, self._bpb, self._counters))
+        listener, cport = self._data_listener, datachannel.port_of(self.address)
         self._server = Server(
             self._reactor,
             self._inbound_parts,
-            new_session=lambda now: proto.SharingSession(
+            new_session=lambda now: proto.Session(
                 proto.Role.SERVER, self.hello, deadlines=self._deadlines, limits=self._limits,
                 now=now, identity_policy=self.config.identity_policy,
-                shm_offer=shm_sender.offer),
+                shm_offer=shm_sender.offer,
+                data_offer=None if listener is None else listener.offer(cport, now)),
             max_peers=self.config.max_peers)
         landing = Landing(store, self._bpb, self._counters)
         config = self.config
@@ -238,7 +239,7 @@ class Node:
             dial=lambda address: make_dealer(self._ctx, address,
                                              max_message_bytes=self._max_message,
                                              curve=config.curve),
-            new_session=lambda now: proto.SharingSession(
+            new_session=lambda now: proto.Session(
                 proto.Role.CLIENT, self.hello, deadlines=self._deadlines, limits=self._limits,
                 now=now, identity_policy=config.identity_policy),
             hello=self.hello, owner=self, store=store,

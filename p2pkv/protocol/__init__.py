@@ -40,7 +40,35 @@ from p2pkv.protocol.datachannel import (
     stream_batch_limit,
     token_of,
     usable_offer,
-    with_data_offer,
+)
+from p2pkv.protocol.events import (
+    NO_PAYLOAD,
+    AbortAcknowledged,
+    AbortRequested,
+    AttachAnswered,
+    AttachRequested,
+    BlockArrived,
+    BlockDiscarded,
+    BlocksLocated,
+    BlocksReleased,
+    CreditGranted,
+    DataArrived,
+    ErrorReceived,
+    Event,
+    FetchFinished,
+    FetchRequested,
+    HandshakeAccepted,
+    HandshakeRefused,
+    LocatedAbandoned,
+    LookupAnswered,
+    LookupRequested,
+    MessageIgnored,
+    Output,
+    Payload,
+    PeerClosed,
+    ProtocolViolated,
+    RequestFailed,
+    RequestTimedOut,
 )
 from p2pkv.protocol.flow import (
     BATCH_BYTES,
@@ -50,6 +78,8 @@ from p2pkv.protocol.flow import (
     next_batch,
     window_blocks,
 )
+from p2pkv.protocol.limits import Deadlines, Limits
+from p2pkv.protocol.machine import Role, State
 from p2pkv.protocol.messages import (
     Abort,
     AbortAck,
@@ -80,46 +110,9 @@ from p2pkv.protocol.messages import (
     ShmOffer,
     Welcome,
 )
-from p2pkv.protocol.session import (
-    NO_PAYLOAD,
-    TRANSITIONS,
-    AbortAcknowledged,
-    AbortRequested,
-    BlockArrived,
-    BlockDiscarded,
-    CreditGranted,
-    DataArrived,
-    Deadlines,
-    ErrorReceived,
-    Event,
-    FetchFinished,
-    FetchRequested,
-    HandshakeAccepted,
-    HandshakeRefused,
-    Limits,
-    LocalProtocolError,
-    LookupAnswered,
-    LookupRequested,
-    MessageIgnored,
-    Output,
-    Payload,
-    PeerClosed,
-    ProtocolViolated,
-    RequestFailed,
-    RequestTimedOut,
-    Role,
-    Session,
-    State,
-)
-from p2pkv.protocol.sharing import (
-    SHARING_TRANSITIONS,
-    AttachAnswered,
-    AttachRequested,
-    BlocksLocated,
-    BlocksReleased,
-    LocatedAbandoned,
-    SharingSession,
-)
+from p2pkv.protocol.requests import LocalProtocolError
+from p2pkv.protocol.session import Session
+from p2pkv.protocol.transitions import IMPLEMENTED, TRANSITIONS
 
 __all__ = [
     "ACCEPTED",
@@ -130,6 +123,7 @@ __all__ = [
     "CAP_TCP_DATA_V1",
     "EXTENSION_CODES",
     "FRAME_PREFIX",
+    "IMPLEMENTED",
     "NO_PAYLOAD",
     "PREFACE_BYTES",
     "PROTOCOL_MAJOR",
@@ -200,7 +194,6 @@ __all__ = [
     "RequestTimedOut",
     "Role",
     "Session",
-    "SharingSession",
     "ShmOffer",
     "State",
     "Welcome",
@@ -224,5 +217,4 @@ __all__ = [
     "token_of",
     "usable_offer",
     "window_blocks",
-    "with_data_offer",
 ]

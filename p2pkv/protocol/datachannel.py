@@ -15,14 +15,15 @@ ZeroMQ connection, and the session's rules do not change: the client feeds every
 (:meth:`~p2pkv.protocol.Session.receive_data`).
 
 What is here: the stream's preface and answer, the frame prefix, how many blocks one
-stream message carries, when a ``welcome`` carries the offer and when a client uses it.
+stream message carries, and when a client uses an offer. That a ``welcome`` carries the
+offer exactly when ``tcp-data-v1`` was negotiated is a rule of the state machine's table
+(:mod:`p2pkv.protocol.transitions`), like the ``shm-v1`` offer.
 The sockets are :mod:`p2pkv.transport.datachannel`'s; the node's use of them is
 :mod:`p2pkv.runtime.data_server` and :mod:`p2pkv.runtime.data_client`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import struct
 from collections.abc import Set
 from typing import Final
@@ -36,8 +37,7 @@ from p2pkv.protocol.codes import (
     MAX_PAYLOAD_FRAMES,
     Code,
 )
-from p2pkv.protocol.events import HandshakeAccepted, Output
-from p2pkv.protocol.messages import DataOffer, Greeting, Welcome
+from p2pkv.protocol.messages import DataOffer
 
 __all__ = [
     "ACCEPTED",
@@ -51,7 +51,6 @@ __all__ = [
     "stream_batch_limit",
     "token_of",
     "usable_offer",
-    "with_data_offer",
 ]
 
 STREAM_MAGIC: Final = b"P2PKVDC1"
@@ -110,19 +109,7 @@ def stream_batch_limit(bytes_per_block: int, segments: int,
                       batch_bytes // bytes_per_block))
 
 
-def with_data_offer(out: Output, offer: DataOffer) -> Output:
-    """The server's ``welcome`` in ``out`` with ``data`` set, when ``out`` is the
-    handshake's acceptance and ``tcp-data-v1`` was negotiated; otherwise ``out``."""
-    accepted = any(type(ev) is HandshakeAccepted and CAP_TCP_DATA_V1 in ev.capabilities
-                   for ev in out.events)
-    if not accepted:
-        return out
-    replies = tuple(dataclasses.replace(r, data=offer) if type(r) is Welcome else r
-                    for r in out.replies)
-    return Output(events=out.events, replies=replies)
-
-
-def usable_offer(capabilities: Set[str], welcome: Greeting | None,
+def usable_offer(capabilities: Set[str], offer: DataOffer | None,
                  dialed_port: int) -> tuple[DataOffer | None, str]:
     """The client's view of the server's offer: the offer to open a stream to, or None
     and why not. A client that reached the server at another port than the server's
@@ -130,7 +117,6 @@ def usable_offer(capabilities: Set[str], welcome: Greeting | None,
     stream opened to the server's data port would bypass: it stays on ZeroMQ."""
     if CAP_TCP_DATA_V1 not in capabilities:
         return None, f"the peer does not offer {CAP_TCP_DATA_V1}"
-    offer = welcome.data if welcome is not None else None
     if offer is None:
         return None, "the peer's welcome names no data stream"
     if offer.cport != dialed_port:

@@ -164,7 +164,7 @@ class DataLink:
         if not self._parts.enabled:
             self.detail = "the data channel is off on this node"
             return False
-        offer, why = proto.usable_offer(session.capabilities, session.remote,
+        offer, why = proto.usable_offer(session.capabilities, session.data_offer,
                                         port_of(self._address))
         if offer is None:
             if proto.CAP_TCP_DATA_V1 in session.capabilities:

@@ -50,6 +50,9 @@ class StreamOwner(Protocol):
 
     closed: bool
 
+    def wants_stream(self) -> bool:
+        """Whether a stream may bind to it now (its session negotiated the stream)."""
+
     def bind_stream(self, stream: OutStream) -> None:
         """Its stream arrived with the right token."""
 
@@ -60,8 +63,8 @@ class StreamOwner(Protocol):
 
 @dataclass(eq=False)
 class _Offer:
-    owner: StreamOwner
     expires: float
+    owner: StreamOwner | None = None
 
 
 @dataclass(eq=False)
@@ -94,11 +97,18 @@ class DataListener:
 
     # -- tokens --------------------------------------------------------------------------
 
-    def offer(self, owner: StreamOwner, cport: int, now: float) -> proto.DataOffer:
-        """A fresh token for ``owner``'s stream, good once until the deadline."""
+    def offer(self, cport: int, now: float) -> proto.DataOffer:
+        """A fresh token for a new session (``cport``: this node's ZeroMQ port), good
+        once until the deadline, and only once :meth:`own` named its session."""
         token = secrets.token_bytes(DATA_TOKEN_LEN)
-        self._offers[token] = _Offer(owner, now + self._timeout)
+        self._offers[token] = _Offer(now + self._timeout)
         return proto.DataOffer(self.port, token, cport)
+
+    def own(self, offer: proto.DataOffer, owner: StreamOwner) -> None:
+        """The session ``offer`` was made for."""
+        entry = self._offers.get(offer.token)
+        if entry is not None:
+            entry.owner = owner
 
     def revoke(self, offer: proto.DataOffer | None) -> None:
         """The session ended before its stream came: the token is good for nothing."""
@@ -150,7 +160,8 @@ class DataListener:
             return
         token = proto.token_of(bytes(p.data))
         offer = None if token is None else self._offers.pop(token, None)
-        if offer is None or offer.owner.closed or now >= offer.expires:
+        owner = None if offer is None else offer.owner
+        if offer is None or owner is None or now >= offer.expires or not owner.wants_stream():
             why = ("not a p2pkv data stream" if token is None
                    else "an unknown, used or expired token")
             self._drop_pending(p, why)
@@ -161,11 +172,11 @@ class DataListener:
             p.sock.sendall(proto.ACCEPTED)  # 8 bytes into an empty socket buffer
         except OSError as exc:
             p.sock.close()
-            offer.owner.stream_lost(proto.Code.NORMAL_CLOSE,
-                                    f"the data stream failed as it was bound: {exc}")
+            owner.stream_lost(proto.Code.NORMAL_CLOSE,
+                              f"the data stream failed as it was bound: {exc}")
             return
         self._counters.add(Count.DATA_STREAMS_BOUND)
-        offer.owner.bind_stream(OutStream(self._reactor, p.sock, offer.owner))
+        owner.bind_stream(OutStream(self._reactor, p.sock, owner))
 
     def _drop_pending(self, p: _Pending, why: str) -> None:
         self._pending.pop(p.sock, None)
@@ -184,7 +195,8 @@ class DataListener:
     def check_deadlines(self, now: float) -> None:
         for p in [p for p in self._pending.values() if now >= p.deadline]:
             self._drop_pending(p, "no preface within the handshake deadline")
-        for token in [t for t, o in self._offers.items() if now >= o.expires or o.owner.closed]:
+        for token in [t for t, o in self._offers.items()
+                      if now >= o.expires or (o.owner is not None and o.owner.closed)]:
             del self._offers[token]
 
     def next_deadline(self) -> float | None:

@@ -1,6 +1,6 @@
 """One peer connected to this node's ROUTER: its session, its fetch jobs, its TCP link.
 
-An :class:`InboundConnection` owns its server :class:`~p2pkv.protocol.SharingSession`
+An :class:`InboundConnection` owns its server :class:`~p2pkv.protocol.Session`
 (the session enforces the handshake: a refused peer is told why, then forgotten), the
 fetch jobs the peer opened, and what identifies its TCP connection. It answers lookups
 from the store and sends the blocks of its jobs through the
@@ -68,8 +68,6 @@ class InboundParts:
     #: node offers no data channel.
     data: DataListener | None = None
     data_sender: DataSender | None = None
-    #: The port of this node's ZeroMQ endpoint (``welcome.data.cport``).
-    cport: int = 0
     #: Set by :meth:`Node.drain`: new fetches are declined, lookups answer misses.
     draining: threading.Event = field(default_factory=threading.Event)
 
@@ -99,7 +97,7 @@ class InboundConnection:
     when unknown.
     """
 
-    def __init__(self, parts: InboundParts, rid: bytes, session: proto.SharingSession,
+    def __init__(self, parts: InboundParts, rid: bytes, session: proto.Session,
                  on_closed: Callable[[InboundConnection], None], *, fd: int = -1,
                  address: tuple[str, int] | None = None) -> None:
         self.rid = rid
@@ -112,23 +110,15 @@ class InboundConnection:
         self._jobs: collections.OrderedDict[int, Sending] = collections.OrderedDict()
         #: The peer's data stream once bound (``tcp-data-v1``), and the offer made for it.
         self.stream: OutStream | None = None
-        self._offer: proto.DataOffer | None = None
-        self._may_offer = parts.data is not None
+        self._offer = session.data_offer  # tokens are minted with the session
+        if parts.data is not None and self._offer is not None:
+            parts.data.own(self._offer, self)
 
     # -- what the peer sends -------------------------------------------------------------
 
     def receive(self, head: bytes, extra_frames: int, now: float) -> None:
         """One message from the peer: its frame 0 and how many frames followed it."""
-        out = self.session.receive_data(head, now, _Counted(extra_frames))
-        if self._may_offer and self.session.state is proto.State.READY:
-            # The handshake was just accepted: a welcome that negotiated tcp-data-v1
-            # names the data port and this session's token.
-            self._may_offer = False
-            data = self._parts.data
-            if data is not None and proto.CAP_TCP_DATA_V1 in self.session.capabilities:
-                self._offer = data.offer(self, self._parts.cport, now)
-                out = proto.with_data_offer(out, self._offer)
-        self._handle(out)
+        self._handle(self.session.receive_data(head, now, _Counted(extra_frames)))
 
     def poll(self, now: float) -> None:
         """Check the session's deadlines; forget the peer once its session ended."""
@@ -210,9 +200,15 @@ class InboundConnection:
 
     # -- the data stream (StreamOwner) ---------------------------------------------------
 
+    def wants_stream(self) -> bool:
+        """Whether a stream may bind now: the welcome offered one (tcp-data-v1 was
+        negotiated), the session is ready, and no stream is bound yet."""
+        return (not self.closed and self.stream is None
+                and self.session.state is proto.State.READY
+                and self.session.data_offer is not None)
+
     def bind_stream(self, stream: OutStream) -> None:
         """The peer's stream arrived with its token: fetches go out on it from now."""
-        self._offer = None
         self.stream = stream
         log.info("peer %s bound its data stream", self.rid.hex())
 

@@ -1,7 +1,7 @@
 """One connection this node opened: its DEALER, its session, and everything waiting on it.
 
 An :class:`OutboundConnection` owns its socket (and the socket's monitor), its client
-:class:`~p2pkv.protocol.SharingSession`, the lookups and fetches it carries with their
+:class:`~p2pkv.protocol.Session`, the lookups and fetches it carries with their
 futures and deadlines, its shared-memory link and its data stream (``tcp-data-v1``).
 What the peer sends, on the DEALER or on the data stream, enters the session through
 one door (:meth:`~p2pkv.protocol.Session.receive_data`), which also has the blocks land
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import zmq
 
@@ -35,11 +35,9 @@ from p2pkv.errors import (
     PeerGone,
     PeerTimeout,
     ProtocolError,
-    TransferFailed,
 )
 from p2pkv.identity import IdentityExtension
-from p2pkv.protocol.codes import CodeFamily, code_family
-from p2pkv.reports import incompatible
+from p2pkv.reports import refusal_error, request_error
 from p2pkv.runtime.data_client import DataLink, DataReceiver, LinkOwner
 from p2pkv.runtime.public import FetchResult, KeyOutcome, PeerHandle, PeerOwner
 from p2pkv.runtime.reactor import Reactor, fail, resolve
@@ -51,67 +49,50 @@ from p2pkv.runtime.tuning import MONITOR_GRACE_MS, READ_BUDGET, READ_BURST_BYTES
 from p2pkv.store import BlockStore
 from p2pkv.transport import monitor_failure, monitor_messages
 
+M = TypeVar("M", proto.Lookup, proto.Fetch)
+
 __all__ = [
     "OutboundConnection",
     "OutboundParts",
-    "admit",
+    "check_key_limit",
     "data_path",
-    "refusal_error",
-    "request_error",
+    "opened",
     "wanted_keys",
 ]
 
 log = logging.getLogger("p2pkv.node")
 
-_TIMEOUTS: Final = frozenset({proto.Code.PEER_TIMEOUT, proto.Code.TIMEOUT})
-_DECLINED: Final = frozenset({proto.Code.OUT_OF_BOUNDS, proto.Code.TOO_MANY_IN_FLIGHT,
-                              proto.Code.UNAVAILABLE})
-"""Codes of a request the peer turned down; the connection stays up."""
-
-
-def request_error(address: str, ev: proto.RequestFailed) -> P2PKVError:
-    """The typed error for a request the session failed, chosen by its code."""
-    text = f"{address}: request {ev.req} failed: {ev.msg} [{proto.code_name(ev.code)}]"
-    if ev.code in _TIMEOUTS:
-        return PeerTimeout(text)
-    if code_family(ev.code) in (CodeFamily.REFUSAL, CodeFamily.CLOSE):
-        # The connection ended: refused (PeerIncompatible is raised only by the
-        # handshake itself, with its reasons) or closed.
-        return PeerGone(text)
-    if ev.code in _DECLINED:
-        return TransferFailed(text)
-    return ProtocolError(ev.code, text)
-
-
-def refusal_error(address: str, hello: proto.Hello, ev: proto.HandshakeRefused) -> P2PKVError:
-    """A refused handshake's error: PeerIncompatible with its reasons, or, refused for a
-    protocol violation (a malformed or unexpected greeting), a ProtocolError."""
-    if ev.reasons:
-        return incompatible(address, hello, ev)
-    who = "refused by" if ev.by_remote else "refused"
-    return ProtocolError(ev.code, f"handshake {who} {address}: {ev.msg} "
-                         f"[{proto.code_name(ev.code)}]")
-
-
-def admit(session: proto.Session, address: str, nkeys: int, what: str,
-          deadline: float) -> None:
-    """Local limits and the caller's deadline, checked before a request is sent, so
-    that the caller gets a typed LocalLimitExceeded or PeerTimeout."""
+def check_key_limit(session: proto.Session, address: str, nkeys: int, what: str) -> None:
+    """The peer's key limit, checked before a request is opened, so that the caller
+    gets a typed LocalLimitExceeded."""
     limit = session.key_limit
     if nkeys > limit:
         raise LocalLimitExceeded(
             f"{what} of {nkeys} keys: {address} accepts at most {limit} keys per "
             "request; split the request", limit="max_keys", allowed=limit,
             requested=nkeys)
-    in_flight, allowed = session.in_flight, session.request_limit
-    if in_flight >= allowed:
+
+
+def opened(session: proto.Session, address: str, open_request: Callable[[], M], what: str,
+           deadline: float) -> M:
+    """Open a request in the session (which holds the in-flight limit), unless the
+    caller's deadline passed already: then nothing is sent (``timeout=0``)."""
+    try:
+        msg = open_request()
+    except proto.LocalProtocolError as exc:
+        if exc.code != proto.Code.TOO_MANY_IN_FLIGHT:
+            raise
+        in_flight, allowed = session.in_flight, session.request_limit
         raise LocalLimitExceeded(
             f"{what}: {in_flight} requests already in flight to {address} "
             f"(limit {allowed}); wait for one to finish",
-            limit="max_inflight_requests", allowed=allowed, requested=in_flight + 1)
-    if time.monotonic() >= deadline:  # timeout=0: nothing is sent
+            limit="max_inflight_requests", allowed=allowed,
+            requested=in_flight + 1) from None
+    if time.monotonic() >= deadline:
+        session.withdraw(msg.req)
         raise PeerTimeout(f"{what} on {address}: the timeout expired before the "
                           "request could be sent")
+    return msg
 
 
 def wanted_keys(store: BlockStore, keys: Sequence[bytes], into_store: bool
@@ -130,7 +111,7 @@ def wanted_keys(store: BlockStore, keys: Sequence[bytes], into_store: bool
     return outcomes, wanted
 
 
-def data_path(session: proto.SharingSession, shm: SharedLink, data: DataLink
+def data_path(session: proto.Session, shm: SharedLink, data: DataLink
               ) -> tuple[str, str]:
     """How a ready connection's blocks move (``PeerHandle.data_path``) and why."""
     if session.shared_memory:
@@ -150,7 +131,7 @@ class OutboundParts:
     #: A new DEALER connecting to an address, and its socket monitor.
     dial: Callable[[str], tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]
     #: A new client session, started at the given time.
-    new_session: Callable[[float], proto.SharingSession]
+    new_session: Callable[[float], proto.Session]
     hello: proto.Hello
     owner: PeerOwner
     store: BlockStore
@@ -229,8 +210,9 @@ class OutboundConnection:
                            f"{self.session.state.name})")
 
     def lookup(self, keys: tuple[bytes, ...], fut: Future[list[bool]], deadline: float) -> None:
-        admit(self.session, self.address, len(keys), "lookup", deadline)
-        msg = self.session.lookup(keys, time.monotonic())
+        check_key_limit(self.session, self.address, len(keys), "lookup")
+        msg = opened(self.session, self.address,
+                     lambda: self.session.lookup(keys, time.monotonic()), "lookup", deadline)
         self._lookups[msg.req] = (fut, deadline)
         self._send([msg])
 
@@ -244,13 +226,15 @@ class OutboundConnection:
             resolve(fut, FetchResult(keys, tuple(o or KeyOutcome.LANDED for o in outcomes),
                                      {}, 0, 0, 0.0))
             return
-        admit(self.session, self.address, len(wanted), "fetch", deadline)
+        check_key_limit(self.session, self.address, len(wanted), "fetch")
         # One credit budget per peer, shared by all its fetches: it bounds the data
         # queued towards this node, and so how long a lookup answer can wait behind it.
         window = self._parts.budget.opening_window(self._credit_state(), len(wanted))
         session = self.session
         open_fetch = session.fetch_shared if session.shared_memory else session.fetch
-        msg = open_fetch(tuple(keys[i] for i in wanted), window, now)
+        msg = opened(session, self.address,
+                     lambda: open_fetch(tuple(keys[i] for i in wanted), window, now),
+                     "fetch", deadline)
         self._fetches[msg.req] = Receiving(msg.req, keys, fut, destinations, now, deadline,
                                            outcomes, wanted, ticket=ticket)
         ticket.peer_id, ticket.req = self.peer_id, msg.req
