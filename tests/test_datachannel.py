@@ -470,6 +470,49 @@ def test_a_server_that_breaks_the_stream_fails_the_fetch(fault: str,
     assert wait_until(lambda: consumer.peers() == [], timeout=5)
 
 
+# ---------------------------------------------------------------------- the table
+
+
+def _session_pair(client_caps: tuple[str, ...], server_caps: tuple[str, ...],
+                  offer: proto.DataOffer | None) -> tuple[proto.Session, proto.Session,
+                                                          proto.Welcome]:
+    from p2pkv.identity import RunConfig
+
+    def hello(name: str, caps: tuple[str, ...]) -> proto.Hello:
+        return proto.Hello.for_config(name, RunConfig("m"), proto.Geometry.of([8, 4]),
+                                      proto.KeyHash("xxh3-128", 0), caps=caps)
+
+    client = proto.Session(proto.Role.CLIENT, hello("c", client_caps), now=0.0)
+    server = proto.Session(proto.Role.SERVER, hello("s", server_caps), now=0.0,
+                           data_offer=offer)
+    (hello_msg,) = client.start(0.0)
+    server.start(0.0)
+    (welcome,) = server.receive(hello_msg, 0.0).replies
+    assert type(welcome) is proto.Welcome
+    # Through the codec, as the client reads it.
+    client.receive(proto.decode(proto.encode(welcome)), 0.0)
+    return client, server, welcome
+
+
+def test_the_welcome_offers_a_stream_only_when_tcp_data_v1_is_negotiated() -> None:
+    offer = proto.DataOffer(40123, bytes(range(16)), 5555)
+    both = (proto.CAP_CHECKSUM_XXH3_64, proto.CAP_TCP_DATA_V1)
+    client, server, welcome = _session_pair(both, both, offer)
+    assert welcome.data == offer and proto.CAP_TCP_DATA_V1 in welcome.caps
+    assert server.data_offer == offer and client.data_offer == offer
+    assert proto.usable_offer(client.capabilities, client.data_offer, 5555) == (offer, "")
+    assert "relay" in proto.usable_offer(client.capabilities, client.data_offer, 6000)[1]
+    plain = (proto.CAP_CHECKSUM_XXH3_64,)
+    for c, s in ((plain, both), (both, plain)):
+        client, server, welcome = _session_pair(c, s, offer)
+        assert welcome.data is None and server.data_offer is None
+        assert client.data_offer is None
+        assert proto.usable_offer(client.capabilities, None, 5555)[0] is None
+    # A client never keeps an offer it did not negotiate, nor sends one in its hello.
+    client, _, _ = _session_pair(plain, plain, None)
+    assert client.data_offer is None and client.local.data is None
+
+
 # ---------------------------------------------------------------------- the transport
 
 
