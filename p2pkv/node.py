@@ -247,7 +247,9 @@ class Node:
             shm=SharedReceiver(landing, self._segments, self._counters, enabled=config.shm),
             data=DataReceiver(self._reactor, landing, self._segments, self._counters,
                               enabled=offers_data),
-            budget=proto.CreditBudget(window), counters=self._counters,
+            budget=proto.CreditBudget(window),
+            stream_budget=proto.CreditBudget(proto.stream_window(window)),
+            counters=self._counters,
             curve=config.curve is not None, bytes_per_block=self._bpb),
             max_peers=config.max_peers)
         # The order the IO loop serves them in, and the order they shut down in.

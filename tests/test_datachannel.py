@@ -580,8 +580,8 @@ def test_stream_frames_and_prefaces_are_checked() -> None:
         proto.frame_length(struct.pack("<I", 2 * 1024 * 1024 + 1))
     assert big.value.code == proto.Code.TOO_LARGE
     # A stream message stays within a block header's bounds.
-    assert proto.stream_batch_limit(16384, 1) == 256
-    assert proto.stream_batch_limit(589824, 12) == 7
+    assert proto.stream_batch_limit(16384, 1) == 512
+    assert proto.stream_batch_limit(589824, 12) == 14
     assert proto.stream_batch_limit(1024, 32) == 512
     assert proto.stream_batch_limit(1 << 30, 1) == 1
 

@@ -38,6 +38,7 @@ from p2pkv.protocol.datachannel import (
     frame_prefix,
     preface,
     stream_batch_limit,
+    stream_window,
     token_of,
     usable_offer,
 )
@@ -214,6 +215,7 @@ __all__ = [
     "restate",
     "segments_for",
     "stream_batch_limit",
+    "stream_window",
     "token_of",
     "usable_offer",
     "window_blocks",

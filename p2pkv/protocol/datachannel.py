@@ -49,6 +49,7 @@ __all__ = [
     "frame_prefix",
     "preface",
     "stream_batch_limit",
+    "stream_window",
     "token_of",
     "usable_offer",
 ]
@@ -63,9 +64,21 @@ PREFACE_BYTES: Final = _PREFACE.size
 """Bytes a client sends first on a new stream: the magic, then the session's token."""
 FRAME_PREFIX: Final = struct.Struct("<I")
 """Before every frame 0 on the stream: its length in bytes, u32 little-endian."""
-STREAM_BATCH_BYTES: Final = 4 << 20
+STREAM_BATCH_BYTES: Final = 8 << 20
 """Payload bytes the reference server puts in one stream message (several large blocks
 per message, unlike ZeroMQ's 1 MiB: the per-message work is the header, not a copy)."""
+
+
+STREAM_WINDOW_FACTOR: Final = 4
+"""How much larger a peer's credit budget is once its blocks take a data stream: the
+budget bounds how long a control reply waits behind block data on ZeroMQ, and on a
+stream none does; what the stream holds in flight is bounded by TCP and by the
+server's queue, so larger grants only mean fewer credit messages."""
+
+
+def stream_window(window: int) -> int:
+    """The per-peer credit budget, in blocks, of a connection with a bound stream."""
+    return window * STREAM_WINDOW_FACTOR
 
 
 def preface(token: bytes) -> bytes:

@@ -139,6 +139,8 @@ class OutboundParts:
     shm: SharedReceiver
     data: DataReceiver
     budget: proto.CreditBudget
+    #: The budget of a connection whose blocks take a data stream.
+    stream_budget: proto.CreditBudget
     counters: Counters
     #: Whether connections use CurveZMQ (what a failed security handshake means).
     curve: bool
@@ -229,7 +231,7 @@ class OutboundConnection:
         check_key_limit(self.session, self.address, len(wanted), "fetch")
         # One credit budget per peer, shared by all its fetches: it bounds the data
         # queued towards this node, and so how long a lookup answer can wait behind it.
-        window = self._parts.budget.opening_window(self._credit_state(), len(wanted))
+        window = self._budget().opening_window(self._credit_state(), len(wanted))
         session = self.session
         open_fetch = session.fetch_shared if session.shared_memory else session.fetch
         msg = opened(session, self.address,
@@ -407,9 +409,14 @@ class OutboundConnection:
         states = (self.session.fetch_credit(req) for req in self._fetches)
         return [state for state in states if state is not None]
 
+    def _budget(self) -> proto.CreditBudget:
+        """The peer's credit budget: larger once a data stream is bound, where blocks
+        no longer queue ahead of control replies (SPEC §18.3)."""
+        return self._parts.stream_budget if self._data.bound else self._parts.budget
+
     def _refill_credit(self, now: float) -> None:
         """Grant the credit the peer's budget allows now (see ``CreditBudget.grants``)."""
-        for req, n in self._parts.budget.grants(self._credit_state()):
+        for req, n in self._budget().grants(self._credit_state()):
             try:
                 credit = self.session.credit(req, n, now)
             except (ProtocolError, ValueError):
