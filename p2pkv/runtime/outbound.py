@@ -365,8 +365,7 @@ class OutboundConnection:
             self._handle(self.session.receive_data(head, now, self._frames), now)
 
     def _stream_lost(self, exc: P2PKVError) -> None:
-        """The bound data stream ended (the connection goes with it) or carried what
-        the protocol does not allow (a violation: the peer is told why)."""
+        """The bound data stream ended, or carried a violation (the peer is told)."""
         if isinstance(exc, ProtocolError) and not self.closed:
             self._parts.counters.add(Count.PROTOCOL_VIOLATIONS)
             log.warning("protocol violation by %s on its data stream: %s", self.address, exc)
@@ -409,9 +408,7 @@ class OutboundConnection:
         states = (self.session.fetch_credit(req) for req in self._fetches)
         return [state for state in states if state is not None]
 
-    def _budget(self) -> proto.CreditBudget:
-        """The peer's credit budget: larger once a data stream is bound, where blocks
-        no longer queue ahead of control replies (SPEC §18.3)."""
+    def _budget(self) -> proto.CreditBudget:  # larger on a data stream (SPEC §18.3)
         return self._parts.stream_budget if self._data.bound else self._parts.budget
 
     def _refill_credit(self, now: float) -> None:
@@ -466,15 +463,12 @@ class OutboundConnection:
         else:
             self._open_data()
 
-    def _open_data(self) -> None:
-        """Off shared memory, a peer that offers it gets a data stream (tcp-data-v1);
-        the connection is ready once it is bound, or given up."""
+    def _open_data(self) -> None:  # ready once the data stream is bound, or given up
         if not self._data.begin(self.session, self._handshake_deadline):
             self._ready()
 
     def _ready(self) -> None:
-        """The handshake (and the shared-memory proof or the data stream, if any) is
-        over: hand out the peer."""
+        """The handshake (and the shm proof or the data stream) is over: hand it out."""
         remote = self.session.remote
         if remote is None or self.closed or self.handle is not None:
             return
