@@ -202,6 +202,11 @@ class DataLink:
         self._parts.counters.add(Count.DATA_FALLBACKS)
         log.info("%s: blocks move over ZeroMQ: %s", self._address, why)
 
+    def read_what_came(self, now: float) -> None:
+        """The ZeroMQ connection ended: handle what the stream still holds first."""
+        if self._state is _State.BOUND:
+            self._on_event(now)
+
     def _on_event(self, now: float) -> None:
         state = self._state
         if state is _State.DIALING:

@@ -329,9 +329,10 @@ class OutboundConnection:
                                   curve=self._parts.curve, handshaken=self.handle is not None)
         if failure is None:
             return
-        # What the peer sent before it went away may still wait in ZeroMQ's queue (the
-        # tail of a fetch, its done, a bye from a node that drained): read it first, so
-        # a peer that closed cleanly is not taken for one that vanished.
+        # What the peer sent before it went away may still wait on the stream or in
+        # ZeroMQ's queue (a fetch's tail, its done, a drained node's bye): read it
+        # first, so a peer that closed cleanly is not taken for one that vanished.
+        self._data.read_what_came(now)
         while self.handle is not None and not self.closed and self._sock.poll(0, zmq.POLLIN):
             self._on_readable(now)
         if not self.closed:
@@ -373,9 +374,8 @@ class OutboundConnection:
         self.close(exc)
 
     def _deliver(self, head: bytes, payload: proto.Payload, now: float) -> proto.Output:
-        out = self.session.receive_data(head, now, payload)  # the DEALER's door too
-        self._handle(out, now)
-        return out
+        self._handle(out := self.session.receive_data(head, now, payload), now)
+        return out  # the DEALER's door too
 
     def _land(self, arrived: proto.DataArrived) -> None:
         """Land the blocks of an accepted message (the session calls this back).
