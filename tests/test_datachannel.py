@@ -387,6 +387,39 @@ def test_a_consumer_whose_stream_dies_leaves_no_pin(how: str, made: list[Any]) -
     stream.close()
 
 
+def test_an_unexpected_error_while_sending_on_the_stream_leaks_no_pin(
+        made: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from p2pkv.runtime.data_server import OutStream
+
+    producer = node({**SEED_V2, "pool": 40})
+    made.append(producer)
+    keys = fill(producer, 30)
+    real_push = OutStream.push
+    calls = {"n": 0}
+
+    def failing_push(self: Any, head: bytes, segments: Any = None, done: Any = None) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure in the stream's send path")
+        real_push(self, head, segments, done)
+
+    monkeypatch.setattr(OutStream, "push", failing_push)
+    consumer = node(SEED_V2, fetch_idle_timeout=3.0)
+    made.append(consumer)
+    peer = consumer.connect(producer.address)
+    assert peer.data_path == "tcp-data"
+    with pytest.raises(P2PKVError):  # a bug costs the peer, never the node
+        consumer.fetch(peer, keys, timeout=30)
+    assert calls["n"] >= 2
+    assert wait_until(lambda: producer.store.stats().pinned == 0, 5.0), producer.store.stats()
+    assert consumer.store.stats().pinned == 0
+    again = node(SEED_V2)
+    made.append(again)
+    result = again.fetch(again.connect(producer.address), keys, timeout=30)
+    assert result.outcomes == (KeyOutcome.LANDED,) * 30
+    assert wait_until(lambda: producer.store.stats().pinned == 0, 5.0)
+
+
 # ---------------------------------------------------------------------- a hostile server
 
 

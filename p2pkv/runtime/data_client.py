@@ -208,18 +208,25 @@ class DataLink:
             self._on_event(now)
 
     def _on_event(self, now: float) -> None:
-        state = self._state
-        if state is _State.DIALING:
-            self._send_preface()
-        elif state is _State.AWAITING:
-            self._read_answer()
-        if self._state is _State.BOUND:
-            try:
+        try:
+            state = self._state
+            if state is _State.DIALING:
+                self._send_preface()
+            elif state is _State.AWAITING:
+                self._read_answer()
+            if self._state is _State.BOUND:
                 self._read(now)
-            except ProtocolError as exc:
-                self._lose(exc)
-            except OSError as exc:
-                self._lose(PeerGone(f"{self._address}: the data stream failed: {exc}"))
+        except (ProtocolError, PeerGone) as exc:
+            self._lose(exc)
+        except OSError as exc:
+            self._lose(PeerGone(f"{self._address}: the data stream failed: {exc}"))
+        except Exception as exc:
+            # A bug must cost one connection, never the node (or its IO thread).
+            log.exception("internal error on the data stream of %s", self._address)
+            if self._state is _State.BOUND:
+                self._lose(P2PKVError(f"internal error on the data stream: {exc!r}"))
+            elif self.pending:
+                self._give_up(f"internal error while binding the data stream: {exc!r}")
 
     def _send_preface(self) -> None:
         sock = self._sock
@@ -446,8 +453,12 @@ class DataLink:
             inc.settled = complete
             if ready:
                 landing = self._parts.landing
-                with landing.guard():
-                    landed = landing.settle_many(inc.recv, ready)
+                try:
+                    with landing.guard():
+                        landed = landing.settle_many(inc.recv, ready)
+                except BaseException:
+                    landing.abandon(ready)  # whatever happened, no slot stays open
+                    raise
                 self._parts.counters.add(Count.BLOCKS_RECEIVED_STREAM, landed)
         if scatter.done:
             self._incoming = None

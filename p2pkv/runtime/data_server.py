@@ -147,6 +147,15 @@ class DataListener:
 
     def _read_preface(self, p: _Pending, now: float) -> None:
         try:
+            self._bind(p, now)
+        except Exception:
+            # A bug must cost that stream, never the node (or its IO thread).
+            log.exception("data port: internal error reading a preface")
+            if p.sock in self._pending:
+                self._drop_pending(p, "internal error")
+
+    def _bind(self, p: _Pending, now: float) -> None:
+        try:
             chunk = p.sock.recv(proto.PREFACE_BYTES - len(p.data))
         except (BlockingIOError, InterruptedError):
             return
@@ -277,6 +286,14 @@ class OutStream:
         if self.closed:
             return
         try:
+            self._read_or_write()
+        except Exception as exc:
+            # A bug must cost one peer, never the node (or its IO thread).
+            log.exception("internal error on a data stream")
+            self._lost(proto.Code.NORMAL_CLOSE, f"internal error on the data stream: {exc!r}")
+
+    def _read_or_write(self) -> None:
+        try:
             data = self._sock.recv(1)
         except (BlockingIOError, InterruptedError):
             self.flush()
@@ -327,13 +344,14 @@ class DataSender:
             credit -= len(idx)
             if not idx:
                 continue
+            unpin = self._unpin(readers)
             try:
                 sums = [r.checksum for r in readers] if checksums else None
                 head = proto.encode_head(session.block(job.req, idx, sums))
+                stream.push(head, [v for r in readers for v in r.views], unpin)
             except BaseException:
-                store.release_many(readers)
+                unpin()  # whatever went wrong, or the blocks stay pinned forever
                 raise
-            stream.push(head, [v for r in readers for v in r.views], self._unpin(readers))
             for i in idx:
                 job.outcomes[i] = OUTCOME_SENT
             self._counters.add(Count.BLOCKS_SENT, len(idx))
@@ -342,5 +360,13 @@ class DataSender:
         stream.flush()
 
     def _unpin(self, readers: list[BlockReader]) -> Callable[[], None]:
+        """Release ``readers`` once, however many times it is called (written, or
+        dropped, or given up when queueing failed)."""
         store = self._store
-        return lambda: store.release_many(readers)
+        held = [readers]
+
+        def unpin() -> None:
+            if held:
+                store.release_many(held.pop())
+
+        return unpin
