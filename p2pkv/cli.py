@@ -376,7 +376,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
             print(f"local:        {ext.describe()}")
             _print_sources(settings.identity_sources())
             print(f"capabilities: {', '.join(sorted(peer.capabilities)) or '(none)'}")
-            path = "shared memory" if peer.data_path == "shm" else "TCP"
+            path = {"shm": "shared memory", "tcp-data": "TCP data stream"}.get(
+                peer.data_path, "TCP (ZeroMQ)")
             print(f"data path:    {path} ({peer.data_path_detail})")
             if notes:
                 print("identity extension differences (accepted):")

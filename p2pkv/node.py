@@ -44,6 +44,8 @@ from p2pkv.layout import Layout
 from p2pkv.pool import BlockPool
 from p2pkv.protocol.codes import MAX_HEAD_BYTES
 from p2pkv.runtime.client import Client
+from p2pkv.runtime.data_client import DataReceiver
+from p2pkv.runtime.data_server import DataListener, DataSender
 from p2pkv.runtime.inbound import InboundParts
 from p2pkv.runtime.landing import Landing
 from p2pkv.runtime.outbound import OutboundParts
@@ -61,6 +63,7 @@ from p2pkv.shm import ShmUnavailable
 from p2pkv.store import BlockStore
 from p2pkv.transport import (
     bound_address,
+    datachannel,
     make_dealer,
     make_router,
     start_authenticator,
@@ -93,6 +96,31 @@ def _seconds(timeout: float | None, default: float) -> float:
             0 <= timeout < float("inf")):
         raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
     return float(timeout)
+
+
+def _bind(ctx: zmq.Context[zmq.Socket[bytes]], config: NodeConfig, max_message: int,
+          data: bool) -> tuple[Any, zmq.Socket[bytes], socket.socket | None]:
+    """The node's listening sockets: its CURVE authenticator (None without CURVE), its
+    ROUTER, and its data port (tcp-data-v1, where the ROUTER listens; None when it
+    offers no data channel). On failure nothing is left open, the context is ended."""
+    auth: Any = None
+    router: zmq.Socket[bytes] | None = None
+    try:
+        if config.curve is not None:
+            # The authenticator must run before the socket binds so that no
+            # connection slips through unauthenticated.
+            auth = start_authenticator(ctx, config.curve)
+        router = make_router(ctx, config.listen, max_message_bytes=max_message,
+                             curve=config.curve)
+        host = datachannel.host_of(bound_address(router))
+        return auth, router, (datachannel.listen(host, config.data_port) if data else None)
+    except BaseException:
+        if router is not None:
+            router.close(0)
+        if auth is not None:
+            auth.stop()
+        ctx.term()
+        raise
 
 
 class Node:
@@ -142,11 +170,7 @@ class Node:
         self._segments = tuple(layout.segment_sizes)
         self._bpb = layout.bytes_per_block
         window = proto.window_blocks(self.config.window_bytes, self._bpb)
-        caps = [proto.CAP_CHECKSUM_XXH3_64] if self.config.checksums else []
-        if self.config.shm:
-            caps.append(proto.CAP_SHM_V1)
-        if self.config.packed_blocks:
-            caps.append(proto.CAP_PACKED_V1)
+        offers_data = self.config.offers_data_channel
         self._deadlines = proto.Deadlines(
             handshake=self.config.handshake_timeout,
             lookup=self.config.lookup_timeout,
@@ -166,7 +190,7 @@ class Node:
             fp=run_config.fingerprint,
             geo=proto.Geometry(bpb=self._bpb, seg=self._segments),
             khash=proto.KeyHash(algo=self.config.key_hash_algo, seed=self.config.key_hash_seed),
-            caps=tuple(caps),
+            caps=self.config.capabilities,
             limits=self._limits.advertised(window=window),
             ext=None if self.extension.is_empty else self.extension,
         )
@@ -174,20 +198,8 @@ class Node:
         self._max_message = max(max(self._segments), MAX_HEAD_BYTES)
 
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._auth: Any = None
-        try:
-            if self.config.curve is not None:
-                # The authenticator must run before the socket binds so that no
-                # connection slips through unauthenticated.
-                self._auth = start_authenticator(self._ctx, self.config.curve)
-            self._router = make_router(self._ctx, self.config.listen,
-                                       max_message_bytes=self._max_message,
-                                       curve=self.config.curve)
-        except BaseException:
-            if self._auth is not None:
-                self._auth.stop()
-            self._ctx.term()
-            raise
+        self._auth, self._router, data_sock = _bind(self._ctx, self.config,
+                                                    self._max_message, offers_data)
         self.address = bound_address(self._router)
 
         self._counters = Counters()
@@ -204,15 +216,21 @@ class Node:
         self._shm_sender = SharedSender(self._router, store, segment, self._bpb,
                                         self._counters, pin_limit=2 * window)
         shm_sender = self._shm_sender
-        self._inbound_parts = InboundParts(router=self._router, store=store, sender=sender,
-                                           shm=shm_sender, counters=self._counters)
+        self._data_listener = None if data_sock is None else DataListener(
+            self._reactor, data_sock, self._counters, timeout=self.config.handshake_timeout,
+            max_pending=self.config.max_peers)
+        self._inbound_parts = InboundParts(
+            self._router, store, sender, shm_sender, self._counters, self._data_listener,
+            DataSender(store, self._segments, self._bpb, self._counters))
+        listener, cport = self._data_listener, datachannel.port_of(self.address)
         self._server = Server(
             self._reactor,
             self._inbound_parts,
             new_session=lambda now: proto.Session(
                 proto.Role.SERVER, self.hello, deadlines=self._deadlines, limits=self._limits,
                 now=now, identity_policy=self.config.identity_policy,
-                shm_offer=shm_sender.offer),
+                shm_offer=shm_sender.offer,
+                data_offer=None if listener is None else listener.offer(cport, now)),
             max_peers=self.config.max_peers)
         landing = Landing(store, self._bpb, self._counters)
         config = self.config
@@ -227,7 +245,11 @@ class Node:
             hello=self.hello, owner=self, store=store,
             receiver=Receiver(landing, self._segments, self._bpb, self._counters),
             shm=SharedReceiver(landing, self._segments, self._counters, enabled=config.shm),
-            budget=proto.CreditBudget(window), counters=self._counters,
+            data=DataReceiver(self._reactor, landing, self._segments, self._counters,
+                              enabled=offers_data),
+            budget=proto.CreditBudget(window),
+            stream_budget=proto.CreditBudget(proto.stream_window(window)),
+            counters=self._counters,
             curve=config.curve is not None, bytes_per_block=self._bpb),
             max_peers=config.max_peers)
         # The order the IO loop serves them in, and the order they shut down in.
@@ -385,7 +407,12 @@ class Node:
             shm_pinned=self._shm_sender.pinned(),
             fetches_declined_draining=c[Count.FETCHES_DECLINED_DRAINING],
             draining=self._inbound_parts.draining.is_set(),
-        )
+            data_port=None if self._data_listener is None else self._data_listener.port,
+            data_peers_out=sum(1 for h in handles if h.data_path == "tcp-data"),
+            data_peers_in=self._server.stream_peers(), data_fallbacks=c[Count.DATA_FALLBACKS],
+            blocks_sent_stream=c[Count.BLOCKS_SENT_STREAM], data_streams_refused=c[
+                Count.DATA_STREAMS_REFUSED], blocks_received_stream=c[
+                Count.BLOCKS_RECEIVED_STREAM])
 
     def drain(self, timeout: float | None = None) -> None:
         """Leave gracefully (after ``Cluster.close``): new fetches are declined with

@@ -52,6 +52,10 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+_CACHED_VIEWS = 1 << 20
+"""Most per-slot segment views a pool keeps made (slots × segments)."""
+
+
 class BlockPool:
     """Fixed-size host memory for ``num_blocks`` blocks of ``layout``.
 
@@ -121,6 +125,12 @@ class BlockPool:
         self._region_views: tuple[memoryview, ...] = tuple(
             region.numpy().data for region in regions
         )
+        # Each slot's views, made on first use: a data stream lands tens of thousands
+        # of small blocks per second, and slicing them anew each time shows (bounded,
+        # so that a pool of many small segments does not hold millions of views).
+        self._slot_views: list[tuple[memoryview, ...] | None] | None = (
+            [None] * num_blocks if num_blocks * len(self.segment_sizes) <= _CACHED_VIEWS
+            else None)
         logger.info(
             "block pool: %d blocks x %d bytes (%d segments, layout %s) = %d bytes in %s memory",
             num_blocks,
@@ -160,10 +170,17 @@ class BlockPool:
         """
         if not 0 <= slot < self.num_blocks:
             raise IndexError(f"slot {slot} out of range [0, {self.num_blocks})")
-        return [
-            view[slot * size : (slot + 1) * size]
-            for view, size in zip(self._region_views, self.segment_sizes, strict=True)
-        ]
+        cache = self._slot_views
+        if cache is not None:
+            cached = cache[slot]
+            if cached is None:
+                cached = cache[slot] = self._views_of(slot)
+            return list(cached)
+        return list(self._views_of(slot))
+
+    def _views_of(self, slot: int) -> tuple[memoryview, ...]:
+        return tuple(view[slot * size : (slot + 1) * size]
+                     for view, size in zip(self._region_views, self.segment_sizes, strict=True))
 
     def block_tensors(self, slot: int) -> list[torch.Tensor]:
         """Typed views of slot ``slot``, one per segment (shapes ``layout.block_shapes``)."""

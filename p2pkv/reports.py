@@ -1,4 +1,5 @@
-"""Refusal reports: how a refused handshake is shown, in one place.
+"""Refusal reports: how a refused handshake is shown, in one place (and which typed
+error a refused handshake or a failed request becomes).
 
 Used by the node (the :class:`~p2pkv.errors.PeerIncompatible` it raises and the names
 its stats count refusals under), by ``p2pkv-node probe`` (the table and the JSON) and by
@@ -11,11 +12,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 from p2pkv import protocol as proto
-from p2pkv.errors import PeerIncompatible
+from p2pkv.errors import (
+    P2PKVError,
+    PeerGone,
+    PeerIncompatible,
+    PeerTimeout,
+    ProtocolError,
+    TransferFailed,
+)
 from p2pkv.identity import ABSENT, FieldDiff, diff
+from p2pkv.protocol.codes import CodeFamily, code_family
 
 __all__ = [
     "ABSENT_TEXT",
@@ -25,8 +34,10 @@ __all__ = [
     "plain",
     "reason_dict",
     "reason_name",
+    "refusal_error",
     "refusal_table",
     "remote_identity",
+    "request_error",
     "show",
 ]
 
@@ -132,3 +143,33 @@ def incompatible(address: str, local: proto.Hello,
     exc = PeerIncompatible("\n".join(lines), reasons=reasons, diff=field_diff)
     exc.remote = remote_info
     return exc
+
+
+_TIMEOUTS: Final = frozenset({proto.Code.PEER_TIMEOUT, proto.Code.TIMEOUT})
+_DECLINED: Final = frozenset({proto.Code.OUT_OF_BOUNDS, proto.Code.TOO_MANY_IN_FLIGHT,
+                              proto.Code.UNAVAILABLE})
+"""Codes of a request the peer turned down; the connection stays up."""
+
+
+def request_error(address: str, ev: proto.RequestFailed) -> P2PKVError:
+    """The typed error for a request the session failed, chosen by its code."""
+    text = f"{address}: request {ev.req} failed: {ev.msg} [{proto.code_name(ev.code)}]"
+    if ev.code in _TIMEOUTS:
+        return PeerTimeout(text)
+    if code_family(ev.code) in (CodeFamily.REFUSAL, CodeFamily.CLOSE):
+        # The connection ended: refused (PeerIncompatible is raised only by the
+        # handshake itself, with its reasons) or closed.
+        return PeerGone(text)
+    if ev.code in _DECLINED:
+        return TransferFailed(text)
+    return ProtocolError(ev.code, text)
+
+
+def refusal_error(address: str, hello: proto.Hello, ev: proto.HandshakeRefused) -> P2PKVError:
+    """A refused handshake's error: PeerIncompatible with its reasons, or, refused for a
+    protocol violation (a malformed or unexpected greeting), a ProtocolError."""
+    if ev.reasons:
+        return incompatible(address, hello, ev)
+    who = "refused by" if ev.by_remote else "refused"
+    return ProtocolError(ev.code, f"handshake {who} {address}: {ev.msg} "
+                         f"[{proto.code_name(ev.code)}]")

@@ -213,6 +213,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("shm", _bool, False,
            "same-host shared memory (shm-v1): the pool lives in /dev/shm and blocks are "
            "copied from same-host peers' pools"),
+    Option("data_channel", _bool, True,
+           "offer the data channel (tcp-data-v1): block bytes on a plain TCP stream beside "
+           "the ZeroMQ connection, bound to the session by a token (never under CURVE)"),
+    Option("data_port", _int(0, 65535), 0,
+           "port the data channel listens on, at the host of --listen (0: ephemeral)"),
     Option("metrics_port", _int(0, 65535), None, "serve Prometheus metrics on this port"),
     Option("curve_secret_key", _str, None, "CURVE secret key file (enables encryption)"),
     Option("curve_authorized", _str, None, "directory of authorized client public keys"),
@@ -480,6 +485,7 @@ def node_config(settings: Settings, *, listen: str | None = None) -> Any:
             drain_timeout=v["drain_timeout"], heartbeat_timeout=v["heartbeat_timeout"],
             heartbeat_interval=interval, curve=curve,
             identity_policy=v["identity_policy"], shm=v["shm"],
+            data_channel=v["data_channel"], data_port=v["data_port"],
         )
     except ConfigError as exc:
         if exc.option == "listen" and not exc.named:

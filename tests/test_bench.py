@@ -76,6 +76,13 @@ def test_quick_bench_runs_every_case_and_verifies_every_byte(tmp_path: Path) -> 
         assert isinstance(ceiling["details"], dict)
         assert ceiling["details"]["kernel_verified"] is True
         assert len(ceiling["details"]["kernel_round_gbps"]) >= 2
+        # The data channel (tcp-data-v1) against the same ceiling, in the same run.
+        (stream,) = by_case[f"{name} on the data channel vs kernel"]
+        sd = stream["details"]
+        assert isinstance(sd, dict) and sd["data_path"].startswith("tcp-data")
+        assert sd["checksums"] is True and stream["met"] in (True, False)
+        assert sd["kernel_verified"] is True and sd["node_verified"] is True
+        assert len(sd["node_round_gbps"]) == len(sd["kernel_round_gbps"]) >= 2
     for name in LOOKUPS:
         assert sorted(str(r["metric"]) for r in by_case[name]) == ["p50 ms", "p99 ms"]
     assert any(r["met"] is not None for r in by_case["lookup 10,000 keys, during bulk fetch"])

@@ -254,13 +254,15 @@ def test_abort_confirms_and_frees_the_pool(nodes: Any) -> None:
 # ---------------------------------------------------------------------- leaks
 
 
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("path", ["plain", "packed", "stream"])
 def test_unexpected_error_while_receiving_leaks_no_writer_slot(
-        nodes: Any, monkeypatch: pytest.MonkeyPatch, packed: bool) -> None:
-    """Plain block messages commit block by block, packed ones (packed-v1) in one call:
-    a failure in either leaves no slot "being written"."""
+        nodes: Any, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Plain block messages commit block by block, packed ones (packed-v1) and those of a
+    data stream (tcp-data-v1) in one call per batch: a failure in any leaves no slot
+    "being written"."""
+    packed = path != "plain"
     producer, keys = producer_with(nodes, {**SMALL, "blocks": 4}, packed_blocks=packed)
-    consumer = nodes({**SMALL, "blocks": 4})
+    consumer = nodes({**SMALL, "blocks": 4}, data_channel=path == "stream")
     peer = consumer.connect(producer.address)
     calls = {"n": 0}
     if packed:
@@ -312,7 +314,7 @@ def test_unexpected_error_while_sending_leaks_no_pin(
         return bool(real_send(self, rid, head, readers))
 
     monkeypatch.setattr(owner, name, failing_send)
-    consumer = nodes({**SEED_V2, "blocks": 8}, fetch_idle_timeout=3.0)
+    consumer = nodes({**SEED_V2, "blocks": 8}, fetch_idle_timeout=3.0, data_channel=False)
     peer = consumer.connect(producer.address)
     with pytest.raises(P2PKVError):
         consumer.fetch(peer, keys, timeout=30)

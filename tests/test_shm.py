@@ -138,8 +138,9 @@ def test_same_bytes_as_tcp_for_every_layout(spec: dict[str, Any]) -> None:
         wanted = [*keys[:6], absent[0], *keys[6:], *absent[1:]]
         shm_peer, tcp_peer = b.connect(a.address), c.connect(a.address)
         assert shm_peer.data_path == "shm", shm_peer.data_path_detail
-        assert tcp_peer.data_path == "tcp"
-        assert tcp_peer.data_path_detail == "shared memory is off on this node"
+        # Off shared memory, blocks take the data stream (tcp-data-v1), then TCP.
+        assert tcp_peer.data_path == "tcp-data"
+        assert tcp_peer.data_path_detail.startswith("data stream to ")
         via_shm, via_tcp = shm_peer.fetch(wanted), tcp_peer.fetch(wanted)
         assert via_shm.outcomes == via_tcp.outcomes
         assert via_shm.missing == absent and via_shm.stored == keys
@@ -166,7 +167,7 @@ def test_lookups_and_refusals_behave_as_over_tcp() -> None:
         keys = fill(a, 8)
         for n in (b, c):
             peer = n.connect(a.address)
-            assert peer.data_path == ("shm" if n is b else "tcp")
+            assert peer.data_path == ("shm" if n is b else "tcp-data")
             assert peer.lookup(keys[:3] + keys_for(1, offset=50)) == [True] * 3 + [False]
             with pytest.raises(LocalLimitExceeded, match=r"at most 4 keys"):
                 peer.fetch(keys[:5])  # more keys than the server advertised it serves
@@ -304,7 +305,7 @@ def test_a_node_that_cannot_map_the_segment_falls_back_to_tcp(how: str) -> None:
                   "no_segment": "not in shared memory"}[how]
         with node(LAYOUTS[0], **SHM) as b:
             peer = b.connect(server.address)
-            assert peer.data_path == "tcp" and expect in peer.data_path_detail, \
+            assert peer.data_path == "tcp-data" and expect in peer.data_path_detail, \
                 peer.data_path_detail
             result = peer.fetch(keys)
             assert result.stored == keys
@@ -343,7 +344,8 @@ def test_a_node_on_another_host_never_uses_shared_memory() -> None:
         far, near = consumers[pair.b], consumers[pair.a]
         assert far["event"] == near["event"] == "fetched", consumers
         assert far["stored"] == near["stored"] == 8 and far["corrupt"] == near["corrupt"] == 0
-        assert far["data_path"] == "tcp" and "network namespace" in far["data_path_detail"], far
+        assert far["data_path"] == "tcp-data", far
+        assert "network namespace" in far["data_path_detail"], far
         assert near["data_path"] == "shm", near
     finally:
         for p in started:

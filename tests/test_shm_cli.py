@@ -26,8 +26,8 @@ def test_probe_shows_the_data_path() -> None:
         code, out, err = finish(plain)
         assert code == 0, err
         info = json.loads(out)
-        assert info["data_path"] == "tcp"
-        assert info["data_path_detail"] == "shared memory is off on this node"
+        assert info["data_path"] == "tcp-data"
+        assert info["data_path_detail"].startswith("data stream to 127.0.0.1:")
     finally:
         code, _ = serve.stop(signal.SIGTERM)
     assert code == 0

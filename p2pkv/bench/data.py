@@ -72,6 +72,10 @@ KERNEL_KIND = "kernel TCP: sendmsg gather from the pool, recvmsg_into scatter in
 """The ceiling baseline (``p2pkv.bench.kernel_roles``)."""
 KERNEL_TARGETS: dict[str, float] = {"small-16k": 0.6}
 """The node's target against the kernel's ceiling per case (others: 0.9)."""
+DATA_CHANNEL_PREFIX = "dc-"
+"""Client node ids of the data-channel rows: this prefix and the case's name."""
+NOSUM_CASE = "seed-v1"
+"""The case whose data-channel row is repeated with checksums off."""
 
 SHM_CASES: tuple[BulkCase, ...] = (
     BulkCase("shm-seed-v2", "seed V2 (12 x 48 KiB)", "v2", SEED_GEOMETRY, 0.6),

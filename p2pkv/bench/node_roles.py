@@ -40,8 +40,11 @@ def make_node(spec: dict[str, Any], *, pool_blocks: int, checksums: bool = True,
                "layer_names": [f"model.layers.{i}.self_attn.attn" for i in range(g.num_layers)]}]
     rc = RunConfig.resolve("p2pkv/bench", parallel_agnostic=True, dtype=g.dtype,
                            kv_cache_groups=groups, **layout.identity_flags())
+    # Clients use the data channel (tcp-data-v1) only where the case asks for it, so
+    # the other rows measure the ZeroMQ path; servers offer it to whoever asks.
     cfg = NodeConfig(checksums=checksums, curve=curve, fetch_timeout=120.0,
-                     shm=bool(spec.get("shm", False)))
+                     shm=bool(spec.get("shm", False)),
+                     data_channel=bool(spec.get("data_channel", False)))
     return Node(rc, layout, pool_blocks=pool_blocks, config=cfg)
 
 
@@ -61,7 +64,8 @@ def role_node_server(spec: dict[str, Any]) -> int:
     try:
         for nspec in spec["nodes"]:
             ds = Dataset(nspec["dataset"], nspec["segments"], nspec["blocks"])
-            node = make_node(nspec, pool_blocks=ds.blocks, curve=curve_keys(nspec.get("curve")))
+            node = make_node({**nspec, "data_channel": True}, pool_blocks=ds.blocks,
+                             curve=curve_keys(nspec.get("curve")))
             nodes[nspec["id"]] = node
             for i, key in enumerate(ds.keys):
                 node.put(key, ds.block(i))
@@ -169,9 +173,12 @@ def role_node_client(spec: dict[str, Any]) -> int:
             clients[nspec["id"]] = ClientNode(node, None, ds, nspec["address"],
                                                chunk_keys(ds.bpb))
             clients[nspec["id"]].peer = node.connect(nspec["address"], timeout=30)
-            if nspec.get("shm") and clients[nspec["id"]].peer.data_path != "shm":
-                raise BenchError(f"{nspec['id']}: no shared memory with the server: "
-                                 f"{clients[nspec['id']].peer.data_path_detail}")
+            peer = clients[nspec["id"]].peer
+            want = ("shm" if nspec.get("shm") else
+                    "tcp-data" if nspec.get("data_channel") else "tcp")
+            if peer.data_path != want:
+                raise BenchError(f"{nspec['id']}: blocks move by {peer.data_path}, not "
+                                 f"{want}: {peer.data_path_detail}")
         copies = {m["id"]: MemcpyRound(int(m["bytes"]), int(m["bytes_per_block"]))
                   for m in spec.get("memcpy", ())}
         say({"event": "ready", "pid": os.getpid()})

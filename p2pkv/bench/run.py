@@ -16,11 +16,13 @@ import zmq
 from p2pkv.bench.data import (
     BASELINE_KIND,
     BULK_CASES,
+    DATA_CHANNEL_PREFIX,
     GIB,
     KERNEL_KIND,
     KERNEL_TARGETS,
     KIB,
     MIB,
+    NOSUM_CASE,
     RECEIVER_CPU_TARGET,
     SHM_CASES,
     BenchError,
@@ -182,6 +184,7 @@ def latency_pair(count: int, batches: int, cmd: dict[str, Any], a: tuple[Worker,
 def _bench_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase],
                 blocks: dict[str, int], curve_ok: bool) -> list[Row]:
     rows = _bulk_rows(plan, workers, cases, blocks)
+    rows += _data_channel_rows(plan, workers, cases, blocks)
     rows += _shm_rows(plan, workers, blocks)
     rows += _other_rows(plan, workers, cases, blocks, curve_ok)
     return rows
@@ -265,6 +268,51 @@ def _kernel_row(plan: Plan, workers: dict[str, Worker], case: BulkCase,
                         "node_verified": res["b_verified"],
                         "node_cpu_s_per_gb": res["b_cpu_s_per_gb"],
                         "kernel_cpu_s_per_gb": res["a_cpu_s_per_gb"]})
+
+
+def _data_channel_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase],
+                       blocks: dict[str, int]) -> list[Row]:
+    """The data channel (tcp-data-v1: plain TCP beside ZeroMQ, sendmsg from the pool,
+    recvmsg_into the slots, checksums on) against the kernel's ceiling, every layout;
+    then, for the seed V1 layout, the same with checksums off (what the checksum costs
+    on this path)."""
+    rows: list[Row] = []
+    kernel, node = workers["kernel-client"], workers["node-client"]
+    kernel_pids = (workers["kernel-server"].pid, kernel.pid)
+    node_pids = (workers["node-server"].pid, node.pid)
+    runs = [(case, f"{DATA_CHANNEL_PREFIX}{case.name}", True) for case in cases]
+    runs += [(c, f"{DATA_CHANNEL_PREFIX}nosum-{c.name}", False) for c in cases
+             if c.name == NOSUM_CASE]
+    for case, client_id, checksums in runs:
+        nbytes = blocks[case.name] * case.bytes_per_block
+        rounds = rounds_for(plan.bulk_bytes, nbytes)
+        target_ratio = KERNEL_TARGETS.get(case.name, 0.9)
+        off = "" if checksums else ", checksums off"
+        name = f"bulk {case.label} on the data channel{off} vs kernel"
+        target = f">= {target_ratio:.1f}x kernel" if checksums else "(info)"
+        try:
+            res = bulk_pair(name, rounds, nbytes, (kernel, case.name), (node, client_id),
+                            pids_a=kernel_pids, pids_b=node_pids)
+        except BenchError as exc:
+            rows.append(error_row(name, "fetch GB/s", target, exc))
+            continue
+        ratio = ratio_of(res["b_gbps"], res["a_gbps"])
+        rows.append(Row(
+            name, "fetch GB/s", res["b_gbps"], res["a_gbps"], ratio, target,
+            (ratio is not None and ratio >= target_ratio) if checksums else None,
+            res["a_verified"] and res["b_verified"], baseline_kind=KERNEL_KIND,
+            details={"rounds": rounds, "bytes_per_side": res["b_bytes"],
+                     "data_path": "tcp-data (tcp-data-v1)", "checksums": checksums,
+                     "value": "median of rounds", "spread": spread(res),
+                     "node_round_gbps": res["b_round_gbps"],
+                     "kernel_round_gbps": res["a_round_gbps"],
+                     "kernel_verified": res["a_verified"],
+                     "node_verified": res["b_verified"],
+                     "node_cpu_s_per_gb": res["b_cpu_s_per_gb"],
+                     "node_receiver_cpu_s_per_gb": res["b_rx_cpu_s_per_gb"],
+                     "kernel_cpu_s_per_gb": res["a_cpu_s_per_gb"],
+                     "kernel_receiver_cpu_s_per_gb": res["a_rx_cpu_s_per_gb"]}))
+    return rows
 
 
 def _shm_rows(plan: Plan, workers: dict[str, Worker], blocks: dict[str, int]) -> list[Row]:
@@ -444,11 +492,17 @@ def run_bench(*, quick: bool = False, json_path: str | None = None,
     t_start = time.perf_counter()
 
     server_nodes = [node_spec(c.name, c, blocks[c.name]) for c in cases]
-    client_nodes = [node_spec(c.name, c, blocks[c.name]) for c in cases]
-    client_nodes.append(node_spec("seed-v2-nosum", seed, blocks[seed.name], checksums=False))
+    client_nodes = [node_spec(c.name, c, blocks[c.name], server=c.name) for c in cases]
+    client_nodes.append(node_spec("seed-v2-nosum", seed, blocks[seed.name], checksums=False,
+                                  server=seed.name))
+    client_nodes += [node_spec(f"{DATA_CHANNEL_PREFIX}{c.name}", c, blocks[c.name],
+                               data_channel=True, server=c.name) for c in cases]
+    client_nodes += [node_spec(f"{DATA_CHANNEL_PREFIX}nosum-{c.name}", c, blocks[c.name],
+                               data_channel=True, checksums=False, server=c.name)
+                     for c in cases if c.name == NOSUM_CASE]
     for c in SHM_CASES:
         server_nodes.append(node_spec(c.name, c, blocks[c.name], shm=True))
-        client_nodes.append(node_spec(c.name, c, blocks[c.name], shm=True))
+        client_nodes.append(node_spec(c.name, c, blocks[c.name], shm=True, server=c.name))
     memcpy = [{"id": f"memcpy-{c.name}", "bytes": blocks[c.name] * c.bytes_per_block,
                "bytes_per_block": c.bytes_per_block} for c in SHM_CASES]
     if curve_ok:
@@ -457,7 +511,8 @@ def run_bench(*, quick: bool = False, json_path: str | None = None,
         server_nodes.append(node_spec("seed-v2-curve", seed, blocks[seed.name], curve={
             "public": spub.decode(), "secret": ssec.decode()}))
         client_nodes.append(node_spec("seed-v2-curve", seed, blocks[seed.name], curve={
-            "public": cpub.decode(), "secret": csec.decode(), "server_key": spub.decode()}))
+            "public": cpub.decode(), "secret": csec.decode(), "server_key": spub.decode()},
+            server="seed-v2-curve"))
     raw_sets = [{"name": c.name, "segments": list(c.segments), "blocks": blocks[c.name]}
                 for c in cases]
 
@@ -476,8 +531,7 @@ def run_bench(*, quick: bool = False, json_path: str | None = None,
         raw_address = workers["raw-server"].next(300)["address"]
         kernel_address = workers["kernel-server"].next(300)["address"]
         for spec in client_nodes:
-            spec["address"] = addresses[spec["id"] if spec["id"] != "seed-v2-nosum"
-                                        else seed.name]
+            spec["address"] = addresses[spec["server"]]
         log("starting clients")
         workers["node-client"] = Worker("node-client", "node-client",
                                         {"nodes": client_nodes, "memcpy": memcpy})

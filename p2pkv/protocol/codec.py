@@ -112,6 +112,7 @@ def _d_greeting(cls: type[Greeting], m: dict[Any, Any], v: int) -> Greeting:
         v=v,
         ext=f.extension(m.get("ext")),
         shm=f.shm_offer(m.get("shm")),
+        data=f.data_offer(m.get("data")),
     )
 
 
@@ -455,6 +456,9 @@ def _e_greeting(msg: Greeting) -> dict[str, Any]:
         out["ext"] = msg.ext.to_wire()
     if msg.shm is not None:
         out["shm"] = {"name": msg.shm.name, "size": msg.shm.size}
+    if msg.data is not None:
+        out["data"] = {"port": msg.data.port, "token": msg.data.token,
+                       "cport": msg.data.cport}
     return out
 
 

@@ -22,6 +22,8 @@ __all__ = [
     "CAP_CHECKSUM_XXH3_64",
     "CAP_PACKED_V1",
     "CAP_SHM_V1",
+    "CAP_TCP_DATA_V1",
+    "DATA_TOKEN_LEN",
     "MAX_BLOCKS_PER_MESSAGE",
     "MAX_BLOCK_BYTES",
     "MAX_CAPS",
@@ -122,6 +124,12 @@ CAP_SHM_V1: Final = "shm-v1"
 CAP_PACKED_V1: Final = "packed-v1"
 """Capability: a ``block`` may carry all its blocks in one payload frame (``pk``), the
 segments of its blocks back to back, block-major (SPEC §17)."""
+CAP_TCP_DATA_V1: Final = "tcp-data-v1"
+"""Capability: the server's ``block`` and ``done`` messages travel on a plain TCP stream
+beside the ZeroMQ connection, bound to the session by a token (``welcome.data``,
+SPEC §18)."""
+DATA_TOKEN_LEN: Final = 16
+"""Bytes of the random token a ``welcome.data`` offer carries and a stream sends first."""
 SHM_NONCE_LEN: Final = 16
 """Bytes of the nonce a shared-memory segment holds and an ``attach`` echoes."""
 SHM_NAME_PATTERN: Final = r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}"

@@ -16,6 +16,7 @@ from p2pkv.errors import ProtocolError
 from p2pkv.identity import EXTENSION_FIELDS, IdentityExtension
 from p2pkv.keys import find_bad_key
 from p2pkv.protocol.codes import (
+    DATA_TOKEN_LEN,
     MAX_BLOCK_BYTES,
     MAX_CAP_LEN,
     MAX_CAPS,
@@ -35,6 +36,7 @@ from p2pkv.protocol.codes import (
 )
 from p2pkv.protocol.messages import (
     AdvertisedLimits,
+    DataOffer,
     Geometry,
     KeyHash,
     ShmOffer,
@@ -259,6 +261,19 @@ def shm_offer(value: object) -> ShmOffer | None:
         raise bounds("shm.name", f"must be a plain shm name ({SHM_NAME_PATTERN}), "
                      f"got {name[:64]!r}")
     return ShmOffer(name, integer(shm, "size", 1, U64_MAX))
+
+
+def data_offer(value: object) -> DataOffer | None:
+    """``welcome.data`` (capability ``tcp-data-v1``): absent or nil is no offer."""
+    if value is None:
+        return None
+    data = mapping(value, "data")
+    token = field(data, "token")
+    if type(token) is not bytes:
+        raise wrong("data.token", "bin", token)
+    if len(token) != DATA_TOKEN_LEN:
+        raise bounds("data.token", f"must be {DATA_TOKEN_LEN} bytes, got {len(token)}")
+    return DataOffer(integer(data, "port", 1, 65535), token, integer(data, "cport", 1, 65535))
 
 
 def nonce(m: dict[Any, Any]) -> bytes:

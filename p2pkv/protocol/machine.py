@@ -13,10 +13,24 @@ from __future__ import annotations
 from enum import Enum
 from typing import Final
 
-from p2pkv.protocol.codes import CAP_CHECKSUM_XXH3_64, CAP_SHM_V1, MAX_KEYS, Code
+from p2pkv.protocol.codes import (
+    CAP_CHECKSUM_XXH3_64,
+    CAP_SHM_V1,
+    CAP_TCP_DATA_V1,
+    MAX_KEYS,
+    Code,
+)
 from p2pkv.protocol.events import NOTHING, Event, HandshakeRefused, Output, ProtocolViolated
 from p2pkv.protocol.limits import Deadlines, Limits
-from p2pkv.protocol.messages import Bye, Greeting, Message, Reason, Refuse, ShmOffer
+from p2pkv.protocol.messages import (
+    Bye,
+    DataOffer,
+    Greeting,
+    Message,
+    Reason,
+    Refuse,
+    ShmOffer,
+)
 from p2pkv.protocol.requests import LocalProtocolError, Request, RequestBook
 
 __all__ = ["HANDSHAKE_STATES", "TERMINAL_STATES", "Machine", "Proof", "Role", "State"]
@@ -56,6 +70,7 @@ class Machine:
     __slots__ = (
         "caps",
         "checksums",
+        "data_offer",
         "deadlines",
         "handshake_deadline",
         "identity_policy",
@@ -77,7 +92,8 @@ class Machine:
 
     def __init__(self, role: Role, local: Greeting, deadlines: Deadlines, limits: Limits,
                  required: frozenset[str], identity_policy: str, implements: frozenset[str],
-                 offer: ShmOffer | None, now: float) -> None:
+                 offer: ShmOffer | None, now: float,
+                 data_offer: DataOffer | None = None) -> None:
         self.role = role
         self.local = local
         self.deadlines = deadlines
@@ -99,6 +115,9 @@ class Machine:
         # the proof's progress.
         self.offer = offer if role is Role.SERVER else None
         self.proof = Proof.NONE
+        # tcp-data-v1: the server's data stream (our own as server; the welcome's as
+        # client), offered and used only when negotiated.
+        self.data_offer = data_offer if role is Role.SERVER else None
 
     @property
     def peer_role(self) -> str:
@@ -156,6 +175,8 @@ class Machine:
         self.state = State.READY
         if CAP_SHM_V1 not in caps:
             self.offer = None  # a segment is offered only when shm-v1 was negotiated
+        if CAP_TCP_DATA_V1 not in caps:
+            self.data_offer = None  # and a data stream only when tcp-data-v1 was
 
     def late_or_unknown(self, req: int, tag: str) -> Output:
         if self.requests.finished(req):

@@ -29,6 +29,7 @@ __all__ = [
     "Block",
     "Bye",
     "Credit",
+    "DataOffer",
     "Done",
     "Error",
     "Fetch",
@@ -134,6 +135,18 @@ class ShmOffer:
 
 
 @dataclass(frozen=True, slots=True)
+class DataOffer:
+    """The server's data stream (``welcome.data``, capability ``tcp-data-v1``, SPEC §18):
+    the TCP ``port`` to open it on (at the host the client dialed), the ``token`` that
+    binds it to this session (once), and ``cport``, the port of the server's own ZeroMQ
+    endpoint, so that a client that reached it through a relay can tell."""
+
+    port: int
+    token: bytes = field(repr=False)
+    cport: int
+
+
+@dataclass(frozen=True, slots=True)
 class Reason:
     """One reason of a refusal: code, field, both values, one-line meaning.
 
@@ -182,7 +195,8 @@ class Greeting:
     protocol major the sender speaks (kept so a mismatch can be refused with reasons).
     ``ext`` is the identity extension (protocol 1.1); ``None`` when the sender declares
     nothing, which is also how a 1.0 peer reads. ``shm`` is the server's shared-memory
-    pool, in a ``welcome`` that negotiated ``shm-v1`` (never in a ``hello``).
+    pool, in a ``welcome`` that negotiated ``shm-v1``, and ``data`` its data stream, in
+    a ``welcome`` that negotiated ``tcp-data-v1`` (neither ever in a ``hello``).
     """
 
     TAG: ClassVar[str] = ""
@@ -198,6 +212,7 @@ class Greeting:
     v: int = PROTOCOL_MAJOR
     ext: IdentityExtension | None = None
     shm: ShmOffer | None = None
+    data: DataOffer | None = None
 
     @classmethod
     def for_config(

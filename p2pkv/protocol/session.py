@@ -62,6 +62,7 @@ from p2pkv.protocol.messages import (
     Block,
     Bye,
     Credit,
+    DataOffer,
     Done,
     Error,
     Fetch,
@@ -148,7 +149,9 @@ class Session:
     every ``Output.replies`` message in order. Not thread-safe: one owner (the IO loop).
 
     ``shm_offer`` (server): this node's shared-memory segment, offered in the ``welcome``
-    when ``shm-v1`` is negotiated (None: the pool is not shared). ``implements``: the
+    when ``shm-v1`` is negotiated (None: the pool is not shared); ``data_offer`` (server):
+    this session's data stream (the node's data port and a fresh token), offered when
+    ``tcp-data-v1`` is negotiated (None: no data channel). ``implements``: the
     capabilities whose messages this session recognizes (all of
     :data:`~p2pkv.protocol.transitions.IMPLEMENTED` by default); the messages of any
     other are unknown types to it.
@@ -167,6 +170,7 @@ class Session:
         required_caps: Iterable[str] = (),
         identity_policy: str = "strict",
         shm_offer: ShmOffer | None = None,
+        data_offer: DataOffer | None = None,
         implements: Iterable[str] = IMPLEMENTED,
     ) -> None:
         if identity_policy not in IDENTITY_POLICIES:
@@ -176,7 +180,7 @@ class Session:
                           deadlines if deadlines is not None else Deadlines(),
                           limits if limits is not None else Limits(),
                           frozenset(required_caps), identity_policy, frozenset(implements),
-                          shm_offer, now)
+                          shm_offer, now, data_offer)
 
     # ------------------------------------------------------------------ properties
 
@@ -222,6 +226,12 @@ class Session:
         """The server's segment: our own (server), or the one the ``welcome`` offered
         when ``shm-v1`` was negotiated (client)."""
         return self._m.offer
+
+    @property
+    def data_offer(self) -> DataOffer | None:
+        """The server's data stream: our own (server), or the one the ``welcome`` offered
+        (client), once ``tcp-data-v1`` was negotiated; None otherwise."""
+        return self._m.data_offer
 
     @property
     def shared_memory(self) -> bool:

@@ -1,11 +1,14 @@
 """The per-peer state machine, every rule of it in one place, with no IO
-(``protocol/SPEC.md``, "State machine", §16 for ``shm-v1``, §17 for ``packed-v1``).
+(``protocol/SPEC.md``, "State machine", §16 for ``shm-v1``, §17 for ``packed-v1``, §18
+for ``tcp-data-v1``).
 
 :class:`Machine` is the state of one connection. What a message from the peer does is a
 row of :data:`TRANSITIONS`: ``(role, state, message type) -> handler``, each row naming
 the capability its message belongs to. Capabilities are data here: what a capability
 changes is written in the handlers that consult the negotiated set (``Machine.caps``) and
-the capability's state (the ``shm-v1`` offer and proof), and the rows of a capability a
+the capability's state (the ``shm-v1`` offer and proof, the ``tcp-data-v1`` offer: what
+the greetings carry; the stream itself is the transport's, and whatever it carries
+comes through this same table), and the rows of a capability a
 session does not implement (``Machine.implements``) are as absent. A pair missing from
 the table is a protocol violation: ``refuse`` during the handshake, ``bye`` after it,
 and the state moves to ``ERROR``. Input from the peer never raises
@@ -29,6 +32,7 @@ from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
     CAP_PACKED_V1,
     CAP_SHM_V1,
+    CAP_TCP_DATA_V1,
     OUTCOME_SENT,
     Code,
 )
@@ -89,7 +93,8 @@ __all__ = ["IMPLEMENTED", "TRANSITIONS", "Handler", "Rule", "expire", "next_dead
            "remote_error"]
 
 
-IMPLEMENTED: Final = frozenset({CAP_CHECKSUM_XXH3_64, CAP_SHM_V1, CAP_PACKED_V1})
+IMPLEMENTED: Final = frozenset({CAP_CHECKSUM_XXH3_64, CAP_SHM_V1, CAP_PACKED_V1,
+                                CAP_TCP_DATA_V1})
 """The capabilities whose rules this table holds (a session implements these by default)."""
 
 
@@ -253,6 +258,8 @@ def _on_welcome(m: Machine, msg: Welcome, now: float) -> Output:
     m.accept(msg, decision.capabilities)
     if CAP_SHM_V1 in m.caps:
         m.offer = msg.shm  # ignored unless shm-v1 was negotiated (§4.1)
+    if CAP_TCP_DATA_V1 in m.caps:
+        m.data_offer = msg.data  # ignored unless tcp-data-v1 was negotiated (§18.1)
     return Output(events=(HandshakeAccepted(msg, decision.capabilities, decision.warnings),))
 
 
@@ -389,6 +396,8 @@ def _on_hello(m: Machine, msg: Hello, now: float) -> Output:
                       tuple(sorted(decision.capabilities)), local.limits, local.v, local.ext)
     if m.offer is not None:
         welcome = dataclasses.replace(welcome, shm=m.offer)
+    if m.data_offer is not None:  # kept by accept() only when tcp-data-v1 was negotiated
+        welcome = dataclasses.replace(welcome, data=m.data_offer)
     return Output(events=(HandshakeAccepted(msg, decision.capabilities, decision.warnings),),
                   replies=(welcome,))
 

@@ -28,6 +28,7 @@ from p2pkv import protocol as proto
 from p2pkv.errors import ProtocolError
 from p2pkv.protocol.codes import OUTCOME_FAILED
 from p2pkv.reports import reason_name
+from p2pkv.runtime.data_server import DataListener, DataSender, OutStream
 from p2pkv.runtime.sender import Sender
 from p2pkv.runtime.shm_server import SharedSender
 from p2pkv.runtime.state import Sending
@@ -63,6 +64,10 @@ class InboundParts:
     sender: Sender
     shm: SharedSender
     counters: Counters
+    #: The data port (``tcp-data-v1``) and what sends on its streams; None when this
+    #: node offers no data channel.
+    data: DataListener | None = None
+    data_sender: DataSender | None = None
     #: Set by :meth:`Node.drain`: new fetches are declined, lookups answer misses.
     draining: threading.Event = field(default_factory=threading.Event)
 
@@ -103,6 +108,11 @@ class InboundConnection:
         self._parts = parts
         self._on_closed = on_closed
         self._jobs: collections.OrderedDict[int, Sending] = collections.OrderedDict()
+        #: The peer's data stream once bound (``tcp-data-v1``), and the offer made for it.
+        self.stream: OutStream | None = None
+        self._offer = session.data_offer  # tokens are minted with the session
+        if parts.data is not None and self._offer is not None:
+            parts.data.own(self._offer, self)
 
     # -- what the peer sends -------------------------------------------------------------
 
@@ -174,7 +184,8 @@ class InboundConnection:
             self.send([self.session.fail(ev.req, proto.Code.UNAVAILABLE,
                                          "node draining: ask another holder")])
             return
-        self._jobs[ev.req] = Sending(ev.req, tuple(ev.keys), [OUTCOME_FAILED] * len(ev.keys))
+        self._jobs[ev.req] = Sending(ev.req, tuple(ev.keys), [OUTCOME_FAILED] * len(ev.keys),
+                                     on_stream=self.stream is not None)
 
     def _on_abort(self, ev: proto.AbortRequested) -> None:
         self._jobs.pop(ev.req, None)
@@ -186,6 +197,32 @@ class InboundConnection:
 
     def _on_released(self, ev: proto.BlocksReleased) -> None:
         self._parts.shm.release(self.rid, ev.req, ev.idx)
+
+    # -- the data stream (StreamOwner) ---------------------------------------------------
+
+    def wants_stream(self) -> bool:
+        """Whether a stream may bind now: the welcome offered one (tcp-data-v1 was
+        negotiated), the session is ready, and no stream is bound yet."""
+        return (not self.closed and self.stream is None
+                and self.session.state is proto.State.READY
+                and self.session.data_offer is not None)
+
+    def bind_stream(self, stream: OutStream) -> None:
+        """The peer's stream arrived with its token: fetches go out on it from now."""
+        self.stream = stream
+        log.info("peer %s bound its data stream", self.rid.hex())
+
+    def stream_lost(self, code: int, why: str) -> None:
+        """The bound stream ended or failed: the session ends with it (blocks counted
+        as sent there never reach the peer, so no ``done`` could be honest)."""
+        if self.closed:
+            return
+        log.info("peer %s: %s; dropping it", self.rid.hex(), why)
+        if code == proto.Code.PROTOCOL_VIOLATION:
+            self._parts.counters.add(Count.PROTOCOL_VIOLATIONS)
+        if self.session.state is proto.State.READY:
+            self.send(self.session.close(code, why).replies)
+        self.drop(cut=True)
 
     def _on_peer_closed(self, ev: proto.PeerClosed) -> None:
         log.info("peer %s closed: %s", self.rid.hex(), ev.msg)
@@ -211,15 +248,23 @@ class InboundConnection:
 
     @property
     def busy(self) -> bool:
-        """Whether a fetch of this peer is still being served."""
-        return bool(self._jobs)
+        """Whether a fetch of this peer is still being served (or its data stream still
+        has bytes queued)."""
+        return bool(self._jobs) or (self.stream is not None and self.stream.busy)
 
     def can_send(self) -> bool:
-        """Whether a job has blocks left that its credit (and the pin limit) lets go now."""
-        session, shm = self.session, self._parts.shm
-        return any(j.next_index < len(j.keys) and session.window_left(j.req) > 0
-                   and (not session.shared_fetch(j.req) or shm.can_send(self.rid))
-                   for j in self._jobs.values())
+        """Whether a job has blocks left that its credit (and the pin limit, or the data
+        stream's queue) lets go now."""
+        session, shm, stream = self.session, self._parts.shm, self.stream
+        for j in self._jobs.values():
+            if j.next_index >= len(j.keys) or session.window_left(j.req) <= 0:
+                continue
+            if session.shared_fetch(j.req):
+                if shm.can_send(self.rid):
+                    return True
+            elif not j.on_stream or (stream is not None and stream.has_room):
+                return True
+        return False
 
     def serve(self) -> None:
         """Send blocks for every job of this peer that has credit."""
@@ -240,7 +285,18 @@ class InboundConnection:
                 self.drop(cut=True)
 
     def _serve(self, job: Sending) -> None:
-        parts, session = self._parts, self.session
+        parts, session, stream = self._parts, self.session, self.stream
+        if job.on_stream and stream is not None and parts.data_sender is not None and \
+                not session.shared_fetch(job.req):
+            # Its blocks and its done on the data stream, in order (SPEC §18).
+            parts.data_sender.send_job(session, job, stream)
+            if self.closed:
+                return
+            if job.next_index >= len(job.keys):
+                self._jobs.pop(job.req, None)
+                stream.push(proto.encode_head(session.fetch_done(job.req, job.outcomes)))
+                stream.flush()
+            return
         sender = parts.shm if session.shared_fetch(job.req) else parts.sender
         if not sender.send_job(self.rid, session, job):
             self.drop(cut=True)
@@ -261,6 +317,11 @@ class InboundConnection:
         self._jobs.clear()
         self._on_closed(self)
         self._parts.shm.forget(self.rid)
+        if self._parts.data is not None:
+            self._parts.data.revoke(self._offer)
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            stream.close()  # unpins what it still queued
         if cut and self.address is not None and cut_connection(self.fd, self.address):
             log.info("cut the connection of peer %s (%s:%d)", self.rid.hex(), *self.address)
             self.address = None

@@ -1,14 +1,16 @@
 """Settling a landed block: where it goes, whether it is intact, what became of its key.
 
-Bytes of a fetched block arrive three ways: ``recv_into`` straight from its payload
+Bytes of a fetched block arrive four ways: ``recv_into`` straight from its payload
 frames (:mod:`~p2pkv.runtime.receiver`), copied out of one packed frame
-(:mod:`~p2pkv.runtime.packing`), or copied from a same-host peer's shared memory
-(:mod:`~p2pkv.runtime.shm_client`). Each way only moves bytes; :class:`Landing` does the
-rest for all three: it opens the block's destination (a caller-owned buffer, or a store
-slot that lookups cannot see yet), verifies the block against its announced checksum
-(:mod:`p2pkv.checksum`, or the store's verified commit), commits or drops it, and writes
-the key's outcome and error. A key that has nowhere to land is settled when it is opened:
-it is there already (another fetch stored it meanwhile), or it failed with the reason.
+(:mod:`~p2pkv.runtime.packing`), copied from a same-host peer's shared memory
+(:mod:`~p2pkv.runtime.shm_client`), or ``recvmsg_into`` straight from a data stream,
+over several loop turns (:mod:`~p2pkv.runtime.data_client`). Each way only moves bytes;
+:class:`Landing` does the rest for all four: it opens the block's destination (a
+caller-owned buffer, or a store slot that lookups cannot see yet), verifies the block
+against its announced checksum (:mod:`p2pkv.checksum`, or the store's verified
+commit), commits or drops it, and writes the key's outcome and error. A key that has
+nowhere to land is settled when it is opened: it is there already (another fetch stored
+it meanwhile), or it failed with the reason.
 """
 
 from __future__ import annotations
@@ -108,6 +110,23 @@ class Landing:
                               else f"no slot in the local pool: {writer}")
                 out.append(None)
         return out
+
+    def open_kept(self, recv: Receiving, key_indices: Sequence[int],
+                  expected: Sequence[int | None]) -> list[Landed | None]:
+        """:meth:`open_many` for a landing that spans several loop turns (a data stream's
+        message arrives in pieces): no :meth:`guard` aborts the slots opened here; the
+        caller settles each one or gives it back with :meth:`abandon`, whatever happens."""
+        mark = len(self._open)
+        out = self.open_many(recv, key_indices, expected)
+        del self._open[mark:]
+        return out
+
+    def abandon(self, blocks: Sequence[Landed | None]) -> None:
+        """Blocks opened with :meth:`open_kept` that will not be settled (their fetch is
+        gone, or the stream ended): their store slots are freed, nothing is committed."""
+        for block in blocks:
+            if block is not None and block.writer is not None and not block.writer.done:
+                block.writer.abort()
 
     # -- outcomes ------------------------------------------------------------------------
 

@@ -2,12 +2,14 @@
 
 An :class:`OutboundConnection` owns its socket (and the socket's monitor), its client
 :class:`~p2pkv.protocol.Session`, the lookups and fetches it carries with their
-futures and deadlines, and its shared-memory link. What the peer sends enters the
-session through one door (:meth:`~p2pkv.protocol.Session.receive_data`), which also has
-the blocks land (through the :class:`~p2pkv.runtime.receiver.Receiver`, or copied from
-the peer's pool); the session's events then become results and typed errors on the
-callers' futures, and credit goes back to the peer as the per-peer
-:class:`~p2pkv.protocol.CreditBudget` decides. A closed or silent connection fails
+futures and deadlines, its shared-memory link and its data stream (``tcp-data-v1``).
+What the peer sends, on the DEALER or on the data stream, enters the session through
+one door (:meth:`~p2pkv.protocol.Session.receive_data`), which also has the blocks land
+(through the :class:`~p2pkv.runtime.receiver.Receiver`, copied from the peer's pool, or
+scattered from the stream by the :class:`~p2pkv.runtime.data_client.DataLink`); the
+session's events then become results and typed errors on the callers' futures, and
+credit goes back to the peer as the per-peer :class:`~p2pkv.protocol.CreditBudget`
+decides. A closed or silent connection fails
 everything waiting on it.
 
 IO thread only, except :attr:`OutboundConnection.handle` and
@@ -33,80 +35,92 @@ from p2pkv.errors import (
     PeerGone,
     PeerTimeout,
     ProtocolError,
-    TransferFailed,
-    TransportHandshakeFailed,
 )
 from p2pkv.identity import IdentityExtension
-from p2pkv.protocol.codes import CodeFamily, code_family
-from p2pkv.reports import incompatible
+from p2pkv.reports import refusal_error, request_error
+from p2pkv.runtime.data_client import DataLink, DataReceiver, LinkOwner
 from p2pkv.runtime.public import FetchResult, KeyOutcome, PeerHandle, PeerOwner
 from p2pkv.runtime.reactor import Reactor, fail, resolve
 from p2pkv.runtime.receiver import Receiver, drain
-from p2pkv.runtime.shm_client import SharedReceiver
+from p2pkv.runtime.shm_client import SharedLink, SharedReceiver
 from p2pkv.runtime.state import FetchTicket, Receiving
 from p2pkv.runtime.stats import Count, Counters
 from p2pkv.runtime.tuning import MONITOR_GRACE_MS, READ_BUDGET, READ_BURST_BYTES
 from p2pkv.store import BlockStore
-from p2pkv.transport import handshake_failure, monitor_messages
+from p2pkv.transport import monitor_failure, monitor_messages
 
 M = TypeVar("M", proto.Lookup, proto.Fetch)
 
 __all__ = [
     "OutboundConnection",
     "OutboundParts",
-    "monitor_failure",
-    "refusal_error",
-    "request_error",
+    "check_key_limit",
+    "data_path",
+    "opened",
+    "wanted_keys",
 ]
 
 log = logging.getLogger("p2pkv.node")
 
-_TIMEOUTS: Final = frozenset({proto.Code.PEER_TIMEOUT, proto.Code.TIMEOUT})
-_DECLINED: Final = frozenset({proto.Code.OUT_OF_BOUNDS, proto.Code.TOO_MANY_IN_FLIGHT,
-                              proto.Code.UNAVAILABLE})
-"""Codes of a request the peer turned down; the connection stays up."""
+def check_key_limit(session: proto.Session, address: str, nkeys: int, what: str) -> None:
+    """The peer's key limit, checked before a request is opened, so that the caller
+    gets a typed LocalLimitExceeded."""
+    limit = session.key_limit
+    if nkeys > limit:
+        raise LocalLimitExceeded(
+            f"{what} of {nkeys} keys: {address} accepts at most {limit} keys per "
+            "request; split the request", limit="max_keys", allowed=limit,
+            requested=nkeys)
 
 
-def request_error(address: str, ev: proto.RequestFailed) -> P2PKVError:
-    """The typed error for a request the session failed, chosen by its code."""
-    text = f"{address}: request {ev.req} failed: {ev.msg} [{proto.code_name(ev.code)}]"
-    if ev.code in _TIMEOUTS:
-        return PeerTimeout(text)
-    if code_family(ev.code) in (CodeFamily.REFUSAL, CodeFamily.CLOSE):
-        # The connection ended: refused (PeerIncompatible is raised only by the
-        # handshake itself, with its reasons) or closed.
-        return PeerGone(text)
-    if ev.code in _DECLINED:
-        return TransferFailed(text)
-    return ProtocolError(ev.code, text)
+def opened(session: proto.Session, address: str, open_request: Callable[[], M], what: str,
+           deadline: float) -> M:
+    """Open a request in the session (which holds the in-flight limit), unless the
+    caller's deadline passed already: then nothing is sent (``timeout=0``)."""
+    try:
+        msg = open_request()
+    except proto.LocalProtocolError as exc:
+        if exc.code != proto.Code.TOO_MANY_IN_FLIGHT:
+            raise
+        in_flight, allowed = session.in_flight, session.request_limit
+        raise LocalLimitExceeded(
+            f"{what}: {in_flight} requests already in flight to {address} "
+            f"(limit {allowed}); wait for one to finish",
+            limit="max_inflight_requests", allowed=allowed,
+            requested=in_flight + 1) from None
+    if time.monotonic() >= deadline:
+        session.withdraw(msg.req)
+        raise PeerTimeout(f"{what} on {address}: the timeout expired before the "
+                          "request could be sent")
+    return msg
 
 
-def refusal_error(address: str, hello: proto.Hello, ev: proto.HandshakeRefused) -> P2PKVError:
-    """A refused handshake's error: PeerIncompatible with its reasons, or, refused for a
-    protocol violation (a malformed or unexpected greeting), a ProtocolError."""
-    if ev.reasons:
-        return incompatible(address, hello, ev)
-    who = "refused by" if ev.by_remote else "refused"
-    return ProtocolError(ev.code, f"handshake {who} {address}: {ev.msg} "
-                         f"[{proto.code_name(ev.code)}]")
+def wanted_keys(store: BlockStore, keys: Sequence[bytes], into_store: bool
+                ) -> tuple[list[KeyOutcome | None], list[int]]:
+    """A new fetch's outcomes so far and the indices of the keys to ask for: those not
+    held locally when it fills the store, all of them when it fills caller buffers."""
+    outcomes: list[KeyOutcome | None] = [None] * len(keys)
+    if not into_store:
+        return outcomes, list(range(len(keys)))
+    wanted: list[int] = []
+    for i, present in enumerate(store.lookup(list(keys))):
+        if present:
+            outcomes[i] = KeyOutcome.LANDED
+        else:
+            wanted.append(i)
+    return outcomes, wanted
 
 
-def monitor_failure(address: str, messages: list[tuple[int, int]], *, curve: bool,
-                    handshaken: bool) -> P2PKVError | None:
-    """What a connection's socket monitor events mean: a failed security handshake, a
-    lost connection, or nothing."""
-    for event, value in messages:
-        failure = handshake_failure(event, value, curve=curve, address=address)
-        if failure is not None:
-            kind, text = failure
-            return TransportHandshakeFailed(
-                f"{address}: ZeroMQ security handshake failed: {text}", kind, text)
-    if any(event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) for event, _ in messages):
-        if not handshaken:
-            return PeerGone(f"could not connect to {address} (refused, or closed during "
-                            "the handshake)")
-        return PeerGone(f"connection to {address} was lost")
-    return None
+def data_path(session: proto.Session, shm: SharedLink, data: DataLink
+              ) -> tuple[str, str]:
+    """How a ready connection's blocks move (``PeerHandle.data_path``) and why."""
+    if session.shared_memory:
+        return "shm", shm.detail
+    # Why shared memory is not used matters where both sides offered it.
+    why_not_shm = shm.detail if proto.CAP_SHM_V1 in session.capabilities else ""
+    if data.bound:
+        return "tcp-data", "; ".join(d for d in (data.detail, why_not_shm) if d)
+    return "tcp", "; ".join(d for d in (why_not_shm or shm.detail, data.detail) if d)
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,7 +137,10 @@ class OutboundParts:
     store: BlockStore
     receiver: Receiver
     shm: SharedReceiver
+    data: DataReceiver
     budget: proto.CreditBudget
+    #: The budget of a connection whose blocks take a data stream.
+    stream_budget: proto.CreditBudget
     counters: Counters
     #: Whether connections use CurveZMQ (what a failed security handshake means).
     curve: bool
@@ -171,6 +188,9 @@ class OutboundConnection:
         self._aborting: dict[int, FetchTicket] = {}
         self._received_blocks = 0
         self._shm = parts.shm.link(address)
+        self._data = parts.data.link(address, LinkOwner(
+            fetch_of=self._fetches.get, deliver=self._deliver, ready=self._ready,
+            lost=self._stream_lost))
         self._sock, self._monitor = parts.dial(address)
         self._frames = _Frames(self._sock, self._land)
 
@@ -192,9 +212,9 @@ class OutboundConnection:
                            f"{self.session.state.name})")
 
     def lookup(self, keys: tuple[bytes, ...], fut: Future[list[bool]], deadline: float) -> None:
-        self._admit(len(keys), "lookup")
-        msg = self._opened(lambda: self.session.lookup(keys, time.monotonic()), "lookup",
-                           deadline)
+        check_key_limit(self.session, self.address, len(keys), "lookup")
+        msg = opened(self.session, self.address,
+                     lambda: self.session.lookup(keys, time.monotonic()), "lookup", deadline)
         self._lookups[msg.req] = (fut, deadline)
         self._send([msg])
 
@@ -203,28 +223,20 @@ class OutboundConnection:
         """Fetch the blocks of ``keys`` not held locally (into the store), or all of them
         (into ``destinations``)."""
         now = time.monotonic()
-        outcomes: list[KeyOutcome | None] = [None] * len(keys)
-        wanted: list[int] = []
-        if destinations is None:
-            for i, present in enumerate(self._parts.store.lookup(list(keys))):
-                if present:
-                    outcomes[i] = KeyOutcome.LANDED
-                else:
-                    wanted.append(i)
-        else:
-            wanted = list(range(len(keys)))
+        outcomes, wanted = wanted_keys(self._parts.store, keys, destinations is None)
         if not wanted:
             resolve(fut, FetchResult(keys, tuple(o or KeyOutcome.LANDED for o in outcomes),
                                      {}, 0, 0, 0.0))
             return
-        self._admit(len(wanted), "fetch")
+        check_key_limit(self.session, self.address, len(wanted), "fetch")
         # One credit budget per peer, shared by all its fetches: it bounds the data
         # queued towards this node, and so how long a lookup answer can wait behind it.
-        window = self._parts.budget.opening_window(self._credit_state(), len(wanted))
+        window = self._budget().opening_window(self._credit_state(), len(wanted))
         session = self.session
         open_fetch = session.fetch_shared if session.shared_memory else session.fetch
-        msg = self._opened(lambda: open_fetch(tuple(keys[i] for i in wanted), window, now),
-                           "fetch", deadline)
+        msg = opened(session, self.address,
+                     lambda: open_fetch(tuple(keys[i] for i in wanted), window, now),
+                     "fetch", deadline)
         self._fetches[msg.req] = Receiving(msg.req, keys, fut, destinations, now, deadline,
                                            outcomes, wanted, ticket=ticket)
         ticket.peer_id, ticket.req = self.peer_id, msg.req
@@ -254,36 +266,6 @@ class OutboundConnection:
             self._send(self.session.close(proto.Code.SHUTDOWN, "node closing").replies)
         self.close(gone)
 
-    def _admit(self, nkeys: int, what: str) -> None:
-        """The peer's key limit, checked before a request is opened, so that the caller
-        gets a typed LocalLimitExceeded."""
-        limit = self.session.key_limit
-        if nkeys > limit:
-            raise LocalLimitExceeded(
-                f"{what} of {nkeys} keys: {self.address} accepts at most {limit} keys per "
-                "request; split the request", limit="max_keys", allowed=limit,
-                requested=nkeys)
-
-    def _opened(self, open_request: Callable[[], M], what: str, deadline: float) -> M:
-        """Open a request in the session (which holds the in-flight limit), unless the
-        caller's deadline passed already: then nothing is sent (``timeout=0``)."""
-        try:
-            msg = open_request()
-        except proto.LocalProtocolError as exc:
-            if exc.code != proto.Code.TOO_MANY_IN_FLIGHT:
-                raise
-            in_flight, allowed = self.session.in_flight, self.session.request_limit
-            raise LocalLimitExceeded(
-                f"{what}: {in_flight} requests already in flight to {self.address} "
-                f"(limit {allowed}); wait for one to finish",
-                limit="max_inflight_requests", allowed=allowed,
-                requested=in_flight + 1) from None
-        if time.monotonic() >= deadline:
-            self.session.withdraw(msg.req)
-            raise PeerTimeout(f"{what} on {self.address}: the timeout expired before the "
-                              "request could be sent")
-        return msg
-
     # -- deadlines -----------------------------------------------------------------------
 
     @property
@@ -301,6 +283,8 @@ class OutboundConnection:
     def check_deadlines(self, now: float) -> None:
         if self.closed:
             return
+        if self.handle is None:
+            self._data.check(now)  # a data port that does not answer: stay on ZeroMQ
         if self.handle is None and now >= self._handshake_deadline:
             self.close(PeerTimeout(f"no handshake answer from {self.address} within the "
                                    "deadline"))
@@ -345,9 +329,10 @@ class OutboundConnection:
                                   curve=self._parts.curve, handshaken=self.handle is not None)
         if failure is None:
             return
-        # What the peer sent before it went away may still wait in ZeroMQ's queue (the
-        # tail of a fetch, its done, a bye from a node that drained): read it first, so
-        # a peer that closed cleanly is not taken for one that vanished.
+        # What the peer sent before it went away may still wait on the stream or in
+        # ZeroMQ's queue (a fetch's tail, its done, a drained node's bye): read it
+        # first, so a peer that closed cleanly is not taken for one that vanished.
+        self._data.read_what_came(now)
         while self.handle is not None and not self.closed and self._sock.poll(0, zmq.POLLIN):
             self._on_readable(now)
         if not self.closed:
@@ -380,6 +365,18 @@ class OutboundConnection:
                 return
             self._handle(self.session.receive_data(head, now, self._frames), now)
 
+    def _stream_lost(self, exc: P2PKVError) -> None:
+        """The bound data stream ended, or carried a violation (the peer is told)."""
+        if isinstance(exc, ProtocolError) and not self.closed:
+            self._parts.counters.add(Count.PROTOCOL_VIOLATIONS)
+            log.warning("protocol violation by %s on its data stream: %s", self.address, exc)
+            self._send(self.session.close(exc.code, exc.message).replies)
+        self.close(exc)
+
+    def _deliver(self, head: bytes, payload: proto.Payload, now: float) -> proto.Output:
+        self._handle(out := self.session.receive_data(head, now, payload), now)
+        return out  # the DEALER's door too
+
     def _land(self, arrived: proto.DataArrived) -> None:
         """Land the blocks of an accepted message (the session calls this back).
 
@@ -408,16 +405,15 @@ class OutboundConnection:
 
     def _credit_state(self) -> list[proto.FetchCredit]:
         """The session's credit counts of this connection's running fetches."""
-        out = []
-        for req in self._fetches:
-            state = self.session.fetch_credit(req)
-            if state is not None:
-                out.append(state)
-        return out
+        states = (self.session.fetch_credit(req) for req in self._fetches)
+        return [state for state in states if state is not None]
+
+    def _budget(self) -> proto.CreditBudget:  # larger on a data stream (SPEC §18.3)
+        return self._parts.stream_budget if self._data.bound else self._parts.budget
 
     def _refill_credit(self, now: float) -> None:
         """Grant the credit the peer's budget allows now (see ``CreditBudget.grants``)."""
-        for req, n in self._parts.budget.grants(self._credit_state()):
+        for req, n in self._budget().grants(self._credit_state()):
             try:
                 credit = self.session.credit(req, n, now)
             except (ProtocolError, ValueError):
@@ -458,22 +454,30 @@ class OutboundConnection:
         if attach is not None:
             self._send([attach])
         else:
-            self._ready()
+            self._open_data()
 
     def _on_attach_answered(self, ev: proto.AttachAnswered, now: float) -> None:
         self._shm.answered(ev)
-        self._ready()
+        if self.session.shared_memory:
+            self._ready()
+        else:
+            self._open_data()
+
+    def _open_data(self) -> None:  # ready once the data stream is bound, or given up
+        if not self._data.begin(self.session, self._handshake_deadline):
+            self._ready()
 
     def _ready(self) -> None:
-        """The handshake (and the shared-memory proof, if any) is over: hand out the peer."""
+        """The handshake (and the shm proof or the data stream) is over: hand it out."""
         remote = self.session.remote
-        if remote is None or self.closed:
+        if remote is None or self.closed or self.handle is not None:
             return
         session = self.session
+        path, detail = data_path(session, self._shm, self._data)
         self.handle = PeerHandle(self.peer_id, self.address, remote.node, dict(remote.rc),
                                  remote.fp, frozenset(session.capabilities),
                                  self._parts.owner, remote.ext or IdentityExtension(),
-                                 "shm" if session.shared_memory else "tcp", self._shm.detail)
+                                 path, detail)
         resolve(self._connected, self.handle)
 
     def _on_refused(self, ev: proto.HandshakeRefused, now: float) -> None:
@@ -558,6 +562,7 @@ class OutboundConnection:
         self._monitor.close(0)
         self._sock.close(0)
         self._shm.close()
+        self._data.close()
         self._on_closed(self)
 
 

@@ -14,7 +14,13 @@ from typing import Any, Protocol
 from p2pkv.errors import ConfigError
 from p2pkv.identity import IDENTITY_POLICIES, IdentityExtension
 from p2pkv.keys import KEY_HASH_ALGORITHM
-from p2pkv.protocol.codes import MAX_KEY_HASH_ALGO_LEN
+from p2pkv.protocol.codes import (
+    CAP_CHECKSUM_XXH3_64,
+    CAP_PACKED_V1,
+    CAP_SHM_V1,
+    CAP_TCP_DATA_V1,
+    MAX_KEY_HASH_ALGO_LEN,
+)
 from p2pkv.store import StoreStats
 from p2pkv.transport import CurveKeys, validate_address
 
@@ -117,6 +123,13 @@ class NodeConfig:
     #: Capability packed-v1: blocks whose segments are all small travel as one payload
     #: frame per message between peers that both offer it (False: never offer it).
     packed_blocks: bool = True
+    #: Capability tcp-data-v1: block bytes travel on a plain TCP stream beside the
+    #: ZeroMQ connection, bound to the session by a token, between peers that both
+    #: offer it. Never offered under CURVE (the stream is not encrypted).
+    data_channel: bool = True
+    #: The port this node accepts data streams on (at the host of ``listen``); 0: an
+    #: ephemeral port.
+    data_port: int = 0
 
     def __post_init__(self) -> None:
         validate_address(self.listen, what="listen", option="listen")
@@ -150,6 +163,29 @@ class NodeConfig:
             raise ConfigError(f"shm must be a bool, got {self.shm!r}")
         if type(self.packed_blocks) is not bool:
             raise ConfigError(f"packed_blocks must be a bool, got {self.packed_blocks!r}")
+        if type(self.data_channel) is not bool:
+            raise ConfigError(f"data_channel must be a bool, got {self.data_channel!r}")
+        if type(self.data_port) is not int or not 0 <= self.data_port <= 65535:
+            raise ConfigError(f"data_port must be an int in [0, 65535], got "
+                              f"{self.data_port!r}")
+
+    @property
+    def capabilities(self) -> tuple[str, ...]:
+        """The capabilities this node offers in its greeting."""
+        caps = [CAP_CHECKSUM_XXH3_64] if self.checksums else []
+        if self.shm:
+            caps.append(CAP_SHM_V1)
+        if self.packed_blocks:
+            caps.append(CAP_PACKED_V1)
+        if self.offers_data_channel:
+            caps.append(CAP_TCP_DATA_V1)
+        return tuple(caps)
+
+    @property
+    def offers_data_channel(self) -> bool:
+        """Whether this node offers ``tcp-data-v1``: asked for, and not under CURVE (a
+        data stream is never weaker than the ZeroMQ connection it sits beside)."""
+        return self.data_channel and self.curve is None
 
 
 class PeerOwner(Protocol):
@@ -177,9 +213,11 @@ class PeerHandle:
     _node: PeerOwner = field(repr=False, compare=False)
     #: The peer's identity extension (empty for a peer that declares none, or speaks 1.0).
     remote_extension: IdentityExtension = field(default_factory=IdentityExtension)
-    #: How fetched blocks move: "shm" (copied from the peer's shared pool) or "tcp".
+    #: How fetched blocks move: "shm" (copied from the peer's shared pool), "tcp-data"
+    #: (on a plain TCP stream beside the ZeroMQ connection, tcp-data-v1) or "tcp" (in
+    #: ZeroMQ messages).
     data_path: str = "tcp"
-    #: Why: the segment used, or the reason shared memory is not used.
+    #: Why: the segment or stream used, or the reasons neither is.
     data_path_detail: str = ""
 
     def lookup(self, keys: Sequence[bytes], timeout: float | None = None) -> list[bool]:
@@ -238,3 +276,16 @@ class NodeStats:
     #: Fetches declined (UNAVAILABLE) while the node drained; True once it drains.
     fetches_declined_draining: int = 0
     draining: bool = False
+    #: The port this node accepts data streams on (None: it offers no data channel).
+    data_port: int | None = None
+    #: Connections this node opened whose blocks move on a data stream, and peers
+    #: whose data stream this node serves (connected now).
+    data_peers_out: int = 0
+    data_peers_in: int = 0
+    #: Blocks moved on data streams (also counted in blocks_sent/received).
+    blocks_sent_stream: int = 0
+    blocks_received_stream: int = 0
+    #: Streams this node's data port closed unbound (bad preface or token, or silent).
+    data_streams_refused: int = 0
+    #: Connections that negotiated tcp-data-v1 but stayed on ZeroMQ.
+    data_fallbacks: int = 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,8 @@ __all__ = ["Participant", "Reactor", "fail", "resolve"]
 log = logging.getLogger("p2pkv.node")
 
 Handler = Callable[[float], None]
+Pollable = zmq.Socket[bytes] | socket.socket
+"""What the IO loop watches: a ZeroMQ socket, or a plain socket (a data stream)."""
 
 
 class Participant(Protocol):
@@ -77,7 +80,7 @@ class Reactor:
         self._wakeup = Wakeup()
         self._poller = zmq.Poller()
         self._poller.register(self._wakeup.fileno(), zmq.POLLIN)
-        self._handlers: dict[zmq.Socket[bytes], Handler] = {}
+        self._handlers: dict[zmq.Socket[bytes] | int, Handler] = {}
         self._participants: list[Participant] = []
         self._on_exit: Callable[[], None] = lambda: None
         self._closing = False
@@ -93,15 +96,25 @@ class Reactor:
         """Drive ``participant``; participants are called in the order they were added."""
         self._participants.append(participant)
 
-    def register(self, sock: zmq.Socket[bytes], handler: Handler) -> None:
-        """Call ``handler(now)`` whenever ``sock`` is readable (IO thread only)."""
-        self._handlers[sock] = handler
-        self._poller.register(sock, zmq.POLLIN)
+    def register(self, sock: Pollable, handler: Handler, *, writable: bool = False) -> None:
+        """Call ``handler(now)`` whenever ``sock`` is readable, or also writable when
+        ``writable`` (IO thread only; a plain socket must be unregistered before it is
+        closed)."""
+        key = _key(sock)
+        self._handlers[key] = handler
+        self._poller.register(key, zmq.POLLIN | (zmq.POLLOUT if writable else 0))
 
-    def unregister(self, sock: zmq.Socket[bytes]) -> None:
-        self._handlers.pop(sock, None)
+    def watch_writable(self, sock: Pollable, writable: bool) -> None:
+        """Whether ``sock``'s handler also runs when it is writable (registered only)."""
+        key = _key(sock)
+        if key in self._handlers:
+            self._poller.modify(key, zmq.POLLIN | (zmq.POLLOUT if writable else 0))
+
+    def unregister(self, sock: Pollable) -> None:
+        key = _key(sock)
+        self._handlers.pop(key, None)
         with contextlib.suppress(KeyError, zmq.ZMQError):
-            self._poller.unregister(sock)
+            self._poller.unregister(key)
 
     def start(self, on_exit: Callable[[], None]) -> None:
         """Start the IO thread; ``on_exit`` runs on it last (release the context)."""
@@ -171,9 +184,7 @@ class Reactor:
                 self._wakeup.drain()
             self._run_commands()
             for sock in list(ready):
-                if isinstance(sock, int):
-                    continue
-                handler = self._handlers.get(sock)
+                handler = self._handlers.get(sock)  # the wake-up pipe has none
                 if handler is not None:
                     handler(now)
             for p in participants:
@@ -223,6 +234,12 @@ class Reactor:
         self._wakeup.close()
         self._on_exit()
         self.closed.set()
+
+
+def _key(sock: Pollable) -> zmq.Socket[bytes] | int:
+    """How the poller names a socket: a ZeroMQ socket by itself, a plain one by its
+    descriptor (what ``zmq.Poller.poll`` returns for it)."""
+    return sock.fileno() if isinstance(sock, socket.socket) else sock
 
 
 def resolve(fut: Future[Any], value: Any) -> None:

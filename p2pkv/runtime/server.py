@@ -51,6 +51,12 @@ class Server:
             peers = list(self._inbound.values())
         return sum(1 for i in peers if i.session.state is proto.State.READY)
 
+    def stream_peers(self) -> int:
+        """How many peers have a bound data stream (any thread, for stats)."""
+        with self._lock:
+            peers = list(self._inbound.values())
+        return sum(1 for i in peers if i.stream is not None)
+
     # -- reading -------------------------------------------------------------------------
 
     def _read(self, now: float) -> None:
@@ -124,6 +130,11 @@ class Server:
             deadline = peer.session.next_deadline()
             if deadline is not None:
                 deadlines.append(deadline)
+        data = self._parts.data
+        if data is not None:
+            deadline = data.next_deadline()
+            if deadline is not None:
+                deadlines.append(deadline)
         return min(deadlines, default=None)
 
     def sending(self) -> bool:
@@ -148,6 +159,8 @@ class Server:
     def check_deadlines(self, now: float) -> None:
         for peer in list(self._inbound.values()):
             peer.poll(now)
+        if self._parts.data is not None:
+            self._parts.data.check_deadlines(now)
 
     def shutdown(self) -> None:
         for peer in list(self._inbound.values()):
@@ -157,4 +170,6 @@ class Server:
         # for a bounded while: the pool outlives the context's termination.
         self._parts.sender.ledger.release_all()
         self._parts.shm.release_all()
+        if self._parts.data is not None:
+            self._parts.data.close()
         self._router.close(DRAIN_FLUSH_MS if self._parts.draining.is_set() else 0)

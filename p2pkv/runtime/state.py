@@ -71,3 +71,6 @@ class Sending:
     keys: tuple[bytes, ...]
     outcomes: list[int]
     next_index: int = 0
+    #: Served on the peer's data stream (tcp-data-v1): bound when the fetch arrived, so
+    #: that every block of the fetch and its done take the same way.
+    on_stream: bool = False

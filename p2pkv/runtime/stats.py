@@ -41,6 +41,12 @@ class Count(Enum):
     SHM_ATTACHED = "shm_attached"
     SHM_ATTACH_REFUSED = "shm_attach_refused"
     FETCHES_DECLINED_DRAINING = "fetches_declined_draining"
+    BLOCKS_SENT_STREAM = "blocks_sent_stream"
+    BLOCKS_RECEIVED_STREAM = "blocks_received_stream"
+    DATA_STREAMS_BOUND = "data_streams_bound"
+    DATA_STREAMS_REFUSED = "data_streams_refused"
+    DATA_STREAMS_OPENED = "data_streams_opened"
+    DATA_FALLBACKS = "data_fallbacks"
 
 
 class ShmFallback(Enum):

@@ -3,6 +3,8 @@
 * :mod:`p2pkv.transport.sockets`: ZeroMQ sockets (ROUTER/DEALER factories and options,
   monitors, the IO thread's wake-up pipe, address checks).
 * :mod:`p2pkv.transport.curve`: CurveZMQ keys and the ZAP authenticator.
+* :mod:`p2pkv.transport.datachannel`: plain TCP streams for bulk bytes (listener,
+  dialing, ``sendmsg`` gather and ``recvmsg_into`` scatter), capability ``tcp-data-v1``.
 
 Nothing here knows p2pkv messages; another data path (for example a same-host shared
 memory one) belongs beside these modules.
@@ -20,6 +22,7 @@ from p2pkv.transport.sockets import (
     make_dealer,
     make_router,
     monitor_events,
+    monitor_failure,
     monitor_messages,
     peer_of,
     validate_address,
@@ -36,6 +39,7 @@ __all__ = [
     "make_dealer",
     "make_router",
     "monitor_events",
+    "monitor_failure",
     "monitor_messages",
     "peer_of",
     "start_authenticator",

@@ -15,7 +15,7 @@ import socket
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from p2pkv.errors import ConfigError
+from p2pkv.errors import ConfigError, P2PKVError, PeerGone, TransportHandshakeFailed
 from p2pkv.transport.curve import CurveKeys
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "make_dealer",
     "make_router",
     "monitor_events",
+    "monitor_failure",
     "monitor_messages",
     "peer_of",
     "server_mechanism",
@@ -187,6 +188,24 @@ def monitor_messages(monitor: zmq.Socket[bytes]) -> list[tuple[int, int]]:
         except zmq.ZMQError:  # zmq.Again included: nothing more to read
             return out
         out.append((int(message["event"]), int(message["value"])))
+
+
+def monitor_failure(address: str, messages: list[tuple[int, int]], *, curve: bool,
+                    handshaken: bool) -> P2PKVError | None:
+    """What a connection's socket monitor events mean: a failed security handshake, a
+    lost connection, or nothing."""
+    for event, value in messages:
+        failure = handshake_failure(event, value, curve=curve, address=address)
+        if failure is not None:
+            kind, text = failure
+            return TransportHandshakeFailed(
+                f"{address}: ZeroMQ security handshake failed: {text}", kind, text)
+    if any(event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) for event, _ in messages):
+        if not handshaken:
+            return PeerGone(f"could not connect to {address} (refused, or closed during "
+                            "the handshake)")
+        return PeerGone(f"connection to {address} was lost")
+    return None
 
 
 def handshake_failure(event: int, value: int, *, curve: bool,

@@ -83,6 +83,7 @@ def expected(wire: dict[str, Any], **overrides: Any) -> dict[str, Any]:
         fields.setdefault("ext", None)  # protocol 1.1: no ext map = nothing declared
     if wire["t"] in ("hello", "welcome"):
         fields.setdefault("shm", None)  # shm-v1 (section 16): no segment offered
+        fields.setdefault("data", None)  # tcp-data-v1 (section 18): no stream offered
     if wire["t"] == "fetch":
         fields.setdefault("shm", False)  # shm-v1: absent = served with block messages
     fields.update(overrides)
@@ -720,6 +721,63 @@ def packed_vectors() -> dict[str, Any]:
             "messages": messages, "errors": errors}
 
 
+def datachannel_vectors() -> dict[str, Any]:
+    """Capability tcp-data-v1 (SPEC 18): the offer, its errors, and stream bytes."""
+    messages: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
+
+    def add(name: str, wire: dict[str, Any], exp: dict[str, Any]) -> None:
+        messages.append({"name": name, "frames": [pack(wire).hex()], "segments": None,
+                         "message": exp})
+
+    def bad(name: str, wire: dict[str, Any], code: int) -> None:
+        errors.append({"name": name, "frames": [pack(wire).hex()], "segments": None,
+                       "code": code})
+
+    token = bytes(range(0xA0, 0xB0))
+    offer = {"port": 40123, "token": token, "cport": 5555}
+    w = greeting("welcome", "node-b", V2_RC, V2_FP, [49152] * 12, minor=2,
+                 caps=[CHECKSUM, "packed-v1", "tcp-data-v1"], data=offer)
+    add("welcome_offers_data_stream", w, expected(w, limits=None, v=1))
+    hello = greeting("hello", "n", V1_RC, V1_FP, [4096], minor=2,
+                     caps=[CHECKSUM, "tcp-data-v1"])
+    add("hello_offers_tcp_data_v1", hello, expected(hello, limits=None, v=1))
+    bad("welcome_data_token_short", {**w, "data": {**offer, "token": token[:15]}},
+        OUT_OF_BOUNDS)
+    bad("welcome_data_token_str", {**w, "data": {**offer, "token": "a" * 16}}, WRONG_TYPE)
+    bad("welcome_data_port_zero", {**w, "data": {**offer, "port": 0}}, OUT_OF_BOUNDS)
+    bad("welcome_data_port_above_65535", {**w, "data": {**offer, "port": 65536}},
+        OUT_OF_BOUNDS)
+    bad("welcome_data_without_cport", {**w, "data": {"port": 1, "token": token}},
+        MISSING_FIELD)
+    bad("welcome_data_not_a_map", {**w, "data": [40123]}, WRONG_TYPE)
+    bad("hello_data_without_token", {**hello, "data": {"port": 1, "cport": 2}},
+        MISSING_FIELD)
+
+    # Stream bytes (SPEC 18.2, 18.3), written out by hand.
+    magic = b"P2PKVDC1"
+    seg = [8, 4]
+    blocks = [bytes([0x30 + i]) * 8 + bytes([0x40 + i]) * 4 for i in range(2)]
+    head = pack({"t": "block", "v": 1, "req": 7, "idx": [1, 0],
+                 "sums": [xxhash.xxh3_64_intdigest(b) for b in blocks]})
+    done = pack({"t": "done", "v": 1, "req": 7, "outcomes": [0, 0, 1]})
+    stream = [
+        {"name": "preface", "direction": "client to server", "token": token.hex(),
+         "bytes": (magic + token).hex()},
+        {"name": "accepted", "direction": "server to client", "bytes": magic.hex()},
+        {"name": "block_two_blocks_then_done", "direction": "server to client",
+         "segments": seg,
+         "messages": [{"frame0": head.hex(), "payload": (blocks[0] + blocks[1]).hex()},
+                      {"frame0": done.hex(), "payload": ""}],
+         "bytes": (struct.pack("<I", len(head)) + head + blocks[0] + blocks[1]
+                   + struct.pack("<I", len(done)) + done).hex()},
+    ]
+    return {"about": "capability tcp-data-v1 (protocol/SPEC.md section 18): messages as "
+                     "in messages.json, errors as in errors.json, and the bytes of a "
+                     "stream: its preface, the server's answer, and framed messages",
+            "messages": messages, "errors": errors, "stream": stream}
+
+
 def main() -> None:
     (HERE / "messages.json").write_text(json.dumps(
         {"about": "frames (hex) -> decoded message; see protocol/SPEC.md section 14",
@@ -740,6 +798,8 @@ def main() -> None:
         extension_vectors(), indent=1, ensure_ascii=False) + "\n")
     (HERE / "shm.json").write_text(json.dumps(shm_vectors(), indent=1) + "\n")
     (HERE / "packed.json").write_text(json.dumps(packed_vectors(), indent=1) + "\n")
+    (HERE / "datachannel.json").write_text(
+        json.dumps(datachannel_vectors(), indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,495 @@
+"""The fetching side of ``tcp-data-v1``: open the stream, bind it, land what it carries.
+
+Right after a handshake that negotiated ``tcp-data-v1`` (and unless the blocks move
+through shared memory), the connection opens a plain TCP stream to the data port the
+``welcome`` named, at the host it dialed, and sends the token first; it is ready once
+the server answered (within the handshake deadline). Anything less — the capability
+not negotiated, a relay in between, a port that does not answer, a closed stream — and
+every block keeps moving over ZeroMQ; :attr:`DataLink.detail` says why.
+
+On a bound stream every message is a length-prefixed frame 0, fed to the session
+through the same door as one from ZeroMQ (``deliver``); a ``block`` the session
+accepted is followed by its blocks' bytes back to back, which ``recvmsg_into``
+scatters straight into their destinations (store slots that lookups cannot see yet,
+or caller buffers): one kernel copy, nothing copied in Python but the few bytes read
+ahead with a header. A message arrives over several loop turns; every block is settled
+(:class:`~p2pkv.runtime.landing.Landing`: checksum, commit or drop, its key's outcome)
+as soon as its last byte landed, while it is still in cache. Whatever is left of a
+message whose fetch was cancelled, timed out or is being aborted goes to scratch, and
+the slots it opened are freed, so nothing more reaches its buffers. The end of a bound
+stream ends the connection (every waiting fetch fails); it never hangs one.
+
+IO thread only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Final
+
+from p2pkv import protocol as proto
+from p2pkv.errors import P2PKVError, PeerGone, ProtocolError
+from p2pkv.runtime.landing import Landed, Landing
+from p2pkv.runtime.reactor import Reactor
+from p2pkv.runtime.state import Receiving
+from p2pkv.runtime.stats import Count, Counters
+from p2pkv.runtime.tuning import READ_BURST_BYTES
+from p2pkv.transport.datachannel import Scatter, connect_error, dial, host_of, port_of
+
+__all__ = ["DataLink", "DataReceiver", "LinkOwner"]
+
+log = logging.getLogger("p2pkv.node")
+
+_LOOKAHEAD: Final = 16 << 10
+"""Bytes read after a message's payload in the same call, for the next header (the
+header of a full 1024-block message is ~12 KiB)."""
+
+
+_RECEIVE_CHUNK: Final = 1 << 20
+"""Bytes one ``recvmsg_into`` takes at most, unless a block is larger."""
+
+
+class _State(Enum):
+    OFF = "off"
+    DIALING = "dialing"
+    AWAITING = "awaiting"
+    BOUND = "bound"
+    CLOSED = "closed"
+
+
+@dataclass(eq=False)
+class LinkOwner:
+    """What a data link calls back into: its outbound connection."""
+
+    #: The running fetch of a request id, or None (finished, cancelled, timed out).
+    fetch_of: Callable[[int], Receiving | None]
+    #: Feed one frame 0 read on the stream to the session; returns its output.
+    deliver: Callable[[bytes, proto.Payload, float], proto.Output]
+    #: The stream is bound (or the attempt is over: detail says why not).
+    ready: Callable[[], None]
+    #: A bound stream ended: the connection ends with this error.
+    lost: Callable[[P2PKVError], None]
+
+
+class DataReceiver:
+    """What the data links of this node's outbound connections share."""
+
+    def __init__(self, reactor: Reactor, landing: Landing, segments: Sequence[int],
+                 counters: Counters, *, enabled: bool) -> None:
+        self.reactor = reactor
+        self.landing = landing
+        self.segments = tuple(segments)
+        self.bpb = sum(self.segments)
+        #: Bytes one receive takes at most (whole blocks): each block is hashed right
+        #: after it landed, while it is still in cache.
+        self.chunk = max(self.bpb, _RECEIVE_CHUNK)
+        self.counters = counters
+        self.enabled = enabled
+
+    def link(self, address: str, owner: LinkOwner) -> DataLink:
+        return DataLink(self, address, owner)
+
+
+@dataclass(eq=False)
+class _Incoming:
+    """The message whose payload is being received."""
+
+    req: int
+    recv: Receiving | None
+    blocks: list[Landed | None]
+    scatter: Scatter | None  # None: skipping
+    skip: int = 0  # bytes still to skip (scatter None)
+    settled: int = 0  # blocks of the message settled (or given up) so far
+    views: list[memoryview] = field(default_factory=list)
+
+
+class _StreamPayload:
+    """What follows a frame 0 read on the stream (a :class:`~p2pkv.protocol.Payload`)."""
+
+    count = None
+
+    def __init__(self, link: DataLink) -> None:
+        self._link = link
+        self.discarded = False
+
+    def follows(self) -> bool:
+        return False  # only a block has a payload, and the session knows which is one
+
+    def land(self, arrived: proto.DataArrived) -> None:
+        assert isinstance(arrived, proto.BlockArrived)
+        self._link._begin(arrived)
+
+    def discard(self) -> None:
+        self.discarded = True
+
+
+class DataLink:
+    """One outbound connection's data stream (IO thread only)."""
+
+    def __init__(self, parts: DataReceiver, address: str, owner: LinkOwner) -> None:
+        self._parts = parts
+        self._address = address
+        self._owner = owner
+        self._state = _State.OFF
+        self._sock: socket.socket | None = None
+        self._deadline = 0.0
+        self._out = b""
+        self._ahead = bytearray(_LOOKAHEAD)
+        self._a0 = self._a1 = 0
+        self._incoming: _Incoming | None = None
+        self._scratch: bytearray | None = None
+        #: How blocks move on this connection and why.
+        self.detail = ""
+
+    @property
+    def bound(self) -> bool:
+        return self._state is _State.BOUND
+
+    @property
+    def pending(self) -> bool:
+        """Whether the connection still waits for the stream's verdict."""
+        return self._state in (_State.DIALING, _State.AWAITING)
+
+    # -- binding -------------------------------------------------------------------------
+
+    def begin(self, session: proto.Session, deadline: float) -> bool:
+        """Right after the handshake: True while a stream is being opened (``ready``
+        follows), False when the connection stays on ZeroMQ (:attr:`detail` says why)."""
+        if not self._parts.enabled:
+            self.detail = "the data channel is off on this node"
+            return False
+        offer, why = proto.usable_offer(session.capabilities, session.data_offer,
+                                        port_of(self._address))
+        if offer is None:
+            if proto.CAP_TCP_DATA_V1 in session.capabilities:
+                self._fell_back(why)  # negotiated, and still not used
+            else:
+                self.detail = why
+            return False
+        host = host_of(self._address)
+        try:
+            sock = dial(host, offer.port)
+        except OSError as exc:
+            self._fell_back(f"cannot open a data stream to {host}:{offer.port}: {exc}")
+            return False
+        self._sock = sock
+        self._deadline = deadline
+        self._out = proto.preface(offer.token)
+        self._state = _State.DIALING
+        self.detail = f"data stream to {host}:{offer.port}"
+        self._parts.reactor.register(sock, self._on_event, writable=True)
+        return True
+
+    def check(self, now: float) -> None:
+        """A stream not bound by the deadline is given up: blocks stay on ZeroMQ."""
+        if self.pending and now >= self._deadline:
+            self._give_up("the data port did not answer within the handshake deadline")
+
+    def _give_up(self, why: str) -> None:
+        self._close_socket()
+        self._state = _State.OFF
+        self._fell_back(why)
+        self._owner.ready()
+
+    def _fell_back(self, why: str) -> None:
+        self.detail = why
+        self._parts.counters.add(Count.DATA_FALLBACKS)
+        log.info("%s: blocks move over ZeroMQ: %s", self._address, why)
+
+    def read_what_came(self, now: float) -> None:
+        """The ZeroMQ connection ended: handle what the stream still holds first."""
+        if self._state is _State.BOUND:
+            self._on_event(now)
+
+    def _on_event(self, now: float) -> None:
+        try:
+            state = self._state
+            if state is _State.DIALING:
+                self._send_preface()
+            elif state is _State.AWAITING:
+                self._read_answer()
+            if self._state is _State.BOUND:
+                self._read(now)
+        except (ProtocolError, PeerGone) as exc:
+            self._lose(exc)
+        except OSError as exc:
+            self._lose(PeerGone(f"{self._address}: the data stream failed: {exc}"))
+        except Exception as exc:
+            # A bug must cost one connection, never the node (or its IO thread).
+            log.exception("internal error on the data stream of %s", self._address)
+            if self._state is _State.BOUND:
+                self._lose(P2PKVError(f"internal error on the data stream: {exc!r}"))
+            elif self.pending:
+                self._give_up(f"internal error while binding the data stream: {exc!r}")
+
+    def _send_preface(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        err = connect_error(sock)
+        if err:
+            self._give_up(f"cannot open the data stream: {errno.errorcode.get(err, err)}")
+            return
+        try:
+            sent = sock.send(self._out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._give_up(f"cannot open the data stream: {exc}")
+            return
+        self._out = self._out[sent:]
+        if not self._out:
+            self._state = _State.AWAITING
+            self._parts.reactor.watch_writable(sock, False)
+
+    def _read_answer(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        want = len(proto.ACCEPTED) - self._a1
+        try:
+            got = sock.recv_into(memoryview(self._ahead)[self._a1:self._a1 + want])
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._give_up(f"the data stream failed before it was bound: {exc}")
+            return
+        if got == 0:
+            self._give_up("the peer closed the data stream without binding it (token "
+                          "refused)")
+            return
+        self._a1 += got
+        if self._a1 < len(proto.ACCEPTED):
+            return
+        if bytes(self._ahead[:self._a1]) != proto.ACCEPTED:
+            self._give_up("the data port answered something else than p2pkv")
+            return
+        self._a0 = self._a1 = 0
+        self._state = _State.BOUND
+        self._parts.counters.add(Count.DATA_STREAMS_OPENED)
+        log.info("%s: blocks move over the data stream", self._address)
+        self._owner.ready()
+
+    # -- reading -------------------------------------------------------------------------
+
+    def _read(self, now: float) -> None:
+        # Bytes read ahead are always handled (the poller cannot know of them); the
+        # socket is read until a burst's worth came in, then the others get a turn.
+        budget = READ_BURST_BYTES
+        while self._state is _State.BOUND:
+            if self._incoming is None:
+                if self._next_header(now, may_read=budget > 0):
+                    continue
+                return
+            if budget <= 0:
+                return
+            got = self._receive()
+            if got is None:
+                return
+            budget -= got
+
+    def _next_header(self, now: float, *, may_read: bool) -> bool:
+        """Deliver the next frame 0 if it is all here (True), else read more when
+        allowed (False when nothing more is there now, or reading must wait)."""
+        ahead, a0, a1 = self._ahead, self._a0, self._a1
+        prefix = proto.FRAME_PREFIX.size
+        if a1 - a0 >= prefix:
+            n = proto.frame_length(memoryview(ahead)[a0:a0 + prefix])
+            if a1 - a0 >= prefix + n:
+                head = bytes(ahead[a0 + prefix:a0 + prefix + n])
+                self._a0 = a0 + prefix + n
+                if self._a0 == self._a1:
+                    self._a0 = self._a1 = 0
+                self._deliver(head, now)
+                return True
+            if prefix + n > len(ahead):
+                self._ahead = ahead = ahead + bytearray(prefix + n - len(ahead))
+        if not may_read:
+            return False
+        if a0:
+            ahead[:a1 - a0] = ahead[a0:a1]
+            self._a0, self._a1 = 0, a1 - a0
+        sock = self._sock
+        assert sock is not None
+        try:
+            got = sock.recv_into(memoryview(ahead)[self._a1:])
+        except (BlockingIOError, InterruptedError):
+            return False
+        if got == 0:
+            raise PeerGone(f"{self._address} closed the data stream")
+        self._a1 += got
+        return True
+
+    def _deliver(self, head: bytes, now: float) -> None:
+        payload = _StreamPayload(self)
+        out = self._owner.deliver(head, payload, now)
+        if self._state is not _State.BOUND or not payload.discarded:
+            self._continue()
+            return
+        # A block the session discards (its fetch is over or being aborted): skip it.
+        skip = sum(len(ev.idx) for ev in out.events if type(ev) is proto.BlockDiscarded)
+        if not skip:
+            raise ProtocolError(proto.Code.UNEXPECTED, "data stream: a block that was "
+                                "neither accepted nor discarded")
+        self._incoming = _Incoming(0, None, [], None, skip=skip * self._parts.bpb)
+        self._continue()
+
+    def _begin(self, ev: proto.BlockArrived) -> None:
+        """The session accepted a block message: open where its blocks land."""
+        recv = self._owner.fetch_of(ev.req)
+        ticket = recv.ticket if recv is not None else None
+        if recv is None or (ticket is not None and ticket.cancelled):
+            self._incoming = _Incoming(ev.req, None, [], None,
+                                       skip=len(ev.idx) * self._parts.bpb)
+            return
+        landing = self._parts.landing
+        blocks = landing.open_kept(recv, [recv.index_map[i] for i in ev.idx], ev.sums)
+        views: list[memoryview] = []
+        for block in blocks:
+            views.extend(block.views if block is not None else self._scratch_block())
+        self._incoming = _Incoming(ev.req, recv, blocks, Scatter(views))
+
+    def _continue(self) -> None:
+        """Hand the bytes read ahead with the header to the message just begun."""
+        inc = self._incoming
+        if inc is None:
+            return
+        rest = memoryview(self._ahead)[self._a0:self._a1]
+        if rest.nbytes:
+            taken = self._take(inc, rest)
+            self._a0 += taken
+        if self._a0 == self._a1:
+            self._a0 = self._a1 = 0
+
+    def _take(self, inc: _Incoming, data: memoryview) -> int:
+        with self._locked(inc):
+            if inc.scatter is not None:
+                n = inc.scatter.put(data)
+                self._settle(inc)
+                return n
+        n = min(inc.skip, data.nbytes)
+        inc.skip -= n
+        if not inc.skip:
+            self._incoming = None
+        return n
+
+    def _receive(self) -> int | None:
+        """One receive into the current message (and the next header after it)."""
+        inc = self._incoming
+        sock = self._sock
+        assert inc is not None and sock is not None
+        tail = memoryview(self._ahead)
+        with self._locked(inc):
+            if inc.scatter is not None:
+                got = inc.scatter.receive(sock, tail, self._parts.chunk)
+                if got is None:
+                    return None
+                if got == 0:
+                    raise PeerGone(f"{self._address} closed the data stream")
+                self._a1 = inc.scatter.spilled
+                self._settle(inc)
+                return got
+        scratch = memoryview(self._scratch_bytes())
+        n = min(inc.skip, scratch.nbytes)
+        # The next header may follow only once the skipped bytes end in this call.
+        iov = [scratch[:n], tail] if n == inc.skip else [scratch[:n]]
+        try:
+            got = sock.recvmsg_into(iov)[0]
+        except (BlockingIOError, InterruptedError):
+            return None
+        if got == 0:
+            raise PeerGone(f"{self._address} closed the data stream")
+        used = min(n, got)
+        inc.skip -= used
+        if not inc.skip:
+            self._incoming = None
+        self._a1 = got - used
+        return got
+
+    @contextlib.contextmanager
+    def _locked(self, inc: _Incoming) -> Iterator[None]:
+        """Hold the fetch's ticket lock while its buffers are written; a fetch that was
+        cancelled, or is no longer running, gets nothing more (the rest is skipped)."""
+        recv = inc.recv
+        ticket = recv.ticket if recv is not None else None
+        if recv is None:
+            yield
+            return
+        if ticket is None:
+            if self._owner.fetch_of(inc.req) is not recv:
+                self._give_up_message(inc)
+            yield
+            return
+        with ticket.lock:
+            if ticket.cancelled or self._owner.fetch_of(inc.req) is not recv:
+                self._give_up_message(inc)
+            yield
+
+    def _give_up_message(self, inc: _Incoming) -> None:
+        """The rest of the message goes nowhere; the slots it opened are freed."""
+        if inc.scatter is None:
+            return
+        self._parts.landing.abandon(inc.blocks[inc.settled:])
+        inc.skip = inc.scatter.total - inc.scatter.filled
+        inc.scatter = None
+        inc.recv = None
+        inc.settled = len(inc.blocks)
+        self._incoming = inc if inc.skip else None
+
+    def _settle(self, inc: _Incoming) -> None:
+        """Settle every block of ``inc`` whose bytes are all here."""
+        scatter = inc.scatter
+        if scatter is None or inc.recv is None:
+            if scatter is None and not inc.skip:
+                self._incoming = None
+            return
+        complete = scatter.filled // self._parts.bpb
+        if complete > inc.settled:
+            ready = [b for b in inc.blocks[inc.settled:complete] if b is not None]
+            inc.settled = complete
+            if ready:
+                landing = self._parts.landing
+                try:
+                    with landing.guard():
+                        landed = landing.settle_many(inc.recv, ready)
+                except BaseException:
+                    landing.abandon(ready)  # whatever happened, no slot stays open
+                    raise
+                self._parts.counters.add(Count.BLOCKS_RECEIVED_STREAM, landed)
+        if scatter.done:
+            self._incoming = None
+
+    def _scratch_bytes(self) -> bytearray:
+        if self._scratch is None:
+            self._scratch = bytearray(max(max(self._parts.segments), 1 << 20))
+        return self._scratch
+
+    def _scratch_block(self) -> list[memoryview]:
+        view = memoryview(self._scratch_bytes())
+        return [view[:size] for size in self._parts.segments]
+
+    # -- the end -------------------------------------------------------------------------
+
+    def _lose(self, exc: P2PKVError) -> None:
+        if self._state is _State.BOUND:
+            self.close()
+            self._owner.lost(exc)
+
+    def close(self) -> None:
+        """Close the stream (the connection ended): the slots of a message still being
+        received are freed."""
+        inc, self._incoming = self._incoming, None
+        if inc is not None and inc.scatter is not None:
+            self._parts.landing.abandon(inc.blocks[inc.settled:])
+        self._close_socket()
+        self._state = _State.CLOSED
+
+    def _close_socket(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            self._parts.reactor.unregister(sock)
+            sock.close()

@@ -1,0 +1,372 @@
+"""The serving side of ``tcp-data-v1``: the data port, tokens, and the streams' sends.
+
+A peer that negotiated ``tcp-data-v1`` gets, in its ``welcome``, this node's data port
+and a fresh random token (:meth:`DataListener.offer`). The token binds the first stream
+that presents it to that peer's session, within the handshake deadline, once: a stream
+whose preface is not a p2pkv one, whose token is unknown, used already or expired, or
+that says nothing in time, is closed unanswered and never touches the pool. A bound
+stream (:class:`OutStream`) then carries the ``block`` and ``done`` messages of the
+peer's fetches that are not served through shared memory: :class:`DataSender` pins a
+batch within the fetch's credit, queues its header and the slots' segments, and
+``sendmsg`` gathers them straight from the pool; each block stays pinned until its last
+byte went to the kernel (or the stream is dropped). The client sends nothing on the
+stream after its preface: a byte from it, the end of the stream or a failed write ends
+the peer's session, like the end of its ZeroMQ connection.
+
+IO thread only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, Protocol
+
+from p2pkv import protocol as proto
+from p2pkv.protocol.codes import DATA_TOKEN_LEN, OUTCOME_SENT
+from p2pkv.runtime.reactor import Reactor
+from p2pkv.runtime.sender import pin_next_batch
+from p2pkv.runtime.state import Sending
+from p2pkv.runtime.stats import Count, Counters
+from p2pkv.store import BlockReader, BlockStore
+from p2pkv.transport.datachannel import Gather, tune
+
+__all__ = ["DataListener", "DataSender", "OutStream", "StreamOwner"]
+
+log = logging.getLogger("p2pkv.node")
+
+_QUEUE_MESSAGES: Final = 2
+"""Stream messages queued ahead of the kernel per peer: enough to keep its socket
+buffer full, few enough that pins are short and a new fetch's first blocks go out soon."""
+_ACCEPTS_PER_TURN: Final = 64
+
+
+class StreamOwner(Protocol):
+    """The peer a token was offered to (an inbound connection)."""
+
+    closed: bool
+
+    def wants_stream(self) -> bool:
+        """Whether a stream may bind to it now (its session negotiated the stream)."""
+
+    def bind_stream(self, stream: OutStream) -> None:
+        """Its stream arrived with the right token."""
+
+    def stream_lost(self, code: int, why: str) -> None:
+        """Its bound stream ended or failed (``code``: the close reason): the session
+        ends."""
+
+
+@dataclass(eq=False)
+class _Offer:
+    expires: float
+    owner: StreamOwner | None = None
+
+
+@dataclass(eq=False)
+class _Pending:
+    sock: socket.socket
+    deadline: float
+    data: bytearray
+
+
+class DataListener:
+    """The node's data port (one listening socket) and the tokens it honours.
+
+    ``timeout``: how long a token waits for its stream, and a new stream for its
+    preface (the handshake deadline). At most ``max_pending`` streams may be waiting for
+    their preface at once; more are closed at once.
+    """
+
+    def __init__(self, reactor: Reactor, sock: socket.socket, counters: Counters, *,
+                 timeout: float, max_pending: int) -> None:
+        self._reactor = reactor
+        self._sock = sock
+        self._counters = counters
+        self._timeout = timeout
+        self._max_pending = max_pending
+        self.port = int(sock.getsockname()[1])
+        self._offers: dict[bytes, _Offer] = {}
+        self._pending: dict[socket.socket, _Pending] = {}
+        self.closed = False
+        reactor.register(sock, self._accept)
+
+    # -- tokens --------------------------------------------------------------------------
+
+    def offer(self, cport: int, now: float) -> proto.DataOffer:
+        """A fresh token for a new session (``cport``: this node's ZeroMQ port), good
+        once until the deadline, and only once :meth:`own` named its session."""
+        token = secrets.token_bytes(DATA_TOKEN_LEN)
+        self._offers[token] = _Offer(now + self._timeout)
+        return proto.DataOffer(self.port, token, cport)
+
+    def own(self, offer: proto.DataOffer, owner: StreamOwner) -> None:
+        """The session ``offer`` was made for."""
+        entry = self._offers.get(offer.token)
+        if entry is not None:
+            entry.owner = owner
+
+    def revoke(self, offer: proto.DataOffer | None) -> None:
+        """The session ended before its stream came: the token is good for nothing."""
+        if offer is not None:
+            self._offers.pop(offer.token, None)
+
+    def pending(self) -> int:
+        """Streams accepted and waiting for their preface (for tests and stats)."""
+        return len(self._pending)
+
+    # -- streams -------------------------------------------------------------------------
+
+    def _accept(self, now: float) -> None:
+        for _ in range(_ACCEPTS_PER_TURN):
+            try:
+                sock, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors, for instance: try next turn
+                log.warning("data port: accept failed: %s", exc)
+                return
+            if len(self._pending) >= self._max_pending:
+                self._refuse(sock, "too many streams waiting for their preface")
+                continue
+            try:
+                tune(sock)
+            except OSError:
+                sock.close()
+                continue
+            pending = _Pending(sock, now + self._timeout, bytearray())
+            self._pending[sock] = pending
+            self._reactor.register(sock, self._preface_reader(pending))
+
+    def _preface_reader(self, p: _Pending) -> Callable[[float], None]:
+        return lambda now: self._read_preface(p, now)
+
+    def _read_preface(self, p: _Pending, now: float) -> None:
+        try:
+            self._bind(p, now)
+        except Exception:
+            # A bug must cost that stream, never the node (or its IO thread).
+            log.exception("data port: internal error reading a preface")
+            if p.sock in self._pending:
+                self._drop_pending(p, "internal error")
+
+    def _bind(self, p: _Pending, now: float) -> None:
+        try:
+            chunk = p.sock.recv(proto.PREFACE_BYTES - len(p.data))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop_pending(p, "closed before its preface")
+            return
+        p.data += chunk
+        if len(p.data) < proto.PREFACE_BYTES:
+            return
+        token = proto.token_of(bytes(p.data))
+        offer = None if token is None else self._offers.pop(token, None)
+        owner = None if offer is None else offer.owner
+        if offer is None or owner is None or now >= offer.expires or not owner.wants_stream():
+            why = ("not a p2pkv data stream" if token is None
+                   else "an unknown, used or expired token")
+            self._drop_pending(p, why)
+            return
+        self._pending.pop(p.sock, None)
+        self._reactor.unregister(p.sock)
+        try:
+            p.sock.sendall(proto.ACCEPTED)  # 8 bytes into an empty socket buffer
+        except OSError as exc:
+            p.sock.close()
+            owner.stream_lost(proto.Code.NORMAL_CLOSE,
+                              f"the data stream failed as it was bound: {exc}")
+            return
+        self._counters.add(Count.DATA_STREAMS_BOUND)
+        owner.bind_stream(OutStream(self._reactor, p.sock, owner))
+
+    def _drop_pending(self, p: _Pending, why: str) -> None:
+        self._pending.pop(p.sock, None)
+        self._reactor.unregister(p.sock)
+        self._refuse(p.sock, why)
+
+    def _refuse(self, sock: socket.socket, why: str) -> None:
+        self._counters.add(Count.DATA_STREAMS_REFUSED)
+        try:
+            peer = sock.getpeername()
+        except OSError:
+            peer = "?"
+        log.warning("data port: refused a stream from %s: %s", peer, why)
+        sock.close()
+
+    def check_deadlines(self, now: float) -> None:
+        for p in [p for p in self._pending.values() if now >= p.deadline]:
+            self._drop_pending(p, "no preface within the handshake deadline")
+        for token in [t for t, o in self._offers.items()
+                      if now >= o.expires or (o.owner is not None and o.owner.closed)]:
+            del self._offers[token]
+
+    def next_deadline(self) -> float | None:
+        times = [p.deadline for p in self._pending.values()]
+        times += [o.expires for o in self._offers.values()]
+        return min(times, default=None)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for p in list(self._pending.values()):
+            self._reactor.unregister(p.sock)
+            p.sock.close()
+        self._pending.clear()
+        self._offers.clear()
+        self._reactor.unregister(self._sock)
+        self._sock.close()
+
+
+class OutStream:
+    """One bound stream: messages queued in order, written as the socket takes them.
+
+    The peer never writes on it: readable means it closed or broke the protocol, and
+    ``owner.stream_lost`` is told (once). :meth:`close` unpins whatever is queued.
+    """
+
+    def __init__(self, reactor: Reactor, sock: socket.socket, owner: StreamOwner) -> None:
+        self._reactor = reactor
+        self._sock = sock
+        self._owner = owner
+        self._gather = Gather(sock)
+        self._messages = 0
+        self._watching = False
+        self.closed = False
+        reactor.register(sock, self._on_event)
+
+    @property
+    def has_room(self) -> bool:
+        """Whether another message may be queued now."""
+        return self._messages < _QUEUE_MESSAGES
+
+    @property
+    def busy(self) -> bool:
+        """Whether bytes are still queued for the kernel."""
+        return bool(self._gather)
+
+    def push(self, head: bytes, segments: list[memoryview] | None = None,
+             done: Callable[[], None] | None = None) -> None:
+        """Queue frame 0 ``head`` (and a block message's segments, in order; ``done``
+        runs once they are written or dropped)."""
+        buffers = [memoryview(proto.frame_prefix(head) + head)]
+        if segments:
+            buffers.extend(segments)
+        self._messages += 1
+
+        def written() -> None:
+            self._messages -= 1
+            if done is not None:
+                done()
+
+        self._gather.push(buffers, written)
+
+    def flush(self) -> None:
+        """Write what the socket takes; watch for room when something is left."""
+        if self.closed:
+            return
+        try:
+            empty = self._gather.flush()
+        except OSError as exc:
+            self._lost(proto.Code.NORMAL_CLOSE, f"writing the data stream failed: {exc}")
+            return
+        if empty == self._watching:
+            self._watching = not empty
+            self._reactor.watch_writable(self._sock, self._watching)
+
+    def _on_event(self, now: float) -> None:
+        if self.closed:
+            return
+        try:
+            self._read_or_write()
+        except Exception as exc:
+            # A bug must cost one peer, never the node (or its IO thread).
+            log.exception("internal error on a data stream")
+            self._lost(proto.Code.NORMAL_CLOSE, f"internal error on the data stream: {exc!r}")
+
+    def _read_or_write(self) -> None:
+        try:
+            data = self._sock.recv(1)
+        except (BlockingIOError, InterruptedError):
+            self.flush()
+            return
+        except OSError as exc:
+            self._lost(proto.Code.NORMAL_CLOSE, f"the data stream failed: {exc}")
+            return
+        if data:
+            self._lost(proto.Code.PROTOCOL_VIOLATION,
+                       "the peer wrote on its data stream after the preface")
+        else:
+            self._lost(proto.Code.NORMAL_CLOSE, "the peer closed its data stream")
+
+    def _lost(self, code: int, why: str) -> None:
+        self.close()
+        self._owner.stream_lost(code, why)
+
+    def close(self) -> None:
+        """Drop the stream: everything queued is unpinned, the socket closed."""
+        if self.closed:
+            return
+        self.closed = True
+        self._reactor.unregister(self._sock)
+        self._gather.drop()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+
+class DataSender:
+    """Sends served fetches' blocks on bound streams, within each fetch's credit."""
+
+    def __init__(self, store: BlockStore, segments: tuple[int, ...], bytes_per_block: int,
+                 counters: Counters) -> None:
+        self._store = store
+        self._bpb = bytes_per_block
+        self._counters = counters
+        self._batch_limit = proto.stream_batch_limit(bytes_per_block, len(segments))
+
+    def send_job(self, session: proto.Session, job: Sending, stream: OutStream) -> None:
+        """Queue what the credit of ``job`` and the stream's queue allow, then write."""
+        store = self._store
+        n = len(job.keys)
+        checksums = session.checksums
+        credit = session.window_left(job.req)
+        while credit > 0 and job.next_index < n and stream.has_room and not stream.closed:
+            idx, readers = pin_next_batch(store, job, credit, self._batch_limit)
+            credit -= len(idx)
+            if not idx:
+                continue
+            unpin = self._unpin(readers)
+            try:
+                sums = [r.checksum for r in readers] if checksums else None
+                head = proto.encode_head(session.block(job.req, idx, sums))
+                stream.push(head, [v for r in readers for v in r.views], unpin)
+            except BaseException:
+                unpin()  # whatever went wrong, or the blocks stay pinned forever
+                raise
+            for i in idx:
+                job.outcomes[i] = OUTCOME_SENT
+            self._counters.add(Count.BLOCKS_SENT, len(idx))
+            self._counters.add(Count.BYTES_SENT, len(idx) * self._bpb)
+            self._counters.add(Count.BLOCKS_SENT_STREAM, len(idx))
+        stream.flush()
+
+    def _unpin(self, readers: list[BlockReader]) -> Callable[[], None]:
+        """Release ``readers`` once, however many times it is called (written, or
+        dropped, or given up when queueing failed)."""
+        store = self._store
+        held = [readers]
+
+        def unpin() -> None:
+            if held:
+                store.release_many(held.pop())
+
+        return unpin

@@ -1,0 +1,264 @@
+"""Plain TCP streams for bulk bytes: listener, dialing, gather writes, scatter reads.
+
+Nothing here knows p2pkv messages (the stream's format is
+:mod:`p2pkv.protocol.datachannel`). Every socket is non-blocking and lives on the
+node's IO thread: :class:`Gather` writes queued buffers with ``sendmsg`` straight from
+where they are (pool slots, no copy in Python), :class:`Scatter` reads with
+``recvmsg_into`` straight into the buffers it is given (store slots, caller buffers).
+The kernel copies each byte once on each side; these classes only keep the place.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import socket
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from p2pkv.errors import ConfigError
+
+__all__ = [
+    "IOV_MAX",
+    "SOCKET_BUFFER",
+    "Gather",
+    "Scatter",
+    "connect_error",
+    "dial",
+    "host_of",
+    "listen",
+    "port_of",
+    "tune",
+]
+
+IOV_MAX: Final = 1000
+"""Buffers per ``sendmsg``/``recvmsg_into`` call (Linux allows 1024)."""
+SOCKET_BUFFER: Final = 4 << 20
+"""SO_SNDBUF / SO_RCVBUF of every data stream (the kernel-ceiling benchmark's too)."""
+
+_RETRY: Final = (BlockingIOError, InterruptedError)
+
+
+def host_of(address: str) -> str:
+    """The host of a ``tcp://HOST:PORT`` address, as ``socket`` takes it (``*`` is every
+    IPv4 interface, brackets of an IPv6 host are dropped)."""
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0]
+    if host == "*":
+        return "0.0.0.0"
+    return host.strip("[]")
+
+
+def port_of(address: str) -> int:
+    """The port of a ``tcp://HOST:PORT`` address."""
+    return int(address.rsplit(":", 1)[1])
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def tune(sock: socket.socket) -> None:
+    """No Nagle delay, fixed buffers of :data:`SOCKET_BUFFER`, non-blocking."""
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+
+
+def listen(host: str, port: int, *, backlog: int = 128) -> socket.socket:
+    """A non-blocking listening socket on ``host:port`` (0: an ephemeral port);
+    ConfigError naming the option ``data_port`` when it cannot be bound."""
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen for data streams on {host}:{port}: {exc}",
+                          option="data_port", named=False) from exc
+    return sock
+
+
+def dial(host: str, port: int) -> socket.socket:
+    """A non-blocking socket connecting to ``host:port``; writable once connected (then
+    :func:`connect_error` says whether it worked). OSError when it cannot even start."""
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    try:
+        tune(sock)
+        code = sock.connect_ex((host, port))
+    except OSError:
+        sock.close()
+        raise
+    if code not in (0, errno.EINPROGRESS, errno.EAGAIN):
+        sock.close()
+        raise OSError(code, f"connect to {host}:{port}: {errno.errorcode.get(code, code)}")
+    return sock
+
+
+def connect_error(sock: socket.socket) -> int:
+    """0 once a :func:`dial`\\ ed socket is connected, else the errno of its failure."""
+    return int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR))
+
+
+class Gather:
+    """Buffers queued for one stream, written in order with ``sendmsg``.
+
+    Each :meth:`push` is one unit (a message): its ``done`` callback runs exactly once,
+    when its last byte went to the kernel or when the queue is dropped (the stream
+    failed or closed): whoever pinned the buffers unpins them there.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        # [buffers, index of the first unsent one, done callback]
+        self._queue: collections.deque[tuple[list[memoryview], list[int],
+                                             Callable[[], None] | None]] = (
+            collections.deque())
+        self.queued_bytes = 0
+
+    def __bool__(self) -> bool:
+        """Whether something is still to be written."""
+        return bool(self._queue)
+
+    def push(self, buffers: Sequence[memoryview], done: Callable[[], None] | None = None
+             ) -> None:
+        views = [b for b in buffers if b.nbytes]
+        self._queue.append((views, [0], done))
+        self.queued_bytes += sum(v.nbytes for v in views)
+
+    def flush(self) -> bool:
+        """Write what the socket takes now; True once the queue is empty. OSError when
+        the stream failed (the caller drops it)."""
+        queue = self._queue
+        while queue:
+            iov: list[memoryview] = []
+            for views, at, _ in queue:
+                iov.extend(views[at[0]:at[0] + IOV_MAX - len(iov)])
+                if len(iov) >= IOV_MAX:
+                    break
+            try:
+                sent = self._sock.sendmsg(iov, (), socket.MSG_NOSIGNAL)
+            except _RETRY:
+                return False
+            self.queued_bytes -= sent
+            self._advance(sent)
+        return True
+
+    def _advance(self, sent: int) -> None:
+        queue = self._queue
+        while sent and queue:
+            views, at, done = queue[0]
+            while sent and at[0] < len(views):
+                view = views[at[0]]
+                if sent >= view.nbytes:
+                    sent -= view.nbytes
+                    at[0] += 1
+                else:
+                    views[at[0]] = view[sent:]
+                    sent = 0
+            if at[0] < len(views):
+                return
+            queue.popleft()
+            if done is not None:
+                done()
+        while queue and queue[0][1][0] >= len(queue[0][0]):  # empty units
+            _, _, done = queue.popleft()
+            if done is not None:
+                done()
+
+    def drop(self) -> None:
+        """Forget everything queued; every unit's ``done`` runs (IO thread)."""
+        queue, self._queue = self._queue, collections.deque()
+        self.queued_bytes = 0
+        for _, _, done in queue:
+            if done is not None:
+                with contextlib.suppress(Exception):
+                    done()
+
+
+class Scatter:
+    """Where the next bytes of one stream go: a list of buffers, filled in order with
+    ``recvmsg_into``.
+
+    ``tail`` (optional) is a buffer offered after the last one, so that the bytes that
+    follow (the next message's header) arrive with the same call; :attr:`spilled` says
+    how many went there.
+    """
+
+    __slots__ = ("_at", "_views", "filled", "spilled", "total")
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self._views = [v for v in views if v.nbytes]
+        self._at = 0
+        self.total = sum(v.nbytes for v in self._views)
+        self.filled = 0
+        self.spilled = 0
+
+    @property
+    def done(self) -> bool:
+        return self.filled >= self.total
+
+    def receive(self, sock: socket.socket, tail: memoryview | None = None,
+                limit: int = 1 << 62) -> int | None:
+        """One ``recvmsg_into`` of at most about ``limit`` bytes (whole buffers, at least
+        one): bytes received (0: the peer closed the stream), None when nothing is there
+        now. OSError when the stream failed."""
+        views = self._views
+        iov: list[memoryview] = []
+        room = 0
+        end = min(len(views), self._at + IOV_MAX)
+        for i in range(self._at, end):
+            iov.append(views[i])
+            room += views[i].nbytes
+            if room >= limit:
+                break
+        if tail is not None and self._at + len(iov) >= len(views):
+            iov.append(tail)
+        try:
+            got = sock.recvmsg_into(iov)[0]
+        except _RETRY:
+            return None
+        rest = self.total - self.filled
+        self.spilled = max(0, got - rest)
+        self._advance(min(got, rest))
+        return got
+
+    def _advance(self, n: int) -> None:
+        self.filled += n
+        views = self._views
+        while n:
+            view = views[self._at]
+            if n >= view.nbytes:
+                n -= view.nbytes
+                self._at += 1
+            else:
+                views[self._at] = view[n:]
+                n = 0
+
+    def put(self, data: memoryview) -> int:
+        """Copy already-received bytes (read ahead with an earlier header) into the next
+        buffers; how many were taken."""
+        taken = 0
+        views = self._views
+        while taken < data.nbytes and self._at < len(views):
+            view = views[self._at]
+            n = min(view.nbytes, data.nbytes - taken)
+            view[:n] = data[taken:taken + n]
+            taken += n
+            if n == view.nbytes:
+                self._at += 1
+            else:
+                views[self._at] = view[n:]
+        self.filled += taken
+        return taken
+
+    def retarget(self, views: Sequence[memoryview]) -> None:
+        """Send the rest of the bytes into ``views`` instead (they must hold exactly
+        the bytes still expected): a cancelled fetch's bytes go to scratch."""
+        self._views = [v for v in views if v.nbytes]
+        self._at = 0
+        assert sum(v.nbytes for v in self._views) == self.total - self.filled
+        self.total = self.filled + sum(v.nbytes for v in self._views)
