@@ -137,6 +137,20 @@ def test_every_layout_moves_on_the_stream_byte_for_byte(spec: dict[str, Any],
     assert wait_until(lambda: producer.store.stats().pinned == 0, timeout=5)
 
 
+def test_the_stream_works_over_ipv6(made: list[Any]) -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    spec = {"layout": "v2", "geometry": "small"}
+    producer = node(spec, listen="tcp://[::1]:0")
+    consumer = node(spec, listen="tcp://[::1]:0")
+    made += [producer, consumer]
+    keys = fill(producer, 20)
+    peer = consumer.connect(producer.address)
+    assert peer.data_path == "tcp-data" and "::1" in peer.data_path_detail
+    assert consumer.fetch(peer, keys).outcomes == (KeyOutcome.LANDED,) * 20
+    assert all(consumer.get(k) == producer.get(k) for k in keys)
+
+
 @pytest.mark.parametrize("off", ["consumer", "producer"])
 def test_a_peer_without_the_capability_gets_the_zeromq_path(off: str,
                                                             made: list[Any]) -> None:
