@@ -72,6 +72,27 @@ def test_a_short_chaos_run_shows_no_corruption_no_missed_deadline_no_leak(
     assert all(f["link_down"] for f in faults if f["kind"] == "partition")
 
 
+def test_where_namespaces_cannot_be_made_the_partition_is_skipped_with_its_reason(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without root, or without iproute2's ``ip`` (here: not on the PATH), the run gets
+    no link: the partition goes into ``skipped`` with the reason, and nothing is made."""
+    if find_redis_server() is None:
+        pytest.skip("redis-server is not installed")
+    from p2pkv.bench.chaos.run import _link
+    from p2pkv.bench.redis_servers import LocalRedis
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    redis = LocalRedis()
+    try:
+        skipped: dict[str, str] = {}
+        assert _link(redis, 1, 2, skipped) is None
+    finally:
+        redis.close()
+    want = ("iproute2's 'ip' is not installed" if os.geteuid() == 0
+            else "network namespaces need root")
+    assert skipped == {"partition": want}
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-v"]))
 

@@ -117,6 +117,7 @@ def test_directory_urls_name_what_is_wrong() -> None:
                             "?ssl_ca_certs=/ca.crt&sentinel_password=sp")
     assert (u.kind, u.service, u.db, u.tls) == ("sentinel", "kv", 3, True)
     assert (u.username, u.password) == ("me", "pw@x") and "pw" not in u.redacted
+    assert "sp" not in u.redacted.split("?", 1)[1] and "sentinel_password=***" in u.redacted
     assert parse_directory_url("rediss://u:p@h:6380/0").kind == "redis"
     for bad, match in (
             ("http://h:1", "unknown scheme"), ("h:6379", "expected redis://"),
@@ -408,6 +409,51 @@ def test_a_master_killed_under_traffic_its_replica_takes_over_and_hits_come_back
     # The killed master comes back as a replica; the cluster is whole for the next test.
     redis_cluster.node(victim).start()
     redis_cluster.wait_ok(30)
+
+
+def test_a_shard_that_comes_back_empty_loses_claims_and_holders_publish_them_again(
+        redis_cluster: LocalRedisCluster, procs: list[Any]) -> None:
+    """A shard (master and replica) killed and restarted without persistence comes back
+    empty: the sub-partitions it holds lost every claim, while the membership, on
+    another shard, is whole, so no heartbeat fails. Each holder finds out by comparing
+    its claims as the servers count them with what it announced (at every heartbeat),
+    registers again and publishes its blocks: lookups find the whole prefix again within
+    a few heartbeats, instead of missing those keys until the holders restart."""
+    from redis.crc import key_slot
+
+    url = redis_cluster.url
+    keys = keys_for(96)
+    holder = make_node({**SMALL, "pool": 104})
+    for k in keys:
+        holder.put(k, content(k, holder.layout.bytes_per_block))
+    hc = Cluster(holder, directory=url, config=ClusterConfig(**FAST))
+    procs.append((holder, hc))
+    assert hc.wait_registered(15)
+    node, cluster = start_consumer(procs, url, {"pool": 104})
+    assert cluster.lookup_prefix(keys).length == 96
+    membership = redis_cluster.master_of(key_slot(f"p2pkv:{{{cluster.partition}}}:live"
+                                                  .encode()))
+    victim = next(p for p in redis_cluster.master_ports() if p != membership)
+    replicas = redis_cluster.replicas_of(victim)
+    assert replicas, "the shard has no replica"
+    for port in [*replicas, victim]:
+        redis_cluster.node(port).kill()
+    for port in [victim, *replicas]:  # no persistence: it comes back empty
+        redis_cluster.node(port).start()
+    redis_cluster.wait_ok(30)
+    registrations = hc.stats().registrations
+    found = cluster.lookup_prefix(keys)
+    assert found.length < 96, "the shard's claims were not lost: the test shows nothing"
+    wait_for(lambda: cluster.lookup_prefix(keys).length == 96, 15,
+             "the whole prefix found again")
+    # It registered again: either its count found claims missing, or its count met the
+    # shard while it was down (an error: the registration counts as lost).
+    stats = hc.stats()
+    assert stats.registrations > registrations
+    assert stats.claims_lost + stats.registrations_lost >= 1
+    fetched = cluster.fetch_prefix(keys)
+    assert fetched.result.outcomes == (KeyOutcome.LANDED,) * 96
+    verify(node, keys)
 
 
 # ----------------------------------------------------------------------- sentinel

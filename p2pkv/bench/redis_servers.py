@@ -305,6 +305,20 @@ class LocalRedisCluster:
             return out
         return []
 
+    def replicas_of(self, port: int) -> list[int]:
+        """The ports of the live replicas of the master on ``port``."""
+        for n in self.nodes:
+            if not n.running:
+                continue
+            raw = command(n.port, "CLUSTER", "NODES")
+            if not raw.startswith(b"$"):
+                continue
+            rows = [line.split() for line in raw.split(b"\r\n", 1)[1].decode().splitlines()]
+            ids = {int(f[1].split("@")[0].rsplit(":", 1)[1]): f[0] for f in rows if len(f) >= 8}
+            return sorted(int(f[1].split("@")[0].rsplit(":", 1)[1]) for f in rows
+                          if len(f) >= 8 and f[3] == ids.get(port) and "fail" not in f[2])
+        return []
+
     def master_ports(self) -> list[int]:
         return sorted(p for p, _, master, ranges in self.topology() if master and ranges)
 

@@ -143,6 +143,9 @@ class ClusterStats:
     quarantined: dict[str, tuple[float, int, str]] = field(default_factory=dict)
     #: Times the quarantine verdicts were published to the directory (they change).
     quarantine_reports: int = 0
+    #: Claims of this node that Redis no longer counted (lost in a failover; each time,
+    #: the node registered again and republished its blocks).
+    claims_lost: int = 0
 
 
 class Cluster:
@@ -413,7 +416,7 @@ class Cluster:
                 registrations_lost=c["lost"], announced_stored=c["stored"],
                 announced_removed=c["removed"], swept_members=c["swept"],
                 quarantines=self.health.quarantines, quarantined=quarantined,
-                quarantine_reports=c["quarantine_reports"],
+                quarantine_reports=c["quarantine_reports"], claims_lost=c["claims_lost"],
             )
 
 

@@ -37,6 +37,8 @@ class ClusterCollector:
              "Holders put in quarantine after repeated failures"),
             ("p2pkv_directory_quarantine_reports", s.quarantine_reports,
              "Times this node published its quarantine verdicts to the directory"),
+            ("p2pkv_directory_claims_lost", s.claims_lost,
+             "Claims of this node Redis lost (a failover); the node published them again"),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         announced = CounterMetricFamily("p2pkv_directory_announced_blocks",

@@ -42,6 +42,7 @@ import hashlib
 import logging
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -370,11 +371,13 @@ class RedisDirectory:
         return alive
 
     def announce(self, member: Member, stored: Sequence[bytes],
-                 removed: Sequence[bytes] = ()) -> bool:
+                 removed: Sequence[bytes] = (), *, counts: Counter[int] | None = None) -> bool:
         """Claim ``stored`` and withdraw ``removed`` (idempotent). False when the
-        registration is gone (nothing was claimed; register again and republish)."""
+        registration is gone (nothing was claimed; register again and republish).
+        ``counts`` adds the change of the member's claims, by sub-partition (0 on one
+        Redis): what :meth:`claim_counts` must then find."""
         if self._shards is not None:
-            ok: bool = self._shards.announce(member, stored, removed)
+            ok: bool = self._shards.announce(member, stored, removed, counts)
             return ok
         p = member.partition
         keys = [self._key(p, "blocks"), self._key(p, "live"), self._key(p, "count"),
@@ -388,7 +391,20 @@ class RedisDirectory:
                 self._announce, keys=keys, args=[member.token, member.nonce, len(a), *a, *r]))
             if int(result) == -1:
                 return False
+            if counts is not None:
+                counts[0] += int(result)
         return True
+
+    def claim_counts(self, member: Member, subs: Sequence[int] = (0,)) -> dict[int, int]:
+        """The claims of ``member`` as the servers count them, by sub-partition (of
+        ``subs``; one Redis has only 0). Fewer than its announcements added: claims were
+        lost (a failover), and the member must publish its blocks again."""
+        if self._shards is not None:
+            found: dict[int, int] = self._shards.claim_counts(member, subs)
+            return found
+        n = self._call("claim counts", lambda: self._redis.hget(
+            self._key(member.partition, "count"), member.token))
+        return {0: int(n or 0)}
 
     def deregister(self, member: Member, held: Sequence[bytes]) -> None:
         """Withdraw ``held`` and the registration. Whatever a crash or a race leaves

@@ -101,8 +101,11 @@ class DirectoryURL:
 
                 manager = Sentinel(  # type: ignore[no-untyped-call]
                     list(self.hosts),
+                    # No retries of its own: a Sentinel that refuses the password would
+                    # otherwise cost seconds of backoff per Sentinel on every call.
                     sentinel_kwargs={"socket_timeout": socket_timeout,
                                      "socket_connect_timeout": socket_timeout,
+                                     "retry": Retry(NoBackoff(), 0),
                                      **tls, **sentinel_auth},
                     **common, **tls)
                 return manager.master_for(  # type: ignore[no-untyped-call]
@@ -171,7 +174,9 @@ def parse_directory_url(url: str) -> DirectoryURL:
 
 
 def _redact(url: str) -> str:
-    return re.sub(r"(://[^:@/]*:)[^@]*@", r"\1***@", url, count=1)
+    """``url`` with the password of its user and of any ``*password=`` option hidden."""
+    url = re.sub(r"(://[^:@/]*:)[^@]*@", r"\1***@", url, count=1)
+    return re.sub(r"([?&][A-Za-z_]*password=)[^&#]*", r"\1***", url)
 
 
 def _host_port(text: str, url: str) -> tuple[str, int]:

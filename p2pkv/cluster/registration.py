@@ -6,6 +6,7 @@ is the node's side: register, heartbeat, announce in batches, sweep, recover.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -30,7 +31,10 @@ class RedisRegistration:
     Redis is unreachable or the registration is lost, it forgets the queued changes and
     tries again every ``retry_interval`` seconds; a new registration republishes the
     whole block set, so no stale claim survives. The node itself never notices: it keeps
-    serving its peers.
+    serving its peers. At every heartbeat it also compares its claims as Redis counts
+    them with what its announcements added: fewer means a failover lost some (writes not
+    yet replicated, or a shard that came back empty), and it registers again, so that
+    lost claims cost misses for one heartbeat, not until the node restarts.
 
     ``reports`` (when given) says which holders the node keeps in quarantine now; the
     thread publishes them with the registration whenever they change, checked every
@@ -58,6 +62,8 @@ class RedisRegistration:
                                else min(1.0, self.heartbeat_interval))
         self._on_event = on_event or (lambda _what, _n: None)
         self._reports = reports
+        #: What this registration's announcements added, by sub-partition.
+        self._expected: collections.Counter[int] = collections.Counter()
         #: What the current registration published: address -> (times, reason, node
         #: id, when its quarantine ends on this clock).
         self._reported: dict[str, tuple[int, str, str, float]] = {}
@@ -134,6 +140,8 @@ class RedisRegistration:
                     if not self.directory.heartbeat(member, self.ttl):
                         self._lost("registration expired")
                         continue
+                    if not self._claims_intact(member):
+                        continue
                     next_heartbeat = now + self.heartbeat_interval
                 with self._lock:
                     flush, self._flush_now = self._flush_now, False
@@ -180,7 +188,8 @@ class RedisRegistration:
         record = self._record()
         held = self._stored_keys()
         member = self.directory.register(record, self.ttl)
-        if not self.directory.announce(member, held):
+        self._expected = collections.Counter()
+        if not self.directory.announce(member, held, counts=self._expected):
             raise DirectoryError("registration vanished while publishing the block set")
         # Registered only once the block set is out: whoever waits for the registration
         # can look the blocks up.
@@ -202,11 +211,28 @@ class RedisRegistration:
             return
         stored = [k for k, visible in pending.items() if visible]
         removed = [k for k, visible in pending.items() if not visible]
-        if not self.directory.announce(member, stored, removed):
+        if not self.directory.announce(member, stored, removed, counts=self._expected):
             self._lost("registration expired")
             return
         self._on_event("stored", len(stored))
         self._on_event("removed", len(removed))
+
+    def _claims_intact(self, member: Member) -> bool:
+        """Whether Redis still counts every claim this registration made; when not, the
+        registration is dropped (the next turn registers again and republishes)."""
+        want = {s: n for s, n in self._expected.items() if n}
+        if not want:
+            return True
+        found = self.directory.claim_counts(member, sorted(want))
+        lost = sum(max(0, n - found.get(s, 0)) for s, n in want.items())
+        if not lost and all(found.get(s, 0) == n for s, n in want.items()):
+            return True
+        log.warning("directory %s counts %d claim(s) of this node fewer than it announced "
+                    "(lost in a failover?); publishing its blocks again", self.directory.url,
+                    lost)
+        self._on_event("claims_lost", lost)
+        self._lost("claims lost")
+        return False
 
     def _report(self) -> None:
         """Publish the quarantine verdicts when they differ from the published ones (a

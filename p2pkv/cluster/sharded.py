@@ -7,6 +7,7 @@ block key (CRC-32), each with its own hash tag::
 
     NS:{P}:...              membership and liveness, as on one Redis (one slot)
     NS:{P/s.j}:blocks       HASH block key -> holder tokens, for keys with crc32 % S == s
+    NS:{P/s.j}:count        HASH token -> its claims in that sub-partition
 
 ``j`` is the smallest number that puts sub-partition ``s`` in the ``s``-th of ``S``
 equal bands of the 16,384 slots: ``redis-cli --cluster create`` gives each of M masters
@@ -21,11 +22,17 @@ announcement checks the registration (owner nonce, liveness) on the membership s
 then claims in each sub-partition; a registration that expires between the two can
 leave claims of a dead token behind, which lookups skip (dead) and the sweep removes.
 Liveness keeps its guarantee: it is read from one slot, on that server's clock.
+
+A sub-partition's count changes in the script that changes its claims, so a failover
+that loses claims (asynchronous replication, or a shard that lost its data) loses their
+count too: a holder that compares the counts with what its announcements added
+(:meth:`Subpartitions.claim_counts`) finds out, and publishes its blocks again.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -92,14 +99,17 @@ end
 return 1
 """
 
-# KEYS: one sub-partition's blocks. ARGV: token, number of stored keys, stored...,
-# removed... Returns the change of the token's block count.
+# KEYS: one sub-partition's blocks, its counts. ARGV: token, number of stored keys,
+# stored..., removed... Returns the change of the token's block count there.
 _SUB_ANNOUNCE = """
 local me = ARGV[1]
 local nadd = tonumber(ARGV[2])
 local delta = 0
 local first = 3
-""" + CLAIMS_LUA + """return delta
+""" + CLAIMS_LUA + """if delta ~= 0 and redis.call('HINCRBY', KEYS[2], me, delta) <= 0 then
+  redis.call('HDEL', KEYS[2], me)
+end
+return delta
 """
 
 # KEYS: count. ARGV: token, delta.
@@ -118,13 +128,17 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', 30000)
 return 1
 """
 
-# KEYS: one sub-partition's blocks. ARGV: cursor, count, dead tokens... One HSCAN step
-# stripping the dead tokens from the entries it visits; returns the next cursor.
+# KEYS: one sub-partition's blocks, its counts. ARGV: cursor, count, dead tokens...
+# One HSCAN step stripping the dead tokens from the entries it visits (their counts go
+# at the end of the pass); returns the next cursor.
 _SUB_SWEEP = """
 local dead = {}
 for i = 3, #ARGV do dead[ARGV[i]] = true end
 local res = redis.call('HSCAN', KEYS[1], ARGV[1], 'COUNT', tonumber(ARGV[2]))
-""" + STRIP_DEAD_LUA + """return res[1]
+""" + STRIP_DEAD_LUA + """if res[1] == '0' then
+  for i = 3, #ARGV do redis.call('HDEL', KEYS[2], ARGV[i]) end
+end
+return res[1]
 """
 
 # KEYS: live, nodes, addr, count, owner, sweep lock, quarantine. ARGV: dead tokens... The
@@ -186,13 +200,13 @@ class Subpartitions:
         self._sub_sweep = Lua(_SUB_SWEEP)
         self._sweep_end = Lua(_SWEEP_END)
 
-    def blocks_key(self, partition: str, s: int) -> str:
-        """The blocks hash of sub-partition ``s`` of ``partition``."""
+    def blocks_key(self, partition: str, s: int, what: str = "blocks") -> str:
+        """The blocks hash (or ``what`` else) of sub-partition ``s`` of ``partition``."""
         tags = self._tags.get(partition)
         if tags is None:
             tags = tuple(_band_tag(partition, i, self.count) for i in range(self.count))
             self._tags[partition] = tags
-        return f"{self.directory.namespace}:{{{tags[s]}}}:blocks"
+        return f"{self.directory.namespace}:{{{tags[s]}}}:{what}"
 
     def _group(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
         groups: dict[int, list[int]] = {}
@@ -245,7 +259,7 @@ class Subpartitions:
     # -- announcements --------------------------------------------------------------
 
     def announce(self, member: Member, stored: Sequence[bytes],
-                 removed: Sequence[bytes]) -> bool:
+                 removed: Sequence[bytes], counts: Counter[int] | None = None) -> bool:
         d = self.directory
         p = member.partition
         stored, removed = list(stored), list(removed)
@@ -260,17 +274,36 @@ class Subpartitions:
                 return False
             adds, rems = self._group(add), self._group(rem)
             calls: list[tuple[Any, list[str], list[Any]]] = []
-            for s in sorted(set(adds) | set(rems)):
+            subs = sorted(set(adds) | set(rems))
+            for s in subs:
                 a = [add[i] for i in adds.get(s, ())]
                 r = [rem[i] for i in rems.get(s, ())]
-                calls.append((self._sub_announce, [self.blocks_key(p, s)],
+                calls.append((self._sub_announce, [self.blocks_key(p, s),
+                                                   self.blocks_key(p, s, "count")],
                               [member.token, len(a), *a, *r]))
             deltas = d._call("announce", lambda c=calls: d._pipelined(c))  # type: ignore[misc]
+            if counts is not None:
+                for s, x in zip(subs, deltas, strict=True):
+                    counts[s] += int(x)
             delta = sum(int(x) for x in deltas)
             if delta:
                 d._call("announce", lambda n=delta: d._eval(  # type: ignore[misc]
                     self._count, keys=[d._key(p, "count")], args=[member.token, n]))
         return True
+
+    def claim_counts(self, member: Member, subs: Sequence[int]) -> dict[int, int]:
+        """The claims of ``member`` in each sub-partition of ``subs``, as the servers
+        count them (one pipelined ``HGET`` per sub-partition, every shard at once)."""
+        d = self.directory
+
+        def run() -> list[Any]:
+            pipe = d._redis.pipeline(transaction=False)
+            for s in subs:
+                pipe.hget(self.blocks_key(member.partition, s, "count"), member.token)
+            return list(pipe.execute())
+
+        found = d._call("claim counts", run)
+        return {s: int(v or 0) for s, v in zip(subs, found, strict=True)}
 
     # -- the sweep ------------------------------------------------------------------
 
@@ -285,7 +318,8 @@ class Subpartitions:
             return None
         s, scan = cursor % self.count, cursor // self.count
         nxt = int(d._call("sweep", lambda: d._eval(
-            self._sub_sweep, keys=[self.blocks_key(p, s)], args=[scan, count, *dead])))
+            self._sub_sweep, keys=[self.blocks_key(p, s), self.blocks_key(p, s, "count")],
+            args=[scan, count, *dead])))
         if nxt:
             return nxt * self.count + s
         if s + 1 < self.count:
