@@ -626,18 +626,25 @@ def test_load_policy_recomputes_over_a_throttled_link_and_loads_over_a_fast_one(
              ("P", "germany", SYSTEM, None),  # estimate old: a probe
              ("A", "japan", SYSTEM, None)]  # measured fast again: loads
     convs = [conversation(tag, question, system) for tag, question, system, _ in steps]
-    # 21 chunks: the producer's pool (22 chunks of its 64 MiB) keeps them all.
-    expected = [held(conv) for conv in convs]
+    # The producer answers them while the consumer starts (21 chunks: its pool, 22
+    # chunks of 64 MiB, keeps them all).
+    expected: list[str] = []
+    producing = threading.Thread(target=lambda: expected.extend(held(c) for c in convs))
+    producing.start()
     port = int(producer.rsplit(":", 1)[1])
     proxy = FaultProxy(free_port(), port, seed=0)
     # Longer than the slow load's sample takes to reach the next lookup on busy cores.
-    probe_interval = 15.0
+    probe_interval = 12.0
     answers = []
     try:
         # heartbeat_timeout: a 2.9 MB chunk takes 2.9 s to arrive over the slow link.
-        engine = consumer("consumer-policy", model_dir, logs, engines, proxy.address,
-                          tier={"load_probe_interval": probe_interval,
-                                "load_probe_budget": 100.0, "heartbeat_timeout": 10.0})
+        try:
+            engine = consumer("consumer-policy", model_dir, logs, engines, proxy.address,
+                              tier={"load_probe_interval": probe_interval,
+                                    "load_probe_budget": 100.0, "heartbeat_timeout": 10.0})
+        finally:
+            producing.join(2 * ANSWER_TIMEOUT)
+        assert len(expected) == len(convs), "the producer did not answer"
         # Prompts nobody holds: this engine's own prefill rate.
         assert converse(engine, conversation("W1", "egypt"),
                         conversation("W2", "egypt"))["cached"] == [0, 0]

@@ -202,9 +202,9 @@ def run(prompt_tokens: int | list[int], rounds: int, model_dir: str | None = Non
         chunk_bytes = CHUNK_TOKENS * _kv_bytes_per_token(described)
         longest = max(lengths) // CHUNK_TOKENS + 1
         held_chunks = sum(n // CHUNK_TOKENS + 1 for n in lengths)
-        region = max(512 << 20, 3 * longest * chunk_bytes)
+        region = max(256 << 20, 2 * longest * chunk_bytes)
         a = _address()
-        producer = _Proc(model, _config(a, [], region, held_chunks + longest), max_len,
+        producer = _Proc(model, _config(a, [], region, held_chunks + 8), max_len,
                          os.path.join(tmp, "producer.log"))
         relay: FaultProxy | None = None
         cells: dict[tuple[str, str, int], dict[str, Any]] = {}
@@ -217,7 +217,7 @@ def run(prompt_tokens: int | list[int], rounds: int, model_dir: str | None = Non
                 relay = FaultProxy(int(_address().rsplit(":", 1)[1]), port, seed=0)
             for policy in policies:
                 peer = relay.address if relay else a
-                consumer = _Proc(model, _config(_address(), [peer], region, 2 * longest,
+                consumer = _Proc(model, _config(_address(), [peer], region, longest,
                                                 policy == "on"),
                                  max_len, os.path.join(tmp, f"consumer-{policy}.log"))
                 try:
