@@ -37,8 +37,6 @@ class FaultProxy:
         self.upstream = upstream
         self.mode = "pass"
         self.flipped = 0
-        #: Bytes relayed from the holder so far.
-        self.relayed = 0
         self._rng = random.Random(seed)
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -117,8 +115,6 @@ class FaultProxy:
                     buf[i] ^= 1 << self._rng.randrange(8)
                     data = bytes(buf)
                     self.flipped += 1
-                if from_holder:
-                    self.relayed += len(data)
                 self._send_all(dst, data)
         except OSError:
             pass
