@@ -86,7 +86,7 @@ redis:
 
 # P2PKV_REQUIRE_VLLM: the vLLM tests fail instead of skipping if the engine cannot run.
 test: venv netns-tools redis vllm-env real-model
-	P2PKV_REQUIRE_VLLM=1 $(PY) -m pytest -q
+	P2PKV_REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=15
 	$(VENV)/bin/ruff check p2pkv tests examples tools
 	$(VENV)/bin/mypy
 

@@ -209,7 +209,7 @@ class Node:
         self._server = Server(
             self._reactor,
             self._inbound_parts,
-            new_session=lambda now: proto.SharingSession(
+            new_session=lambda now: proto.Session(
                 proto.Role.SERVER, self.hello, deadlines=self._deadlines, limits=self._limits,
                 now=now, identity_policy=self.config.identity_policy,
                 shm_offer=shm_sender.offer),
@@ -221,7 +221,7 @@ class Node:
             dial=lambda address: make_dealer(self._ctx, address,
                                              max_message_bytes=self._max_message,
                                              curve=config.curve),
-            new_session=lambda now: proto.SharingSession(
+            new_session=lambda now: proto.Session(
                 proto.Role.CLIENT, self.hello, deadlines=self._deadlines, limits=self._limits,
                 now=now, identity_policy=config.identity_policy),
             hello=self.hello, owner=self, store=store,

@@ -18,6 +18,8 @@ import pytest
 from p2pkv.identity import RunConfig
 from p2pkv.protocol import (
     CAP_CHECKSUM_XXH3_64,
+    IMPLEMENTED,
+    TRANSITIONS,
     Abort,
     AbortAck,
     AbortAcknowledged,
@@ -414,6 +416,43 @@ def test_client_respects_advertised_limits() -> None:
     with pytest.raises(LocalProtocolError) as excinfo:
         pair.client.lookup([b"a"], pair.now)
     assert excinfo.value.code == Code.TOO_MANY_IN_FLIGHT
+
+
+def test_a_withdrawn_request_frees_its_place_and_is_unknown_to_the_peer() -> None:
+    adv = Limits(max_in_flight=1).advertised(window=8)
+    pair = Pair(hello("client"), dataclasses.replace(hello("server"), limits=adv))
+    pair.handshake()
+    opened = pair.client.fetch([b"a"], 1, pair.now)
+    assert pair.client.in_flight == 1
+    pair.client.withdraw(opened.req)  # never sent: as if never opened
+    assert pair.client.in_flight == 0 and not pair.client.is_pending(opened.req)
+    # The place is free again, and a reply naming the withdrawn id is a violation
+    # (it was never opened on this connection), not a late reply.
+    pair.client.lookup([b"a"], pair.now)
+    out = pair.client.receive(Done(opened.req, (1,)), pair.now)
+    assert of_type(out.events, ProtocolViolated)
+    assert isinstance(out.replies[0], Bye) and out.replies[0].code == Code.UNKNOWN_REQUEST
+
+
+def test_a_sent_request_cannot_be_withdrawn() -> None:
+    pair = ready_pair()
+    fetch = pair.client.fetch([b"a", b"b"], 1, pair.now)
+    pair.client.abort(fetch.req, pair.now)
+    with pytest.raises(LocalProtocolError, match="was sent"):
+        pair.client.withdraw(fetch.req)
+    with pytest.raises(LocalProtocolError, match="no open request"):
+        pair.client.withdraw(999)
+
+
+def test_every_row_of_the_table_names_a_known_capability() -> None:
+    # Capabilities are data of the one table: every row of shm-v1 is there, for both
+    # roles, and nothing else names a capability the table does not implement.
+    rows = [(role, state, tag, rule.capability) for role, table in TRANSITIONS.items()
+            for (state, tag), rule in table.items() if rule.capability is not None]
+    assert {cap for *_, cap in rows} <= IMPLEMENTED
+    assert {(role.value, tag) for role, state, tag, _ in rows if state is State.READY} == {
+        ("client", "attached"), ("client", "located"), ("server", "attach"),
+        ("server", "release")}
 
 
 @pytest.mark.parametrize("bad", [[], [b""], [b"x" * 65], ["str"]])

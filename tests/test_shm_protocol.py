@@ -1,6 +1,6 @@
-"""Capability ``shm-v1`` in the pure core: its vectors, and the sharing session's rules.
+"""Capability ``shm-v1`` in the pure core: its vectors, and the session's rules for it.
 
-Two :class:`SharingSession` objects are joined by an in-memory loop through the codec,
+Two :class:`Session` objects are joined by an in-memory loop through the codec,
 as in ``test_session.py``; nothing here maps memory (``test_shm.py`` does).
 """
 
@@ -19,6 +19,7 @@ from p2pkv.identity import RunConfig
 from p2pkv.protocol import (
     CAP_CHECKSUM_XXH3_64,
     CAP_SHM_V1,
+    IMPLEMENTED,
     Attach,
     AttachAnswered,
     Attached,
@@ -43,7 +44,6 @@ from p2pkv.protocol import (
     Release,
     Role,
     Session,
-    SharingSession,
     ShmOffer,
     State,
     Welcome,
@@ -120,10 +120,10 @@ class Pair:
 
     def __init__(self, client_caps: Iterable[str] = BOTH, server_caps: Iterable[str] = BOTH,
                  offer: ShmOffer | None = OFFER, *, plain_server: bool = False) -> None:
-        self.client = SharingSession(Role.CLIENT, hello("c", client_caps), now=0.0)
+        self.client = Session(Role.CLIENT, hello("c", client_caps), now=0.0)
         self.server: Session = (
             Session(Role.SERVER, hello("s", server_caps), now=0.0) if plain_server else
-            SharingSession(Role.SERVER, hello("s", server_caps), now=0.0, shm_offer=offer))
+            Session(Role.SERVER, hello("s", server_caps), now=0.0, shm_offer=offer))
         self.events: dict[str, list[Event]] = {"client": [], "server": []}
         self.wire: list[Message] = []
         self.deliver(self.client, self.client.start(0.0))
@@ -146,7 +146,7 @@ class Pair:
         (req,) = self.of("server", AttachRequested)
         assert req.nonce == NONCE
         server = self.server
-        assert isinstance(server, SharingSession)
+        assert isinstance(server, Session)
         self.deliver(server, [server.attach_verdict(accept, "" if accept else "no")])
 
 
@@ -180,7 +180,7 @@ def test_attach_accepted_then_a_shared_fetch_is_located_and_released() -> None:
     assert msg.shm
     pair.deliver(pair.client, [msg])
     server = pair.server
-    assert isinstance(server, SharingSession)
+    assert isinstance(server, Session)
     (fr,) = pair.of("server", FetchRequested)
     assert server.shared_fetch(fr.req)
     located = server.located(fr.req, [0, 2], [5, 1], [11, 22])
@@ -214,7 +214,7 @@ def test_a_shared_fetch_before_an_accepted_attach_is_served_with_blocks() -> Non
     pair = Pair()
     pair.deliver(pair.client, [Fetch(1, KEYS, 2, shm=True)])  # what a hasty client sends
     server = pair.server
-    assert isinstance(server, SharingSession)
+    assert isinstance(server, Session)
     assert not server.shared_fetch(1)
     with pytest.raises(LocalProtocolError):
         server.located(1, [0], [0], [1])
@@ -272,8 +272,9 @@ def test_located_after_abort_is_discarded_and_the_window_is_enforced() -> None:
 
 
 def test_a_plain_session_refuses_shm_messages_it_does_not_speak() -> None:
-    client = Session(Role.CLIENT, hello("c", BOTH), now=0.0)
-    server = SharingSession(Role.SERVER, hello("s", BOTH), now=0.0, shm_offer=OFFER)
+    client = Session(Role.CLIENT, hello("c", BOTH), now=0.0,
+                     implements=IMPLEMENTED - {CAP_SHM_V1})
+    server = Session(Role.SERVER, hello("s", BOTH), now=0.0, shm_offer=OFFER)
     out = server.receive_frames(encode(client.start(0.0)[0]), 0.0)
     (welcome,) = [r for r in out.replies if isinstance(r, Welcome)]
     accepted = client.receive_frames(encode(welcome), 0.0)

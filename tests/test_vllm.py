@@ -362,6 +362,10 @@ def test_tier_driven_like_vllms_tiering_manager(path: str) -> None:
     assert "'HND_K_THEN_V'" in errors["layout declared"]
     assert '{"rope_theta":10000}' in errors["overrides declared"]
     assert "engine applies {}" in errors["overrides declared"]
+    # Errors name the options as the tier config spells them, not as launcher flags.
+    assert errors["bad peer"].startswith("P2PKVTier: peers: "), errors["bad peer"]
+    assert errors["curve key"].startswith("P2PKVTier: curve_secret_key: cannot read"), \
+        errors["curve key"]
     assert checks["store"]["success"] and checks["store"]["stats"] == 4
     # Derived without any declaration: the weights' content digest and the config's.
     ext = checks["store"]["extension"]

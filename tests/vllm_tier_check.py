@@ -130,8 +130,11 @@ def main() -> int:
                os.path.join(dangling, "model.safetensors"))
     errors = {"unreachable": unreachable, "no weights": refused_at_start(no_weights),
               "unreadable": refused_at_start(dangling),
-              "missing": refused_at_start(os.path.join(scratch, "nowhere"))}
+              "missing": refused_at_start(os.path.join(scratch, "nowhere")),
+              "bad peer": refused_at_start(peers=[5])}
     with set_current_vllm_config(vllm_config):
+        errors["curve key"] = refused_at_start(
+            model_dir, curve_secret_key=os.path.join(scratch, "no-such.key_secret"))
         errors["layout declared"] = refused_at_start(model_dir, kv_memory_layout="NHD")
         errors["overrides declared"] = refused_at_start(
             model_dir, model_overrides={"rope_theta": 10000.0})

@@ -27,6 +27,35 @@ from p2pkv.protocol.codes import (
     code_name,
 )
 from p2pkv.protocol.compat import EXTENSION_CODES, Decision, decide, layout_label, restate
+from p2pkv.protocol.events import (
+    NO_PAYLOAD,
+    AbortAcknowledged,
+    AbortRequested,
+    AttachAnswered,
+    AttachRequested,
+    BlockArrived,
+    BlockDiscarded,
+    BlocksLocated,
+    BlocksReleased,
+    CreditGranted,
+    DataArrived,
+    ErrorReceived,
+    Event,
+    FetchFinished,
+    FetchRequested,
+    HandshakeAccepted,
+    HandshakeRefused,
+    LocatedAbandoned,
+    LookupAnswered,
+    LookupRequested,
+    MessageIgnored,
+    Output,
+    Payload,
+    PeerClosed,
+    ProtocolViolated,
+    RequestFailed,
+    RequestTimedOut,
+)
 from p2pkv.protocol.flow import (
     BATCH_BYTES,
     CreditBudget,
@@ -35,6 +64,8 @@ from p2pkv.protocol.flow import (
     next_batch,
     window_blocks,
 )
+from p2pkv.protocol.limits import Deadlines, Limits
+from p2pkv.protocol.machine import Role, State
 from p2pkv.protocol.messages import (
     Abort,
     AbortAck,
@@ -64,46 +95,9 @@ from p2pkv.protocol.messages import (
     ShmOffer,
     Welcome,
 )
-from p2pkv.protocol.session import (
-    NO_PAYLOAD,
-    TRANSITIONS,
-    AbortAcknowledged,
-    AbortRequested,
-    BlockArrived,
-    BlockDiscarded,
-    CreditGranted,
-    DataArrived,
-    Deadlines,
-    ErrorReceived,
-    Event,
-    FetchFinished,
-    FetchRequested,
-    HandshakeAccepted,
-    HandshakeRefused,
-    Limits,
-    LocalProtocolError,
-    LookupAnswered,
-    LookupRequested,
-    MessageIgnored,
-    Output,
-    Payload,
-    PeerClosed,
-    ProtocolViolated,
-    RequestFailed,
-    RequestTimedOut,
-    Role,
-    Session,
-    State,
-)
-from p2pkv.protocol.sharing import (
-    SHARING_TRANSITIONS,
-    AttachAnswered,
-    AttachRequested,
-    BlocksLocated,
-    BlocksReleased,
-    LocatedAbandoned,
-    SharingSession,
-)
+from p2pkv.protocol.requests import LocalProtocolError
+from p2pkv.protocol.session import Session
+from p2pkv.protocol.transitions import IMPLEMENTED, TRANSITIONS
 
 __all__ = [
     "BATCH_BYTES",
@@ -111,10 +105,10 @@ __all__ = [
     "CAP_PACKED_V1",
     "CAP_SHM_V1",
     "EXTENSION_CODES",
+    "IMPLEMENTED",
     "NO_PAYLOAD",
     "PROTOCOL_MAJOR",
     "PROTOCOL_MINOR",
-    "SHARING_TRANSITIONS",
     "TRANSITIONS",
     "Abort",
     "AbortAck",
@@ -177,7 +171,6 @@ __all__ = [
     "RequestTimedOut",
     "Role",
     "Session",
-    "SharingSession",
     "ShmOffer",
     "State",
     "Welcome",

@@ -22,8 +22,12 @@ __all__ = [
     "NO_PAYLOAD",
     "AbortAcknowledged",
     "AbortRequested",
+    "AttachAnswered",
+    "AttachRequested",
     "BlockArrived",
     "BlockDiscarded",
+    "BlocksLocated",
+    "BlocksReleased",
     "CreditGranted",
     "DataArrived",
     "ErrorReceived",
@@ -32,6 +36,7 @@ __all__ = [
     "FetchRequested",
     "HandshakeAccepted",
     "HandshakeRefused",
+    "LocatedAbandoned",
     "LookupAnswered",
     "LookupRequested",
     "MessageIgnored",
@@ -197,6 +202,52 @@ class RequestTimedOut(Event):
 
     req: int
     kind: str
+
+
+# shm-v1 (protocol/SPEC.md §16)
+
+
+@dataclass(frozen=True, slots=True)
+class AttachRequested(Event):
+    """Server: the client echoes ``nonce``; check it and answer with
+    :meth:`~p2pkv.protocol.Session.attach_verdict`."""
+
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class AttachAnswered(Event):
+    """Client: the server accepted (``ok``) or refused the shared-memory proof."""
+
+    ok: bool
+    msg: str
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksLocated(DataArrived):
+    """Client: blocks ``idx`` of fetch ``req`` wait in the server's pool at ``slots``;
+    copy them, then :meth:`~p2pkv.protocol.Session.release` them."""
+
+    req: int
+    idx: tuple[int, ...]
+    slots: tuple[int, ...]
+    sums: tuple[int | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksReleased(Event):
+    """Server: the client is done with blocks ``idx`` of fetch ``req``; unpin them."""
+
+    req: int
+    idx: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LocatedAbandoned(Event):
+    """Server: the client aborted fetch ``req`` after its ``done`` (the two crossed): it
+    reads none of its located blocks any more; unpin whatever it still holds."""
+
+    req: int
 
 
 @dataclass(frozen=True, slots=True)

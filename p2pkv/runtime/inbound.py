@@ -1,6 +1,6 @@
 """One peer connected to this node's ROUTER: its session, its fetch jobs, its TCP link.
 
-An :class:`InboundConnection` owns its server :class:`~p2pkv.protocol.SharingSession`
+An :class:`InboundConnection` owns its server :class:`~p2pkv.protocol.Session`
 (the session enforces the handshake: a refused peer is told why, then forgotten), the
 fetch jobs the peer opened, and what identifies its TCP connection. It answers lookups
 from the store and sends the blocks of its jobs through the
@@ -92,7 +92,7 @@ class InboundConnection:
     when unknown.
     """
 
-    def __init__(self, parts: InboundParts, rid: bytes, session: proto.SharingSession,
+    def __init__(self, parts: InboundParts, rid: bytes, session: proto.Session,
                  on_closed: Callable[[InboundConnection], None], *, fd: int = -1,
                  address: tuple[str, int] | None = None) -> None:
         self.rid = rid

@@ -1,7 +1,7 @@
 """One connection this node opened: its DEALER, its session, and everything waiting on it.
 
 An :class:`OutboundConnection` owns its socket (and the socket's monitor), its client
-:class:`~p2pkv.protocol.SharingSession`, the lookups and fetches it carries with their
+:class:`~p2pkv.protocol.Session`, the lookups and fetches it carries with their
 futures and deadlines, and its shared-memory link. What the peer sends enters the
 session through one door (:meth:`~p2pkv.protocol.Session.receive_data`), which also has
 the blocks land (through the :class:`~p2pkv.runtime.receiver.Receiver`, or copied from
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import zmq
 
@@ -48,6 +48,8 @@ from p2pkv.runtime.stats import Count, Counters
 from p2pkv.runtime.tuning import MONITOR_GRACE_MS, READ_BUDGET, READ_BURST_BYTES
 from p2pkv.store import BlockStore
 from p2pkv.transport import handshake_failure, monitor_messages
+
+M = TypeVar("M", proto.Lookup, proto.Fetch)
 
 __all__ = [
     "OutboundConnection",
@@ -115,7 +117,7 @@ class OutboundParts:
     #: A new DEALER connecting to an address, and its socket monitor.
     dial: Callable[[str], tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]
     #: A new client session, started at the given time.
-    new_session: Callable[[float], proto.SharingSession]
+    new_session: Callable[[float], proto.Session]
     hello: proto.Hello
     owner: PeerOwner
     store: BlockStore
@@ -190,8 +192,9 @@ class OutboundConnection:
                            f"{self.session.state.name})")
 
     def lookup(self, keys: tuple[bytes, ...], fut: Future[list[bool]], deadline: float) -> None:
-        self._admit(len(keys), "lookup", deadline)
-        msg = self.session.lookup(keys, time.monotonic())
+        self._admit(len(keys), "lookup")
+        msg = self._opened(lambda: self.session.lookup(keys, time.monotonic()), "lookup",
+                           deadline)
         self._lookups[msg.req] = (fut, deadline)
         self._send([msg])
 
@@ -214,13 +217,14 @@ class OutboundConnection:
             resolve(fut, FetchResult(keys, tuple(o or KeyOutcome.LANDED for o in outcomes),
                                      {}, 0, 0, 0.0))
             return
-        self._admit(len(wanted), "fetch", deadline)
+        self._admit(len(wanted), "fetch")
         # One credit budget per peer, shared by all its fetches: it bounds the data
         # queued towards this node, and so how long a lookup answer can wait behind it.
         window = self._parts.budget.opening_window(self._credit_state(), len(wanted))
         session = self.session
         open_fetch = session.fetch_shared if session.shared_memory else session.fetch
-        msg = open_fetch(tuple(keys[i] for i in wanted), window, now)
+        msg = self._opened(lambda: open_fetch(tuple(keys[i] for i in wanted), window, now),
+                           "fetch", deadline)
         self._fetches[msg.req] = Receiving(msg.req, keys, fut, destinations, now, deadline,
                                            outcomes, wanted, ticket=ticket)
         ticket.peer_id, ticket.req = self.peer_id, msg.req
@@ -250,24 +254,35 @@ class OutboundConnection:
             self._send(self.session.close(proto.Code.SHUTDOWN, "node closing").replies)
         self.close(gone)
 
-    def _admit(self, nkeys: int, what: str, deadline: float) -> None:
-        """Local limits and the caller's deadline, checked before a request is sent, so
-        that the caller gets a typed LocalLimitExceeded or PeerTimeout."""
+    def _admit(self, nkeys: int, what: str) -> None:
+        """The peer's key limit, checked before a request is opened, so that the caller
+        gets a typed LocalLimitExceeded."""
         limit = self.session.key_limit
         if nkeys > limit:
             raise LocalLimitExceeded(
                 f"{what} of {nkeys} keys: {self.address} accepts at most {limit} keys per "
                 "request; split the request", limit="max_keys", allowed=limit,
                 requested=nkeys)
-        in_flight, allowed = self.session.in_flight, self.session.request_limit
-        if in_flight >= allowed:
+
+    def _opened(self, open_request: Callable[[], M], what: str, deadline: float) -> M:
+        """Open a request in the session (which holds the in-flight limit), unless the
+        caller's deadline passed already: then nothing is sent (``timeout=0``)."""
+        try:
+            msg = open_request()
+        except proto.LocalProtocolError as exc:
+            if exc.code != proto.Code.TOO_MANY_IN_FLIGHT:
+                raise
+            in_flight, allowed = self.session.in_flight, self.session.request_limit
             raise LocalLimitExceeded(
                 f"{what}: {in_flight} requests already in flight to {self.address} "
                 f"(limit {allowed}); wait for one to finish",
-                limit="max_inflight_requests", allowed=allowed, requested=in_flight + 1)
-        if time.monotonic() >= deadline:  # timeout=0: nothing is sent
+                limit="max_inflight_requests", allowed=allowed,
+                requested=in_flight + 1) from None
+        if time.monotonic() >= deadline:
+            self.session.withdraw(msg.req)
             raise PeerTimeout(f"{what} on {self.address}: the timeout expired before the "
                               "request could be sent")
+        return msg
 
     # -- deadlines -----------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ class Server:
     """
 
     def __init__(self, reactor: Reactor, parts: InboundParts, *,
-                 new_session: Callable[[float], proto.SharingSession], max_peers: int) -> None:
+                 new_session: Callable[[float], proto.Session], max_peers: int) -> None:
         self._parts = parts
         self._router = parts.router
         self._new_session = new_session

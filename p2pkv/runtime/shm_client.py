@@ -67,7 +67,7 @@ class SharedLink:
 
     # -- attaching -----------------------------------------------------------------------
 
-    def begin(self, session: proto.SharingSession) -> proto.Attach | None:
+    def begin(self, session: proto.Session) -> proto.Attach | None:
         """Right after the handshake: the ``attach`` to send, or None when this
         connection stays on TCP (:attr:`detail` says why)."""
         offer = session.shm_offer

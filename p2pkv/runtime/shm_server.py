@@ -69,7 +69,7 @@ class SharedSender:
 
     # -- the proof -----------------------------------------------------------------------
 
-    def verify(self, rid: bytes, session: proto.SharingSession,
+    def verify(self, rid: bytes, session: proto.Session,
                ev: proto.AttachRequested) -> proto.Attached:
         """The verdict on a peer's ``attach``: its nonce must be the segment's."""
         seg = self._segment
@@ -89,7 +89,7 @@ class SharedSender:
     def can_send(self, rid: bytes) -> bool:
         return sum(len(p) for p in self._pins.get(rid, {}).values()) < self._pin_limit
 
-    def send_job(self, rid: bytes, session: proto.SharingSession, job: Sending) -> bool:
+    def send_job(self, rid: bytes, session: proto.Session, job: Sending) -> bool:
         """Locate what the credit of ``job`` and the pin limit allow. False: the peer is
         unreachable (the caller drops it, which releases its pins)."""
         store = self._store

@@ -21,6 +21,7 @@ __all__ = [
     "TierWaits",
     "kv_transfer_config",
     "tier_error",
+    "tier_node_config",
     "tier_settings",
 ]
 
@@ -97,12 +98,28 @@ def tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], Tier
     return settings, tuple(settings["peer"]), waits
 
 
+def tier_node_config(settings: Any) -> Any:
+    """The node's configuration from validated tier settings; its errors (CURVE key
+    files, for example) named as the tier names its options."""
+    from p2pkv.settings import node_config
+
+    try:
+        return node_config(settings)
+    except ConfigError as exc:
+        raise tier_error(exc) from None
+
+
 def tier_error(exc: ConfigError) -> ConfigError:
-    """``exc`` as the tier says it: every option named by its canonical name (the
-    tier-config key), not by the launcher flag it shares a parser with, and without the
-    origin (always the tier config)."""
-    text = exc.render(lambda name: name, with_origin=False)
-    return ConfigError(f"P2PKVTier: {text}", option=exc.option, named=False)
+    """``exc`` as the tier says it: every option named by its tier-config key (``peers``
+    for the launcher's repeated ``peer``), not by the launcher flag it shares a parser
+    with, and without the origin (always the tier config)."""
+    text = exc.render(_tier_name, with_origin=False)
+    option = None if exc.option is None else _tier_name(exc.option)
+    return ConfigError(f"P2PKVTier: {text}", option=option, named=False)
+
+
+def _tier_name(name: str) -> str:
+    return "peers" if name == "peer" else name
 
 
 def _positive_seconds(params: Mapping[str, Any], name: str, default: float) -> float:

@@ -67,6 +67,7 @@ from p2pkv.integrations.vllm.metrics import (
 from p2pkv.integrations.vllm.options import (
     TIER_DEFAULTS,
     TIER_OPTIONS,
+    tier_node_config,
     tier_settings,
 )
 from p2pkv.integrations.vllm.peers import Peers
@@ -122,8 +123,6 @@ class P2PKVTier(SecondaryTierManager):
                          backpressure_detector=backpressure_detector)
         self.locality = Locality.REMOTE
         settings, peers, waits = tier_settings(params)
-        from p2pkv.settings import node_config
-
         self._declared = {name: settings[name] for name in
                           ("kv_memory_layout", "model_revision", "model_overrides")}
         self.run_config: RunConfig = run_config_from_spec(
@@ -144,7 +143,7 @@ class P2PKVTier(SecondaryTierManager):
                             lookup_timeout=float(settings["lookup_timeout"]),
                             lock=self._lock, count=self._count)
         self._run = TierNode(
-            self.identity, self.run_config, self.layout, node_config(settings),
+            self.identity, self.run_config, self.layout, tier_node_config(settings),
             pool_blocks=int(params.get("pool_blocks") or len(primary_kv_view)),
             peers=self._peers, identity_timeout=self._identity_timeout,
             directory=settings["directory"], directory_options={

@@ -1,0 +1,197 @@
+"""The state of one connection, with no IO: what the rows of
+:data:`~p2pkv.protocol.transitions.TRANSITIONS` read and change.
+
+:class:`Machine` holds it all, set in one place: the role, the greetings, the negotiated
+capabilities, the requests (:class:`~p2pkv.protocol.requests.RequestBook`), the
+``shm-v1`` offer and proof, and the clocks of the handshake and the heartbeat. It also
+has the three moves every rule ends in: accept the handshake, refuse it, or close on a
+violation.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Final
+
+from p2pkv.protocol.codes import CAP_CHECKSUM_XXH3_64, CAP_SHM_V1, MAX_KEYS, Code
+from p2pkv.protocol.events import NOTHING, Event, HandshakeRefused, Output, ProtocolViolated
+from p2pkv.protocol.limits import Deadlines, Limits
+from p2pkv.protocol.messages import Bye, Greeting, Message, Reason, Refuse, ShmOffer
+from p2pkv.protocol.requests import LocalProtocolError, Request, RequestBook
+
+__all__ = ["HANDSHAKE_STATES", "TERMINAL_STATES", "Machine", "Proof", "Role", "State"]
+
+
+class Role(str, Enum):
+    CLIENT = "client"
+    SERVER = "server"
+
+
+class State(Enum):
+    AWAITING_HELLO = "awaiting_hello"
+    AWAITING_WELCOME = "awaiting_welcome"
+    READY = "ready"
+    REFUSED = "refused"
+    CLOSED = "closed"
+    ERROR = "error"
+
+
+HANDSHAKE_STATES: Final = frozenset({State.AWAITING_HELLO, State.AWAITING_WELCOME})
+TERMINAL_STATES: Final = frozenset({State.REFUSED, State.CLOSED, State.ERROR})
+
+class Proof(str, Enum):
+    """How far the shared-memory proof of a connection got (``shm-v1``, §16.3)."""
+
+    NONE = "none"
+    PENDING = "pending"  # client: attach sent; server: attach received, no verdict yet
+    ACCEPTED = "accepted"
+    REFUSED = "refused"
+
+
+class Machine:
+    """Everything one connection's protocol state is: set here, changed by the rows of
+    :data:`TRANSITIONS`, by time (:mod:`~p2pkv.protocol.deadlines`) and by the calls of
+    :class:`~p2pkv.protocol.session.Session`."""
+
+    __slots__ = (
+        "caps",
+        "checksums",
+        "deadlines",
+        "handshake_deadline",
+        "identity_policy",
+        "implements",
+        "last_ping",
+        "last_rx",
+        "limits",
+        "local",
+        "offer",
+        "ping_nonce",
+        "proof",
+        "remote",
+        "requests",
+        "required",
+        "role",
+        "started",
+        "state",
+    )
+
+    def __init__(self, role: Role, local: Greeting, deadlines: Deadlines, limits: Limits,
+                 required: frozenset[str], identity_policy: str, implements: frozenset[str],
+                 offer: ShmOffer | None, now: float) -> None:
+        self.role = role
+        self.local = local
+        self.deadlines = deadlines
+        self.limits = limits
+        self.required = required
+        self.identity_policy = identity_policy
+        self.implements = implements
+        self.state = State.AWAITING_WELCOME if role is Role.CLIENT else State.AWAITING_HELLO
+        self.started = False
+        self.handshake_deadline = now + deadlines.handshake
+        self.last_rx = now
+        self.last_ping = now
+        self.ping_nonce = 0
+        self.remote: Greeting | None = None
+        self.caps: frozenset[str] = frozenset()  # negotiated
+        self.checksums = False
+        self.requests = RequestBook()
+        # shm-v1: the server's segment (our own as server; the welcome's as client) and
+        # the proof's progress.
+        self.offer = offer if role is Role.SERVER else None
+        self.proof = Proof.NONE
+
+    @property
+    def peer_role(self) -> str:
+        return "server" if self.role is Role.CLIENT else "client"
+
+    @property
+    def shared_memory(self) -> bool:
+        """The server accepted the client's proof: fetches may use the segment."""
+        return self.proof is Proof.ACCEPTED
+
+    def peer_max_keys(self) -> int:
+        limit = MAX_KEYS
+        remote = self.remote
+        if remote is not None and remote.limits is not None and remote.limits.max_keys:
+            limit = min(limit, remote.limits.max_keys)
+        return limit
+
+    def request_limit(self) -> int:
+        limit = self.limits.max_in_flight
+        remote = self.remote
+        if remote is not None and remote.limits is not None and remote.limits.in_flight:
+            limit = min(limit, remote.limits.in_flight)
+        return limit
+
+    def fail_all(self, code: int, msg: str) -> list[Event]:
+        return list(self.requests.fail_all(code, msg))
+
+    def violate(self, code: int, msg: str) -> Output:
+        """The peer broke the protocol: tell it why, fail everything, move to ERROR."""
+        state = self.state
+        if state in (State.CLOSED, State.ERROR):
+            return NOTHING
+        events = self.fail_all(code, msg)
+        events.append(ProtocolViolated(code, msg))
+        reply: Message = (self._refusal(code, msg, ()) if state in HANDSHAKE_STATES
+                          else Bye(code, msg))
+        self.state = State.ERROR
+        return Output(events=tuple(events), replies=(reply,))
+
+    def refuse(self, reasons: tuple[Reason, ...], msg: str, remote: Greeting | None) -> Output:
+        code = int(reasons[0].code) if reasons else int(Code.UNEXPECTED)
+        self.state = State.REFUSED
+        return Output(events=(HandshakeRefused(reasons, False, code, msg, remote),),
+                      replies=(self._refusal(code, msg, reasons),))
+
+    def _refusal(self, code: int, msg: str, reasons: tuple[Reason, ...]) -> Refuse:
+        local = self.local
+        return Refuse(code, msg, reasons, local.node, local.rc, local.fp, local.geo,
+                      local.khash, local.ext)
+
+    def accept(self, remote: Greeting, caps: frozenset[str]) -> None:
+        self.remote = remote
+        self.caps = caps
+        self.checksums = CAP_CHECKSUM_XXH3_64 in caps
+        self.state = State.READY
+        if CAP_SHM_V1 not in caps:
+            self.offer = None  # a segment is offered only when shm-v1 was negotiated
+
+    def late_or_unknown(self, req: int, tag: str) -> Output:
+        if self.requests.finished(req):
+            return NOTHING
+        return self.violate(Code.UNKNOWN_REQUEST, f"{tag} for unknown request {req}")
+
+    # -- the checks of the node's own calls (LocalProtocolError when not allowed)
+
+    def check_role(self, role: Role, what: str) -> None:
+        """A local call allowed to ``role`` only, and only once READY."""
+        if self.role is not role:
+            raise LocalProtocolError(Code.UNEXPECTED, f"{what}: only the {role.value} sends it")
+        if self.state is not State.READY:
+            raise LocalProtocolError(
+                Code.UNEXPECTED, f"{what}: the connection is {self.state.value}, not ready")
+
+    def open(self, kind: str, keys: tuple[bytes, ...], deadline: float, granted: int) -> int:
+        if self.role is not Role.CLIENT:
+            raise LocalProtocolError(Code.UNEXPECTED, f"{kind}: only the client sends requests")
+        self.check_role(Role.CLIENT, kind)
+        return self.requests.open(kind, keys, deadline, granted, self.request_limit())
+
+    def own(self, req: int, what: str) -> Request:
+        self.check_role(Role.CLIENT, what)
+        r = self.requests.get(req)
+        if r is None:
+            raise LocalProtocolError(Code.UNKNOWN_REQUEST, f"{what}: no open request {req}")
+        return r
+
+    def served(self, req: int, kind: str | None, what: str) -> Request:
+        self.check_role(Role.SERVER, what)
+        r = self.requests.get(req)
+        if r is None:
+            raise LocalProtocolError(Code.UNKNOWN_REQUEST, f"{what}: no open request {req}")
+        if kind is not None and r.kind != kind:
+            raise LocalProtocolError(
+                Code.UNEXPECTED, f"{what}: request {req} is a {r.kind}, not a {kind}"
+            )
+        return r
