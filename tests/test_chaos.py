@@ -68,8 +68,9 @@ def test_a_short_chaos_run_shows_no_corruption_no_missed_deadline_no_leak(
     assert sum(f["chunks_flipped"] for f in faults if f["kind"] == "proxy_flip") > 0
     assert all(f["exit"] == 0 for f in faults if f["kind"] == "drain")
     assert all(f["promoted"] for f in faults if f["kind"] == "redis_master")
-    # The link was down for every partition (the kernel said so).
-    assert all(f["link_down"] for f in faults if f["kind"] == "partition")
+    # The link was down for every partition (the kernel said so) and not a byte crossed.
+    assert all(f["link_down"] and f["bytes_crossed"] == 0
+               for f in faults if f["kind"] == "partition")
 
 
 def test_where_namespaces_cannot_be_made_the_partition_is_skipped_with_its_reason(

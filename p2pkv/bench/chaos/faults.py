@@ -122,11 +122,11 @@ class Injector:
     def _partition(self, hold: float) -> tuple[str, dict[str, object]]:
         if self.link is None:
             raise ValueError("no network-namespace link: the partition cannot be injected")
-        before = self.proxy.relayed
         down = self.link.cut()
         try:
+            before = self.link.received()
             time.sleep(hold)
-            during = self.proxy.relayed - before
+            crossed = self.link.received() - before
         finally:
             self.link.heal()
-        return f"netns:{self.link.a}", {"link_down": down, "bytes_from_holder": during}
+        return f"netns:{self.link.a}", {"link_down": down, "bytes_crossed": crossed}

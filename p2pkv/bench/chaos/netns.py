@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import socket
@@ -157,6 +158,11 @@ class NetnsLink:
         _ip("-n", self.a, "link", "set", self.veth_a, "down")
         shown = _ip("-n", self.a, "-o", "link", "show", "dev", self.veth_a).stdout
         return "state DOWN" in shown
+
+    def received(self) -> int:
+        """Bytes that reached the consumers' end of the link so far (kernel counter)."""
+        shown = _ip("-j", "-s", "-n", self.b, "link", "show", "dev", self.veth_b).stdout
+        return int(json.loads(shown)[0]["stats64"]["rx"]["bytes"])
 
     def heal(self) -> None:
         _ip("-n", self.a, "link", "set", self.veth_a, "up")

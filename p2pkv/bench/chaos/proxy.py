@@ -40,8 +40,6 @@ class FaultProxy:
         self.upstream = upstream
         self.mode = "pass"
         self.flipped = 0
-        #: Bytes relayed from the holder so far.
-        self.relayed = 0
         self.rate: float | None = None
         #: Per direction (False: to the holder, True: from it), when the link is free.
         self._free_at = {False: 0.0, True: 0.0}
@@ -145,8 +143,6 @@ class FaultProxy:
                     buf[i] ^= 1 << self._rng.randrange(8)
                     data = bytes(buf)
                     self.flipped += 1
-                if from_holder:
-                    self.relayed += len(data)
                 self._send_all(dst, data)
         except OSError:
             pass
