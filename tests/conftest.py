@@ -44,3 +44,18 @@ def nodes() -> Iterator[Any]:
     yield build
     for node in built:
         node.close(timeout=1.0)
+
+
+@pytest.fixture
+def made() -> Iterator[list[Any]]:
+    """Whatever a test appends (nodes, proxies, raw peers) is closed at teardown, last
+    first."""
+    from p2pkv.node import Node
+
+    things: list[Any] = []
+    yield things
+    for thing in reversed(things):
+        if isinstance(thing, Node):
+            thing.close(timeout=1.0)
+        else:
+            thing.close()

@@ -64,6 +64,19 @@ def make_node(spec: dict[str, Any], **config: Any) -> Node:
                 extension=ext)
 
 
+def pooled_node(spec: dict[str, Any], **config: Any) -> Node:
+    """:func:`make_node` with a 64-block pool unless the spec names one."""
+    return make_node({**spec, "pool": spec.get("pool", 64)}, **config)
+
+
+def fill(n: Node, count: int, offset: int = 0) -> list[bytes]:
+    """Put ``count`` blocks of known content into ``n``; their keys."""
+    keys = keys_for(count, offset)
+    for k in keys:
+        n.put(k, content(k, n.layout.bytes_per_block))
+    return keys
+
+
 def keys_for(count: int, offset: int = 0) -> list[bytes]:
     rng = np.random.default_rng(99)
     tokens = rng.integers(0, 50000, size=(count + offset) * 16).tolist()

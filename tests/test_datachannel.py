@@ -21,13 +21,13 @@ import signal
 import socket
 import struct
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
-from nodeproc import content, keys_for, make_node
+from nodeproc import content, fill, keys_for
+from nodeproc import pooled_node as node
 from procs import NodeProcess
 from rawpeer import FakeServer, RawPeer, ThrottlingProxy, wait_until
 
@@ -47,28 +47,6 @@ LAYOUTS = [
 ]
 SEED_V2 = LAYOUTS[0]
 HEARTBEAT = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}
-
-
-def node(spec: dict[str, Any], **config: Any) -> Node:
-    return make_node({**spec, "pool": spec.get("pool", 64)}, **config)
-
-
-def fill(n: Node, count: int, offset: int = 0) -> list[bytes]:
-    keys = keys_for(count, offset)
-    for k in keys:
-        n.put(k, content(k, n.layout.bytes_per_block))
-    return keys
-
-
-@pytest.fixture
-def made() -> Iterator[list[Any]]:
-    things: list[Any] = []
-    yield things
-    for thing in reversed(things):
-        if isinstance(thing, Node):
-            thing.close(timeout=1.0)
-        else:
-            thing.close()
 
 
 def open_stream(port: int, token: bytes | None, *, raw: bytes | None = None) -> socket.socket:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -63,17 +62,6 @@ class RecordingProxy(CorruptingProxy):
             if isinstance(head, dict) and head.get("t") == "block":
                 self.packed_flags.append(bool(head.get("pk")))
         return super()._to_client(frames)
-
-
-@pytest.fixture
-def made() -> Iterator[list[Any]]:
-    things: list[Any] = []
-    yield things
-    for thing in reversed(things):
-        if isinstance(thing, Node):
-            thing.close(timeout=1.0)
-        else:
-            thing.close()
 
 
 def _node(made: list[Any], spec: dict[str, Any], blocks: int, **config: Any) -> Node:

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 from netns_helper import NetnsPair, NsProcess, Unavailable
-from nodeproc import content, keys_for, make_node
+from nodeproc import content, fill, keys_for
+from nodeproc import pooled_node as node
 from procs import NodeProcess
 from rawpeer import RawPeer, wait_until
 
@@ -44,17 +45,6 @@ LAYOUTS = [
     {"layout": "replicated", "geometry": "mla-small"},
     {"layout": "v2", "geometry": "small"},
 ]
-
-
-def node(spec: dict[str, Any], **config: Any) -> Node:
-    return make_node({**spec, "pool": spec.get("pool", 64)}, **config)
-
-
-def fill(n: Node, count: int, offset: int = 0) -> list[bytes]:
-    keys = keys_for(count, offset)
-    for k in keys:
-        n.put(k, content(k, n.layout.bytes_per_block))
-    return keys
 
 
 def segment_path(n: Node) -> Path:
