@@ -164,9 +164,11 @@ def watch(spec: dict[str, Any], address: str) -> int:
         future = node.fetch_async(peer, keys[first:], timeout=timeout)
         target = first + spec.get("flowing", 8)
         deadline = time.monotonic() + 60
-        while (node.store.stats().used < target and not future.done()
+        # Flowing means landed and visible: a slot taken for a block still on its way
+        # (a data-stream message reserves its slots before its bytes arrive) is not.
+        while (sum(node.lookup_local(keys)) < target and not future.done()
                and time.monotonic() < deadline):
-            time.sleep(0.001)
+            time.sleep(0.005)
         say({"event": "flowing", "done": future.done(), "used": node.store.stats().used,
              "data_path": peer.data_path})
         try:
