@@ -10,7 +10,9 @@ stdin line: ``{"cmd": "generate", "prompts": [[ids]], "max_tokens": n}`` →
 ``{"tokens": [[ids]], "cached": [n], "seconds": [s]}``; with ``--chat`` (a real model
 with its tokenizer) ``{"cmd": "chat", "conversations": [[{"role": ..., "content": ...}]],
 "max_tokens": n}`` → ``{"texts": [text], "cached": [n], "prompt_tokens": [n],
-"seconds": [s]}`` (chat template, greedy); ``{"cmd": "metrics"}`` →
+"seconds": [s]}`` (chat template, greedy; with ``--lora`` a chat command may add
+``"lora": {"name": ..., "id": n, "path": ...}`` to answer under that adapter);
+``{"cmd": "metrics"}`` →
 ``{"metrics": {name: value}}``; ``{"cmd": "exit"}`` ends it. Engine logs go to stderr.
 """
 
@@ -43,6 +45,8 @@ def main() -> int:
                     help="load the model's tokenizer and answer chat commands with text")
     ap.add_argument("--hf-overrides", default=None, help="vLLM hf_overrides as JSON")
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--lora", action="store_true",
+                    help="enable LoRA (one adapter at a time, rank up to 8)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -50,6 +54,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     kwargs: dict[str, Any] = {}
     if args.p2pkv is not None:
@@ -60,6 +65,8 @@ def main() -> int:
             block_size=args.offload_block_size))
     if args.hf_overrides is not None:
         kwargs["hf_overrides"] = json.loads(args.hf_overrides)
+    if args.lora:
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=8)
     started = time.monotonic()
     llm = LLM(model=args.model_dir, skip_tokenizer_init=not args.chat, dtype="float32",
               block_size=args.block_size, max_model_len=args.max_model_len,
@@ -85,9 +92,13 @@ def main() -> int:
         elif cmd["cmd"] == "chat":
             params = SamplingParams(max_tokens=cmd.get("max_tokens", 16), temperature=0.0)
             texts, cached, prompt_tokens, seconds = [], [], [], []
+            lora = cmd.get("lora")
+            request = (LoRARequest(lora["name"], int(lora["id"]), lora["path"])
+                       if lora else None)
             for conversation in cmd["conversations"]:
                 t0 = time.monotonic()
-                out = llm.chat([conversation], params, use_tqdm=False)[0]
+                out = llm.chat([conversation], params, use_tqdm=False,
+                               lora_request=request)[0]
                 seconds.append(time.monotonic() - t0)
                 texts.append(out.outputs[0].text)
                 cached.append(out.num_cached_tokens or 0)

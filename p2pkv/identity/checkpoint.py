@@ -46,7 +46,9 @@ __all__ = [
     "checkpoint_identity",
     "config_digest",
     "digest_cache_path",
+    "file_digests",
     "hub_snapshot_revision",
+    "modeling_code_digest",
     "readable_weight_files",
     "weight_files",
     "weights_digest",
@@ -267,6 +269,66 @@ def hub_snapshot_revision(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
+def file_digests(files: Iterable[tuple[Path, os.stat_result]], *, cache: Path,
+                 threads: int | None = None) -> list[tuple[str, str]]:
+    """The SHA-256 of each file and where it came from (``hf-blob``, ``cache`` or
+    ``hashed``), in order: a Hugging Face blob name first, then the digest cache (by
+    real path, size, mtime, ctime, inode and device), else the bytes, read in parallel
+    threads. Digests computed here are added to the cache unless the file changed while
+    it was read. Raises :class:`CheckpointError` for a file that cannot be read."""
+    items = list(files)
+    cached = _load_cache(cache)
+    out: list[tuple[str, str] | None] = []
+    todo: list[tuple[int, Path, str]] = []
+    for i, (file, st) in enumerate(items):
+        blob = _hf_blob_sha256(file)
+        key = _cache_key(file, st)
+        if blob is not None:
+            out.append((blob, "hf-blob"))
+        elif key in cached:
+            out.append((cached[key], "cache"))
+        else:
+            out.append(None)
+            todo.append((i, file, key))
+    if todo:
+        workers = max(1, min(len(todo), threads or min(8, os.cpu_count() or 1)))
+        with concurrent.futures.ThreadPoolExecutor(workers, "p2pkv-hash") as pool:
+            hashed = list(pool.map(lambda item: _sha256_file(item[1]), todo))
+        fresh = {}
+        for (i, file, key), sha in zip(todo, hashed, strict=True):
+            out[i] = (sha, "hashed")
+            # A file that changed while it was read is not cached under its old stat.
+            with contextlib.suppress(OSError):
+                if _cache_key(file, file.stat()) == key:
+                    fresh[key] = sha
+        _store_cache(cache, fresh)
+    return [d for d in out if d is not None]
+
+
+def modeling_code_digest(path: str | os.PathLike[str], *,
+                         cache: Path | None = None) -> str | None:
+    """16 hex of the manifest of the checkpoint's Python files (name, size, SHA-256),
+    which define the model when the engine runs with ``trust_remote_code``; None when
+    the checkpoint has none. Raises :class:`CheckpointError` for an unreadable one."""
+    root = Path(path)
+    if not root.is_dir():
+        return None
+    try:
+        files = sorted(p for p in root.rglob("*.py")
+                       if p.is_file() and not any(part.startswith(".")
+                                                  for part in p.relative_to(root).parts))
+    except OSError as exc:
+        raise CheckpointError(f"cannot list the modeling code in {str(root)!r}: {exc}"
+                              ) from None
+    if not files:
+        return None
+    stats = _check_readable(files)
+    digests = file_digests(stats, cache=digest_cache_path() if cache is None else cache)
+    manifest = [{"name": str(file.relative_to(root)), "sha256": sha, "size": st.st_size}
+                for (file, st), (sha, _) in zip(stats, digests, strict=True)]
+    return _short(canonical_json({"code": sorted(manifest, key=lambda e: str(e["name"]))}))
+
+
 def checkpoint_identity(path: str | os.PathLike[str], *, cache: Path | None = None,
                         threads: int | None = None) -> CheckpointIdentity:
     """Hash a checkpoint's weight files and read its config (blocking; see the module
@@ -275,31 +337,8 @@ def checkpoint_identity(path: str | os.PathLike[str], *, cache: Path | None = No
     root = Path(path)
     files = readable_weight_files(root)
     cache_path = digest_cache_path() if cache is None else cache
-    cached = _load_cache(cache_path)
-    digests: dict[Path, tuple[str, str]] = {}
-    todo: list[tuple[Path, str]] = []
-    for file, st in files:
-        blob = _hf_blob_sha256(file)
-        key = _cache_key(file, st)
-        if blob is not None:
-            digests[file] = (blob, "hf-blob")
-        elif key in cached:
-            digests[file] = (cached[key], "cache")
-        else:
-            todo.append((file, key))
-    if todo:
-        workers = max(1, min(len(todo), threads or min(8, os.cpu_count() or 1)))
-        with concurrent.futures.ThreadPoolExecutor(workers, "p2pkv-hash") as pool:
-            hashed = list(pool.map(lambda item: _sha256_file(item[0]), todo))
-        for (file, _), sha in zip(todo, hashed, strict=True):
-            digests[file] = (sha, "hashed")
-        # A file that changed while it was read is not cached under its old stat.
-        fresh = {}
-        for (file, key), sha in zip(todo, hashed, strict=True):
-            with contextlib.suppress(OSError):
-                if _cache_key(file, file.stat()) == key:
-                    fresh[key] = sha
-        _store_cache(cache_path, fresh)
+    digests = dict(zip((f for f, _ in files),
+                       file_digests(files, cache=cache_path, threads=threads), strict=True))
     base = root if root.is_dir() else root.parent
     entries = tuple(
         FileDigest(name=str(file.relative_to(base)), size=st.st_size,

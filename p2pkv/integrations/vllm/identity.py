@@ -56,6 +56,7 @@ from p2pkv.identity.checkpoint import (
     CheckpointIdentity,
     checkpoint_identity,
     hub_snapshot_revision,
+    modeling_code_digest,
     readable_weight_files,
 )
 
@@ -207,6 +208,9 @@ class EngineIdentity:
     #: ``model_weights`` when no checkpoint is read (``load_format="dummy"``).
     fixed_weights: str | None = None
     sources: dict[str, str] = field(default_factory=dict)
+    #: True when the engine serves LoRA adapters (``VllmConfig.lora_config`` is set):
+    #: requests are then shared by their adapter's content (adapters.py).
+    lora_enabled: bool = False
 
 
 def _plain(value: Any) -> Any:
@@ -231,6 +235,39 @@ def _overrides_of(model_config: Any) -> dict[str, Any]:
     quantization = model_config.quantization
     return {"hf_overrides": hf,
             "quantization": None if quantization is None else str(quantization)}
+
+
+#: RoPE types whose values depend on the run, not only on ``config.json`` (vLLM 0.32:
+#: Phi-3's long RoPE takes its long factors when ``max_model_len`` exceeds
+#: ``original_max_position_embeddings``). Dynamic NTK (``dynamic``) is not among them:
+#: vLLM caches it for ``max_position_embeddings`` times its factor, both in config.json.
+RUN_DEPENDENT_ROPE = ("longrope", "su")
+
+
+def _rope_of_run(model_config: Any) -> dict[str, Any] | None:
+    """What a run-dependent RoPE (:data:`RUN_DEPENDENT_ROPE`) takes from this run: the
+    factors it chose (long or short), else ``max_model_len`` itself; None for every
+    other RoPE, whose values ``config.json`` and ``hf_overrides`` already identify."""
+    hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config",
+                                                                  None)
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None)
+    if not isinstance(params, Mapping):
+        return None
+    # transformers 5 keeps one entry per attention type in some models.
+    candidates = ([v for v in params.values() if isinstance(v, Mapping)]
+                  if params and all(isinstance(v, Mapping) for v in params.values())
+                  else [params])
+    max_len = getattr(model_config, "max_model_len", None)
+    for entry in candidates:
+        kind = entry.get("rope_type") or entry.get("type")
+        if kind not in RUN_DEPENDENT_ROPE:
+            continue
+        original = (entry.get("original_max_position_embeddings")
+                    or getattr(hf, "original_max_position_embeddings", None))
+        if isinstance(original, int) and isinstance(max_len, int):
+            return {"rope_type": kind, "long_factors": max_len > original}
+        return {"rope_type": kind, "max_model_len": max_len}
+    return None
 
 
 def _checkpoint_path(model_config: Any, load_config: Any) -> str:
@@ -325,9 +362,29 @@ def derive_engine_identity(spec: Any, vllm_config: Any | None,
     if want is not None and revision is None:
         revision = want
         sources["model_revision"] = "declared in the tier config"
+    # What decides the K/V values beyond the weights, config.json and the declared
+    # overrides: the modeling code the engine runs under trust_remote_code, and what a
+    # run-dependent RoPE takes from this run. Absent (old digests unchanged) otherwise.
+    run: dict[str, Any] = {}
+    if getattr(model_config, "trust_remote_code", False) and path is not None:
+        try:
+            code = modeling_code_digest(path)
+        except CheckpointError as exc:
+            raise ConfigError(f"P2PKVTier: trust_remote_code is on and {exc}") from None
+        if code is not None:
+            run["remote_code"] = code
+    if (rope := _rope_of_run(model_config)) is not None:
+        run["run_rope"] = rope
+    if run:
+        overrides = {**overrides, **run}
+        canonical = canonical_model_overrides(overrides)
+        digest = model_overrides_digest(overrides)
+        sources["model_overrides"] = (f"ModelConfig.hf_overrides and .quantization, the "
+                                      f"modeling code and run-dependent RoPE: {canonical}")
     return EngineIdentity(kv_memory_layout=layout, model_revision=revision,
                           model_overrides=digest, overrides_canonical=canonical,
-                          checkpoint_path=path, fixed_weights=fixed, sources=sources)
+                          checkpoint_path=path, fixed_weights=fixed, sources=sources,
+                          lora_enabled=getattr(vllm_config, "lora_config", None) is not None)
 
 
 def extension_for(engine: EngineIdentity, checkpoint: CheckpointIdentity | None,
@@ -357,6 +414,7 @@ class TierIdentity:
             self.engine = derive_engine_identity(spec, find_vllm_config(), declared)
         except CheckpointError as exc:
             raise ConfigError(f"P2PKVTier: {exc}") from None
+        self.lora_enabled = self.engine.lora_enabled
         self._checkpoint: Future[CheckpointIdentity | None] = Future()
         self._key_hash: VLLMKeyHash | None = None
         threading.Thread(target=self._derive, args=(self.engine.checkpoint_path,),

@@ -41,6 +41,7 @@ class Metrics:
     LOAD_SKIPPED = "vllm:p2pkv_load_skipped_blocks"
     PEER_BANDWIDTH = "vllm:p2pkv_peer_bandwidth_bytes_per_second"
     PREFILL_RATE = "vllm:p2pkv_prefill_tokens_per_second"
+    ADAPTER_UNSHARED = "vllm:p2pkv_adapter_unshared_blocks"
 
 
 def load_failure_reason(cause: KeyOutcome | BaseException) -> str:
@@ -106,4 +107,10 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             "The load policy's prefill-rate estimate of this engine (tokens/s), by the "
             "prompt-length band it was measured on (lower bound, in tokens).",
             labelnames=("tokens",)),
+        Metrics.ADAPTER_UNSHARED: OffloadingCounterMetadata(
+            "Chunks of requests under a LoRA adapter that were not shared, by reason: "
+            "adapter_mismatch (a peer holds the prompt under an adapter of the same name "
+            "and path with other content: looked up, recomputed here), adapter_unknown "
+            "(the tier did not see the request's adapter), adapter_unreadable (its files "
+            "cannot be hashed).", labelnames=("reason",)),
     }

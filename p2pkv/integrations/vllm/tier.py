@@ -58,6 +58,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from p2pkv.cluster import PrefixFetch
 from p2pkv.errors import P2PKVError, PeerGone
 from p2pkv.identity import RunConfig
+from p2pkv.integrations.vllm.adapters import RequestAdapter, RequestAdapters
 from p2pkv.integrations.vllm.identity import TierIdentity, run_config_from_spec
 from p2pkv.integrations.vllm.loads import DIRECTORY, TierLoads
 from p2pkv.integrations.vllm.metrics import (
@@ -87,8 +88,11 @@ __all__ = ["TIER_DEFAULTS", "TIER_OPTIONS", "Metrics", "P2PKVTier"]
 @dataclass
 class _LoadJob:
     job_id: int
-    keys: list[OffloadKey]
+    #: The keys fetched (salted for a request under an adapter, see adapters.py) ...
+    keys: list[bytes]
     pending: int
+    #: ... and vLLM's own key of each, which the job's result names.
+    engine_keys: list[OffloadKey] = field(default_factory=list)
     landed: set[bytes] = field(default_factory=set)
     #: Failed chunks by ``vllm:p2pkv_load_failures`` reason (see load_failure_reason).
     failures: dict[str, int] = field(default_factory=dict)
@@ -119,9 +123,10 @@ class _LoadJob:
         return self.pending <= 0
 
     def report(self, row: int) -> tuple[JobResult, list[OffloadKey]]:
-        """The job's result for vLLM, and the keys that did not land."""
-        ok = [k for k in self.keys if k in self.landed]
-        failed = [k for k in self.keys if k not in self.landed]
+        """The job's result for vLLM, and the keys (vLLM's) that did not land."""
+        engine = self.engine_keys or self.keys
+        ok = [e for e, k in zip(engine, self.keys, strict=True) if k in self.landed]
+        failed = [e for e, k in zip(engine, self.keys, strict=True) if k not in self.landed]
         return JobResult(job_id=self.job_id, success=not failed,
                          successful_keys=tuple(ok) if failed else None,
                          transfer_time=time.perf_counter() - self.started,
@@ -134,7 +139,7 @@ class _PeerLookup(AsyncLookupManager):
         self._tier = tier
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        return self._tier._ask_peers(keys, req_context.req_id)
+        return self._tier._ask_peers(keys, req_context)
 
 
 class P2PKVTier(SecondaryTierManager):
@@ -198,6 +203,13 @@ class P2PKVTier(SecondaryTierManager):
         self._stores = concurrent.futures.ThreadPoolExecutor(1, "p2pkv-vllm-store")
         self._stats = OffloadingConnectorStats()
         self._inbound_refusals: dict[str, int] = {}
+        # Requests under a LoRA adapter are shared under keys salted with the adapter's
+        # content digest (adapters.py); the request's first chunk is also kept under its
+        # name-and-path key, so that a consumer can tell a rolling update from a miss.
+        self._adapters = RequestAdapters(
+            lora_enabled=self.identity.lora_enabled,
+            count=lambda reason, n: self._counted(Metrics.ADAPTER_UNSHARED, n, (reason,)))
+        self._first_chunk_tokens = _first_chunk_tokens(offloading_spec)
         log.info("p2pkv tier: fingerprint %s, %d-byte chunks, peers %s; identity derived "
                  "so far: %s", self.run_config.fingerprint, self.block_size_bytes,
                  list(peers) or "none", self.identity.describe())
@@ -223,32 +235,54 @@ class P2PKVTier(SecondaryTierManager):
         """Increment one of this tier's metrics (the caller holds the lock)."""
         self._stats.increase_counter(name, n, labels)
 
-    def _ask_peers(self, keys: list[OffloadKey], req_id: str) -> list[bool]:
-        """Runs on the lookup thread (see :meth:`Peers.ask`); the load policy then keeps
-        only the hits worth loading (see :class:`TierLoads`)."""
+    def _counted(self, name: str, n: int, labels: tuple[str, ...]) -> None:
+        with self._lock:
+            self._count(name, n, labels)
+
+    def _ask_peers(self, keys: list[OffloadKey], req_context: ReqContext) -> list[bool]:
+        """Runs on the lookup thread (see :meth:`Peers.ask`), with the keys the request's
+        adapter shares them under; the load policy then keeps only the hits worth
+        loading (see :class:`TierLoads`)."""
         node = self._run.node
         if node is None or not keys:
             return [False] * len(keys)
+        shared = self._adapters.keys(req_context.req_id, keys)
+        if shared.keys is None:
+            self._adapters.count(str(shared.reason), len(keys))
+            return [False] * len(keys)
+        found, holders = self._ask(node, shared.keys)
+        if shared.name_keys and not found[0] and self._is_first(keys[0], req_context) \
+                and self._ask(node, shared.name_keys[:1])[0][0]:
+            self._adapters.mismatch(str(shared.adapter), len(keys))
+        return self._policy.advise(req_context.req_id, keys, found, holders)
+
+    def _ask(self, node: Node, keys: list[bytes]) -> tuple[list[bool], list[str | None]]:
+        """Which of ``keys`` a peer (or the directory) holds, and who."""
         if self._run.directory is not None:
             found = self._run.directory.ask(keys)
             with self._lock:
                 self._count(Metrics.LOOKUP_KEYS, len(keys), ())
                 self._count(Metrics.LOOKUP_HITS, sum(found), ())
-            holders: list[str | None] = [DIRECTORY] * len(keys)
-        else:
-            found = self._peers.ask(node, keys)
-            holders = self._peers.route(keys)[1]
-        return self._policy.advise(req_id, keys, found, holders)
+            return list(found), [DIRECTORY] * len(keys)
+        return list(self._peers.ask(node, keys)), list(self._peers.route(keys)[1])
+
+    def _is_first(self, key: OffloadKey, req_context: ReqContext) -> bool:
+        """True for the offload key of a request's first chunk (of its group)."""
+        position = req_context.get_offload_key_position(key)
+        return position is not None and position <= self._first_chunk_tokens
 
     # ------------------------------------------------------------------ SecondaryTierManager
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self._ensure_node()
+        self._adapters.begin(req_context.req_id)
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if self._ensure_node() is None:
             return LookupResult.MISS
+        if self._adapters.pending(req_context.req_id):
+            return LookupResult.RETRY  # its adapter's digest is being computed
         found = self._lookup.lookup(key, req_context)
         if found is None:
             return LookupResult.RETRY
@@ -256,11 +290,14 @@ class P2PKVTier(SecondaryTierManager):
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         node = self._ensure_node()
-        keys, chunk_ids = _job_chunks(job_metadata, "load")
-        by_peer: dict[str, list[tuple[OffloadKey, int]]] = {}
-        job = _LoadJob(job_metadata.job_id, keys, pending=0)
-        if node is None:
-            job.failures[TIER_DISABLED] = len(keys)
+        engine_keys, chunk_ids = _job_chunks(job_metadata, "load")
+        shared = self._adapters.keys(job_metadata.req_context.req_id, engine_keys)
+        keys = shared.keys if shared.keys is not None else list(engine_keys)
+        by_peer: dict[str, list[tuple[bytes, int]]] = {}
+        job = _LoadJob(job_metadata.job_id, keys, pending=0, engine_keys=engine_keys)
+        if node is None or shared.keys is None:
+            reason = TIER_DISABLED if node is None else str(shared.reason)
+            job.failures[reason] = len(keys)
             self._load_done(job, 0, None, None)
             return
         if self._run.directory is not None:
@@ -365,7 +402,10 @@ class P2PKVTier(SecondaryTierManager):
                                                  transfer_bytes=0), []))
             return
         self._policy.stored(job_metadata.req_context.req_id, keys)
-        fut = self._stores.submit(self._store, node, job_metadata.job_id, keys, chunk_ids)
+        # The request may finish before the store thread gets to it: its adapter is
+        # taken now.
+        adapter = self._adapters.state(job_metadata.req_context.req_id)
+        fut = self._stores.submit(self._store, node, job_metadata, adapter, keys, chunk_ids)
         with self._lock:
             self._outstanding.add(fut)
         fut.add_done_callback(self._forget)
@@ -374,10 +414,12 @@ class P2PKVTier(SecondaryTierManager):
         with self._lock:
             self._outstanding.discard(fut)
 
-    def _store(self, node: Node | None, job_id: int, keys: list[OffloadKey],
-               chunk_ids: list[int]) -> None:
-        """Store thread: copy the chunks out of the primary region into the pool (first
-        waiting, bounded, for the identity when the node has not started yet)."""
+    def _store(self, node: Node | None, job: TransferJob, adapter: RequestAdapter,
+               engine_keys: list[OffloadKey], chunk_ids: list[int]) -> None:
+        """Store thread: copy the chunks out of the primary region into the pool, under
+        the keys their adapter shares them under (first waiting, bounded, for the
+        identity when the node has not started yet, and for the adapter's digest)."""
+        job_id = job.job_id
         started = time.perf_counter()
         row = self.block_size_bytes
         stored = 0
@@ -394,10 +436,18 @@ class P2PKVTier(SecondaryTierManager):
                 self._finished.append((JobResult(job_id=job_id, success=False,
                                                  transfer_bytes=0), []))
             return
-        for key, cid in zip(keys, chunk_ids, strict=True):
+        shared = self._adapters.shared(adapter, engine_keys, wait=self._identity_timeout,
+                                       req_id=job.req_context.req_id)
+        keys = shared.keys if shared.keys is not None else []
+        if shared.keys is None:  # kept from peers: its adapter is not known
+            self._adapters.count(str(shared.reason), len(engine_keys))
+        for i, (key, cid) in enumerate(zip(keys, chunk_ids, strict=False)):
+            chunk = self._rows[cid * row:(cid + 1) * row]
             try:
-                if node.put(key, self._rows[cid * row:(cid + 1) * row]):
+                if node.put(key, chunk):
                     stored += 1
+                if shared.name_keys and self._is_first(engine_keys[i], job.req_context):
+                    node.put(shared.name_keys[i], chunk)
             except (P2PKVError, ValueError) as exc:
                 failed += 1
                 log.warning("p2pkv tier: cannot keep chunk %s: %s", key.hex()[:16], exc)
@@ -427,6 +477,7 @@ class P2PKVTier(SecondaryTierManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookup.cleanup(req_context.req_id)
         self._policy.finished(req_context.req_id)
+        self._adapters.finished(req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._lookup.flush()
@@ -456,6 +507,7 @@ class P2PKVTier(SecondaryTierManager):
         self._run.closed = True
         self.drain_jobs()
         self._stores.shutdown(wait=True)
+        self._adapters.shutdown()
         self._lookup.shutdown()
         self._run.close()
 
@@ -476,6 +528,7 @@ class P2PKVTier(SecondaryTierManager):
             "directory": self._run.directory.describe() if self._run.directory else None,
             "node": self._run.node.stats() if self._run.node else None,
             "load_policy": self._policy.describe(),
+            "adapters": self._adapters.describe(),
         }
 
     @classmethod
@@ -508,6 +561,13 @@ def _chunk_tokens(spec: OffloadingSpec) -> int:
     key per KV-cache group."""
     groups = spec.tokens_per_block
     return max(1, max(groups) * spec.blocks_per_chunk // len(groups)) if groups else 1
+
+
+def _first_chunk_tokens(spec: OffloadingSpec) -> int:
+    """Tokens up to the end of a request's first offload chunk (the longest of its
+    groups' chunks): a key whose position is at most this is a first chunk."""
+    groups = spec.tokens_per_block
+    return max(groups) * spec.blocks_per_chunk if groups else 1
 
 
 def _job_chunks(job: TransferJob, what: str) -> tuple[list[OffloadKey], list[int]]:
