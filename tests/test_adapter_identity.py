@@ -133,3 +133,23 @@ def test_modeling_code_is_hashed_file_by_file(tmp_path: Path, cache: Path) -> No
     (root / "sub").mkdir()
     (root / "sub" / "layers.py").write_text("x = 1\n")
     assert modeling_code_digest(root, cache=cache) != second
+
+
+def test_the_cost_benchmark_measures_each_way(tmp_path: Path) -> None:
+    """``python -m p2pkv.bench.adapter``: one row per size, the digest cache read back."""
+    import subprocess
+    import sys
+
+    rows = tmp_path / "rows.json"
+    out = subprocess.run([sys.executable, "-m", "p2pkv.bench.adapter", "--mb", "0.5,1",
+                          "--dir", str(tmp_path), "--json", str(rows)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(rows.read_text())
+    assert [round(r["mb"], 1) for r in data] == [0.5, 1.0]
+    assert all(r["first_request_s"] > 0 and r["digest_cache_s"] > 0 for r in data)
+    assert "first request" in out.stdout
+    assert list(tmp_path.iterdir()) == [rows]  # the adapters are removed
+    bad = subprocess.run([sys.executable, "-m", "p2pkv.bench.adapter", "--mb", "x"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--mb must be numbers" in bad.stderr

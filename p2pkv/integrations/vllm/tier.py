@@ -134,12 +134,43 @@ class _LoadJob:
 
 
 class _PeerLookup(AsyncLookupManager):
+    """The tier's lookups: each step's keys of one request, asked on vLLM's lookup
+    thread of every connected peer (see :meth:`Peers.ask`) or of the directory, under
+    the keys the request's adapter shares them under; the load policy then keeps only
+    the hits worth loading (see :class:`TierLoads`)."""
+
     def __init__(self, tier: P2PKVTier, tier_type: str) -> None:
         super().__init__(tier_type=tier_type)
         self._tier = tier
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        return self._tier._ask_peers(keys, req_context)
+        tier = self._tier
+        node = tier._run.node
+        if node is None or not keys:
+            return [False] * len(keys)
+        shared = tier._adapters.keys(req_context.req_id, keys)
+        if shared.keys is None:
+            tier._adapters.count(str(shared.reason), len(keys))
+            return [False] * len(keys)
+        found, holders = self._ask(node, shared.keys)
+        # A miss on a prompt's first chunk: does a peer hold it under another version
+        # of this adapter (its name-and-path key)? Then say so; nothing is loaded.
+        if shared.name_keys and not found[0] and \
+                _first_chunk(keys[0], req_context, tier._first_chunk_tokens) and \
+                self._ask(node, shared.name_keys[:1])[0][0]:
+            tier._adapters.mismatch(str(shared.adapter), len(keys))
+        return tier._policy.advise(req_context.req_id, keys, found, holders)
+
+    def _ask(self, node: Node, keys: list[bytes]) -> tuple[list[bool], list[str | None]]:
+        """Which of ``keys`` a peer (or the directory) holds, and who."""
+        tier = self._tier
+        if tier._run.directory is not None:
+            found = tier._run.directory.ask(keys)
+            with tier._lock:
+                tier._count(Metrics.LOOKUP_KEYS, len(keys), ())
+                tier._count(Metrics.LOOKUP_HITS, sum(found), ())
+            return list(found), [DIRECTORY] * len(keys)
+        return list(tier._peers.ask(node, keys)), list(tier._peers.route(keys)[1])
 
 
 class P2PKVTier(SecondaryTierManager):
@@ -238,38 +269,6 @@ class P2PKVTier(SecondaryTierManager):
     def _counted(self, name: str, n: int, labels: tuple[str, ...]) -> None:
         with self._lock:
             self._count(name, n, labels)
-
-    def _ask_peers(self, keys: list[OffloadKey], req_context: ReqContext) -> list[bool]:
-        """Runs on the lookup thread (see :meth:`Peers.ask`), with the keys the request's
-        adapter shares them under; the load policy then keeps only the hits worth
-        loading (see :class:`TierLoads`)."""
-        node = self._run.node
-        if node is None or not keys:
-            return [False] * len(keys)
-        shared = self._adapters.keys(req_context.req_id, keys)
-        if shared.keys is None:
-            self._adapters.count(str(shared.reason), len(keys))
-            return [False] * len(keys)
-        found, holders = self._ask(node, shared.keys)
-        if shared.name_keys and not found[0] and self._is_first(keys[0], req_context) \
-                and self._ask(node, shared.name_keys[:1])[0][0]:
-            self._adapters.mismatch(str(shared.adapter), len(keys))
-        return self._policy.advise(req_context.req_id, keys, found, holders)
-
-    def _ask(self, node: Node, keys: list[bytes]) -> tuple[list[bool], list[str | None]]:
-        """Which of ``keys`` a peer (or the directory) holds, and who."""
-        if self._run.directory is not None:
-            found = self._run.directory.ask(keys)
-            with self._lock:
-                self._count(Metrics.LOOKUP_KEYS, len(keys), ())
-                self._count(Metrics.LOOKUP_HITS, sum(found), ())
-            return list(found), [DIRECTORY] * len(keys)
-        return list(self._peers.ask(node, keys)), list(self._peers.route(keys)[1])
-
-    def _is_first(self, key: OffloadKey, req_context: ReqContext) -> bool:
-        """True for the offload key of a request's first chunk (of its group)."""
-        position = req_context.get_offload_key_position(key)
-        return position is not None and position <= self._first_chunk_tokens
 
     # ------------------------------------------------------------------ SecondaryTierManager
 
@@ -446,7 +445,8 @@ class P2PKVTier(SecondaryTierManager):
             try:
                 if node.put(key, chunk):
                     stored += 1
-                if shared.name_keys and self._is_first(engine_keys[i], job.req_context):
+                if shared.name_keys and _first_chunk(engine_keys[i], job.req_context,
+                                                     self._first_chunk_tokens):
                     node.put(shared.name_keys[i], chunk)
             except (P2PKVError, ValueError) as exc:
                 failed += 1
@@ -568,6 +568,13 @@ def _first_chunk_tokens(spec: OffloadingSpec) -> int:
     groups' chunks): a key whose position is at most this is a first chunk."""
     groups = spec.tokens_per_block
     return max(groups) * spec.blocks_per_chunk if groups else 1
+
+
+def _first_chunk(key: OffloadKey, req_context: ReqContext, tokens: int) -> bool:
+    """True for the offload key of a request's first chunk (of its group): its end
+    position, as the scheduler recorded it, is at most ``tokens``."""
+    position = req_context.get_offload_key_position(key)
+    return position is not None and position <= tokens
 
 
 def _job_chunks(job: TransferJob, what: str) -> tuple[list[OffloadKey], list[int]]:
