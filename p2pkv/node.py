@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -57,7 +58,7 @@ from p2pkv.runtime.server import Server
 from p2pkv.runtime.shm_client import SharedReceiver
 from p2pkv.runtime.shm_server import SharedSender
 from p2pkv.runtime.state import FetchTicket
-from p2pkv.runtime.stats import Count, Counters
+from p2pkv.runtime.stats import Counters
 from p2pkv.runtime.tuning import WAIT_GRACE
 from p2pkv.shm import ShmUnavailable
 from p2pkv.store import BlockStore
@@ -221,7 +222,8 @@ class Node:
             max_pending=self.config.max_peers)
         self._inbound_parts = InboundParts(
             self._router, store, sender, shm_sender, self._counters, self._data_listener,
-            DataSender(store, self._segments, self._bpb, self._counters))
+            DataSender(store, self._segments, self._bpb, self._counters,
+                       send_timeout=self.config.send_timeout))
         listener, cport = self._data_listener, datachannel.port_of(self.address)
         self._server = Server(
             self._reactor,
@@ -385,34 +387,21 @@ class Node:
         c = self._counters.snapshot()
         handles = self._client.handles()
         return NodeStats(
+            **c.fields(f.name for f in dataclasses.fields(NodeStats)),
             address=self.address, node_id=self.node_id, fingerprint=self.fingerprint,
             peers_out=len(handles), peers_in=self._server.ready_peers(),
-            handshakes_accepted=c[Count.HANDSHAKES_ACCEPTED], handshakes_refused=c.refusals,
-            lookups_served=c[Count.LOOKUPS_SERVED],
-            lookup_keys_served=c[Count.LOOKUP_KEYS_SERVED],
-            lookup_hits_served=c[Count.LOOKUP_HITS_SERVED], blocks_sent=c[Count.BLOCKS_SENT],
-            bytes_sent=c[Count.BYTES_SENT], blocks_received=c[Count.BLOCKS_RECEIVED],
-            bytes_received=c[Count.BYTES_RECEIVED],
-            checksum_failures=c[Count.CHECKSUM_FAILURES],
-            protocol_violations=c[Count.PROTOCOL_VIOLATIONS], store=self.store.stats(),
+            handshakes_refused=c.refusals, store=self.store.stats(),
             fetch_latency_buckets=c.latency_buckets, fetch_latency_sum=c.latency_sum,
             identity_undeclared=c.undeclared,
             shm_segment=None if self._shm_sender.offer is None else self._shm_sender.offer.name,
             shm_unavailable=self.shm_unavailable,
             shm_peers_out=sum(1 for h in handles if h.data_path == "shm"),
             shm_peers_in=self._shm_sender.attached_peers(),
-            shm_fallbacks=c.shm_fallbacks,
-            blocks_sent_shm=c[Count.BLOCKS_SENT_SHM],
-            blocks_received_shm=c[Count.BLOCKS_RECEIVED_SHM],
-            shm_pinned=self._shm_sender.pinned(),
-            fetches_declined_draining=c[Count.FETCHES_DECLINED_DRAINING],
+            shm_fallbacks=c.shm_fallbacks, shm_pinned=self._shm_sender.pinned(),
             draining=self._inbound_parts.draining.is_set(),
             data_port=None if self._data_listener is None else self._data_listener.port,
             data_peers_out=sum(1 for h in handles if h.data_path == "tcp-data"),
-            data_peers_in=self._server.stream_peers(), data_fallbacks=c[Count.DATA_FALLBACKS],
-            blocks_sent_stream=c[Count.BLOCKS_SENT_STREAM], data_streams_refused=c[
-                Count.DATA_STREAMS_REFUSED], blocks_received_stream=c[
-                Count.BLOCKS_RECEIVED_STREAM])
+            data_peers_in=self._server.stream_peers())
 
     def drain(self, timeout: float | None = None) -> None:
         """Leave gracefully (after ``Cluster.close``): new fetches are declined with

@@ -190,6 +190,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("fetch_timeout", _seconds, 60.0, "seconds a whole fetch may take"),
     Option("fetch_idle_timeout", _seconds, 10.0,
            "seconds a fetch may go without progress before it is aborted"),
+    Option("send_timeout", _seconds, 20.0,
+           "seconds a peer's data stream may take no bytes while blocks wait for it; "
+           "then its session ends and the blocks are released"),
     Option("abort_timeout", _seconds, 2.0,
            "seconds a peer gets to confirm an abort before it is disconnected"),
     Option("drain_timeout", _seconds, 10.0,
@@ -481,6 +484,7 @@ def node_config(settings: Settings, *, listen: str | None = None) -> Any:
             listen=listen or v["listen"], key_hash_seed=v["key_seed"], checksums=v["checksums"],
             handshake_timeout=v["handshake_timeout"], lookup_timeout=v["lookup_timeout"],
             fetch_timeout=v["fetch_timeout"], fetch_idle_timeout=v["fetch_idle_timeout"],
+            send_timeout=v["send_timeout"],
             abort_timeout=v["abort_timeout"], close_timeout=v["close_timeout"],
             drain_timeout=v["drain_timeout"], heartbeat_timeout=v["heartbeat_timeout"],
             heartbeat_interval=interval, curve=curve,

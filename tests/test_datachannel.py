@@ -262,6 +262,44 @@ def test_a_stream_needs_its_sessions_token_once_and_in_time(made: list[Any]) -> 
     assert wait_until(lambda: producer.store.stats().pinned == 0, timeout=5)
 
 
+def test_streams_without_a_preface_are_bounded(made: list[Any]) -> None:
+    """At most ``max_peers`` streams may wait for their preface: one more is closed at
+    once, unanswered, and a slot frees when a waiting stream goes (SPEC §18.2)."""
+    producer = node(SEED_V2, max_peers=3, handshake_timeout=30.0)
+    made.append(producer)
+    port = producer.stats().data_port
+    assert port is not None
+
+    def kept_open(sock: socket.socket) -> bool:
+        """Still open 1 s after connecting (waiting for its preface), or closed."""
+        sock.settimeout(1.0)
+        try:
+            return sock.recv(1) != b""
+        except TimeoutError:
+            return True
+        except ConnectionResetError:
+            return False
+
+    waiting = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
+    assert all(kept_open(w) for w in waiting)
+    started = time.monotonic()
+    assert closed_unanswered(socket.create_connection(("127.0.0.1", port), timeout=5))
+    assert time.monotonic() - started < 10  # long before the 30 s preface deadline
+    waiting.pop().close()
+    again = None
+    for _ in range(20):  # until the server noticed the closed one
+        time.sleep(0.2)
+        again = socket.create_connection(("127.0.0.1", port), timeout=5)
+        if kept_open(again):
+            break
+        again.close()
+        again = None
+    assert again is not None, "no room came back for a stream after one closed"
+    for sock in [*waiting, again]:
+        sock.close()
+    assert producer.stats().data_streams_refused >= 1
+
+
 # ---------------------------------------------------------------------- lifecycle
 
 
@@ -377,6 +415,147 @@ def test_a_consumer_whose_stream_dies_leaves_no_pin(how: str, made: list[Any]) -
     if how == "wrote on the stream":
         assert producer.stats().protocol_violations == 1
     stream.close()
+
+
+def answer_pings_until_bye(raw: RawPeer, timeout: float) -> tuple[proto.Bye | None, int]:
+    """Read the ZeroMQ side, answering every ping, until a ``bye`` (and how many pings
+    were answered), or None after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    pongs = 0
+    while time.monotonic() < deadline:
+        frames = raw.recv(0.05)
+        if frames is None:
+            continue
+        msg = proto.decode(frames, raw.segments)
+        if type(msg) is proto.Ping:
+            raw.send_msg(proto.Pong(msg.nonce))
+            pongs += 1
+        elif type(msg) is proto.Bye:
+            return msg, pongs
+    return None, pongs
+
+
+def test_a_reader_that_stalls_but_answers_pings_is_cut_at_its_send_deadline(
+        made: list[Any]) -> None:
+    """A consumer that stops reading its stream but keeps its session alive: the stream
+    takes no bytes for ``send_timeout``, the session ends with a ``bye`` that says why,
+    and every block pinned for the fetch is released (SPEC §18.4)."""
+    producer = node({**SEED_V2, "pool": 300}, send_timeout=1.0, **HEARTBEAT)
+    made.append(producer)
+    keys = fill(producer, 280)
+    raw = RawPeer(producer.address)
+    made.append(raw)
+    offer = raw.handshake(producer).data
+    assert offer is not None
+    stream = open_stream(offer.port, offer.token)
+    assert read_exact(stream, 8) == proto.ACCEPTED
+    stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    raw.send_msg(proto.Fetch(1, tuple(keys), 200))
+    msg, _ = read_stream_message(stream, producer.layout.bytes_per_block)
+    assert type(msg) is proto.Block
+    assert wait_until(lambda: producer.store.stats().pinned > 0, timeout=5)
+    # From here on the stream is never read again; the ZeroMQ side answers every ping,
+    # so the heartbeat (1 s) keeps the session alive: only the send deadline ends it.
+    bye, pongs = answer_pings_until_bye(raw, timeout=20)
+    assert bye is not None, "the stalled stream was never cut"
+    assert bye.code == proto.Code.PEER_TIMEOUT and "took no bytes" in bye.msg, bye
+    assert pongs >= 2, pongs  # the peer was alive all along
+    assert wait_until(lambda: producer.store.stats().pinned == 0, timeout=5)
+    stats = producer.stats()
+    assert stats.data_streams_stalled == 1 and stats.data_peers_in == 0
+    assert closed_unanswered_after_data(stream)
+
+
+def closed_unanswered_after_data(sock: socket.socket, timeout: float = 10.0) -> bool:
+    """The peer closed ``sock`` (whatever it had queued before is read and dropped)."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(1 << 20):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    finally:
+        sock.close()
+
+
+def test_a_reader_that_keeps_reading_slowly_is_never_cut(made: list[Any]) -> None:
+    """The send deadline is about a stream that takes *nothing*: one that takes 256 KiB
+    every 0.3 s, under its 0.5 s send deadline each time but a whole fetch lasting many
+    deadlines, is served to the end, byte for byte."""
+    producer = node({**SEED_V2, "pool": 64}, send_timeout=0.5, **HEARTBEAT)
+    made.append(producer)
+    keys = fill(producer, 8)
+    raw = RawPeer(producer.address)
+    made.append(raw)
+    offer = raw.handshake(producer).data
+    assert offer is not None
+    stream = open_stream(offer.port, offer.token)
+    assert read_exact(stream, 8) == proto.ACCEPTED
+    stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    raw.send_msg(proto.Fetch(1, tuple(keys), 8))
+    bpb = producer.layout.bytes_per_block
+    buf = bytearray()
+    started = time.monotonic()
+    while (got := stream_messages(buf, bpb)) is None and time.monotonic() - started < 60:
+        while (frames := raw.recv(0)) is not None:
+            ping = proto.decode(frames, raw.segments)
+            if type(ping) is proto.Ping:
+                raw.send_msg(proto.Pong(ping.nonce))
+        part = stream.recv(256 << 10)
+        assert part, f"the stream closed after {len(buf)} bytes"
+        buf += part
+        time.sleep(0.3)
+    assert got is not None, f"no done after {len(buf)} bytes"
+    assert got == {i: content(k, bpb) for i, k in enumerate(keys)}
+    assert time.monotonic() - started > 1.0  # longer than two send deadlines
+    assert producer.stats().data_streams_stalled == 0
+    stream.close()
+
+
+def stream_messages(buf: bytearray, bpb: int) -> dict[int, bytes] | None:
+    """The blocks of a whole fetch read off a stream (u32 length, frame 0, a block's
+    payload, ... up to its ``done``), or None while the ``done`` has not arrived."""
+    at, blocks = 0, {}
+    while at + 4 <= len(buf):
+        (n,) = struct.unpack_from("<I", buf, at)
+        if at + 4 + n > len(buf):
+            return None
+        msg = proto.decode_head(bytes(buf[at + 4:at + 4 + n]), None, None)
+        at += 4 + n
+        if type(msg) is proto.Done:
+            return blocks
+        size = len(msg.idx) * bpb
+        if at + size > len(buf):
+            return None
+        for m, i in enumerate(msg.idx):
+            blocks[i] = bytes(buf[at + m * bpb:at + (m + 1) * bpb])
+        at += size
+    return None
+
+
+def test_the_peer_always_learns_why_its_session_ended(made: list[Any]) -> None:
+    """A client that writes on its bound stream breaks the protocol: the node ends the
+    session with ``bye`` PROTOCOL_VIOLATION and cuts the connection, the ``bye`` first,
+    every time (10 sessions)."""
+    producer = node(SEED_V2, **HEARTBEAT)
+    made.append(producer)
+    for attempt in range(10):
+        raw = RawPeer(producer.address)
+        made.append(raw)
+        offer = raw.handshake(producer).data
+        assert offer is not None
+        stream = open_stream(offer.port, offer.token)
+        assert read_exact(stream, 8) == proto.ACCEPTED
+        stream.sendall(b"\0")
+        bye, _ = answer_pings_until_bye(raw, timeout=10)
+        assert bye is not None, f"attempt {attempt}: no bye"
+        assert bye.code == proto.Code.PROTOCOL_VIOLATION, bye
+        assert "wrote on its data stream" in bye.msg, bye
+        stream.close()
+        raw.close()
+    assert wait_until(lambda: producer.stats().data_peers_in == 0, timeout=5)
+    assert producer.stats().protocol_violations == 10
 
 
 def test_an_unexpected_error_while_sending_on_the_stream_leaks_no_pin(

@@ -241,6 +241,10 @@ class OutStream:
         self._messages = 0
         self._watching = False
         self.closed = False
+        # The stall clock: bytes written so far, and since when that count has not moved
+        # while bytes were queued (None: not waiting on the reader).
+        self._seen_written = 0
+        self._waiting_since: float | None = None
         reactor.register(sock, self._on_event)
 
     @property
@@ -252,6 +256,20 @@ class OutStream:
     def busy(self) -> bool:
         """Whether bytes are still queued for the kernel."""
         return bool(self._gather)
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds the reader has taken no byte while some were queued for it (0 when
+        nothing waits or bytes moved since the last call). The peer's connection polls
+        it against its send deadline: a consumer that stops reading its stream but keeps
+        answering pings would otherwise pin its fetch's blocks for ever."""
+        written = self._gather.written_bytes
+        if not self._gather or written != self._seen_written:
+            self._seen_written = written
+            self._waiting_since = now if self._gather else None
+            return 0.0
+        if self._waiting_since is None:
+            self._waiting_since = now
+        return now - self._waiting_since
 
     def push(self, head: bytes, segments: list[memoryview] | None = None,
              done: Callable[[], None] | None = None) -> None:
@@ -327,10 +345,12 @@ class DataSender:
     """Sends served fetches' blocks on bound streams, within each fetch's credit."""
 
     def __init__(self, store: BlockStore, segments: tuple[int, ...], bytes_per_block: int,
-                 counters: Counters) -> None:
+                 counters: Counters, *, send_timeout: float) -> None:
         self._store = store
         self._bpb = bytes_per_block
         self._counters = counters
+        #: Seconds a stream may take no bytes while some wait (see OutStream.stalled_for).
+        self.send_timeout = send_timeout
         self._batch_limit = proto.stream_batch_limit(bytes_per_block, len(segments))
 
     def send_job(self, session: proto.Session, job: Sending, stream: OutStream) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -33,6 +34,7 @@ from p2pkv.runtime.sender import Sender
 from p2pkv.runtime.shm_server import SharedSender
 from p2pkv.runtime.state import Sending
 from p2pkv.runtime.stats import Count, Counters
+from p2pkv.runtime.tuning import BYE_FLUSH_S
 from p2pkv.store import BlockStore
 from p2pkv.transport import cut_connection
 
@@ -70,6 +72,21 @@ class InboundParts:
     data_sender: DataSender | None = None
     #: Set by :meth:`Node.drain`: new fetches are declined, lookups answer misses.
     draining: threading.Event = field(default_factory=threading.Event)
+    #: Connections to cut once their ``bye`` had time to leave (time, fd, address):
+    #: run by :meth:`cut_due`.
+    cuts: list[tuple[float, int, tuple[str, int]]] = field(default_factory=list)
+
+    def cut_due(self, now: float) -> None:
+        """Cut the connections whose ``bye`` had :data:`BYE_FLUSH_S` to leave."""
+        due = [c for c in self.cuts if c[0] <= now]
+        if due:
+            self.cuts[:] = [c for c in self.cuts if c[0] > now]
+        for _, fd, address in due:
+            if cut_connection(fd, address):
+                log.info("cut the connection of %s:%d after its bye", *address)
+
+    def next_cut(self) -> float | None:
+        return min((c[0] for c in self.cuts), default=None)
 
 
 class _Counted:
@@ -121,12 +138,22 @@ class InboundConnection:
         self._handle(self.session.receive_data(head, now, _Counted(extra_frames)))
 
     def poll(self, now: float) -> None:
-        """Check the session's deadlines; forget the peer once its session ended."""
+        """Check the session's deadlines and the data stream's send deadline; forget the
+        peer once its session ended."""
         out = self.session.poll(now)
         if out.events or out.replies:
             self._handle(out)
         if self.session.state in _DONE_STATES:
             self.drop()
+            return
+        stream, sender = self.stream, self._parts.data_sender
+        if stream is not None and sender is not None and \
+                (stalled := stream.stalled_for(now)) >= sender.send_timeout:
+            self._parts.counters.add(Count.DATA_STREAMS_STALLED)
+            self.stream_lost(proto.Code.PEER_TIMEOUT,
+                             f"the data stream took no bytes for {stalled:.1f} s (send "
+                             f"timeout {sender.send_timeout:g} s) while blocks waited for "
+                             "it: its fetches fail and their blocks are released")
 
     def _handle(self, out: proto.Output) -> None:
         # Handshake verdicts are counted before the answer goes out, so that a peer that
@@ -220,9 +247,11 @@ class InboundConnection:
         log.info("peer %s: %s; dropping it", self.rid.hex(), why)
         if code == proto.Code.PROTOCOL_VIOLATION:
             self._parts.counters.add(Count.PROTOCOL_VIOLATIONS)
-        if self.session.state is proto.State.READY:
+        told = self.session.state is proto.State.READY and \
             self.send(self.session.close(code, why).replies)
-        self.drop(cut=True)
+        # The bye first, then the connection: cut at once, libzmq would drop the bye
+        # with everything else it queued, and the peer would never learn why.
+        self.drop(cut=not told, cut_after=BYE_FLUSH_S if told else None)
 
     def _on_peer_closed(self, ev: proto.PeerClosed) -> None:
         log.info("peer %s closed: %s", self.rid.hex(), ev.msg)
@@ -311,8 +340,9 @@ class InboundConnection:
             self.send(self.session.close(proto.Code.SHUTDOWN, "node closing").replies)
         self.drop()
 
-    def drop(self, *, cut: bool = False) -> None:
-        """Forget the peer; ``cut``: also close its TCP connection (see the module doc)."""
+    def drop(self, *, cut: bool = False, cut_after: float | None = None) -> None:
+        """Forget the peer; ``cut``: also close its TCP connection (see the module doc),
+        ``cut_after``: that many seconds from now (what was sent last leaves first)."""
         self.closed = True
         self._jobs.clear()
         self._on_closed(self)
@@ -322,6 +352,9 @@ class InboundConnection:
         stream, self.stream = self.stream, None
         if stream is not None:
             stream.close()  # unpins what it still queued
+        if cut_after is not None and self.address is not None:
+            self._parts.cuts.append((time.monotonic() + cut_after, self.fd, self.address))
+            self.address = None
         if cut and self.address is not None and cut_connection(self.fd, self.address):
             log.info("cut the connection of peer %s (%s:%d)", self.rid.hex(), *self.address)
             self.address = None

@@ -99,6 +99,10 @@ class NodeConfig:
     lookup_timeout: float = 5.0
     fetch_timeout: float = 60.0
     fetch_idle_timeout: float = 10.0
+    #: Serving: seconds a peer's data stream may take no bytes while blocks wait for it
+    #: (a reader that stalled but still answers pings); then its session ends with a
+    #: ``bye`` that says why, and its blocks are released.
+    send_timeout: float = 20.0
     abort_timeout: float = 2.0
     close_timeout: float = 5.0
     #: :meth:`Node.drain`: seconds in-flight sends get to finish once new fetches are
@@ -138,7 +142,7 @@ class NodeConfig:
                               f"got {self.identity_policy!r}")
         positive = (
             "handshake_timeout", "lookup_timeout", "fetch_timeout", "fetch_idle_timeout",
-            "abort_timeout", "close_timeout", "close_grace", "heartbeat_interval",
+            "send_timeout", "abort_timeout", "close_timeout", "close_grace", "heartbeat_interval",
             "heartbeat_timeout", "drain_timeout",
         )
         for name in positive:
@@ -287,5 +291,8 @@ class NodeStats:
     blocks_received_stream: int = 0
     #: Streams this node's data port closed unbound (bad preface or token, or silent).
     data_streams_refused: int = 0
+    #: Served peers whose data stream took no bytes for ``send_timeout`` while blocks
+    #: waited (their sessions ended, their blocks released).
+    data_streams_stalled: int = 0
     #: Connections that negotiated tcp-data-v1 but stayed on ZeroMQ.
     data_fallbacks: int = 0

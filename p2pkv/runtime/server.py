@@ -135,6 +135,9 @@ class Server:
             deadline = data.next_deadline()
             if deadline is not None:
                 deadlines.append(deadline)
+        cut = self._parts.next_cut()
+        if cut is not None:
+            deadlines.append(cut)
         return min(deadlines, default=None)
 
     def sending(self) -> bool:
@@ -159,6 +162,7 @@ class Server:
     def check_deadlines(self, now: float) -> None:
         for peer in list(self._inbound.values()):
             peer.poll(now)
+        self._parts.cut_due(now)
         if self._parts.data is not None:
             self._parts.data.check_deadlines(now)
 

@@ -45,6 +45,7 @@ class Count(Enum):
     BLOCKS_RECEIVED_STREAM = "blocks_received_stream"
     DATA_STREAMS_BOUND = "data_streams_bound"
     DATA_STREAMS_REFUSED = "data_streams_refused"
+    DATA_STREAMS_STALLED = "data_streams_stalled"
     DATA_STREAMS_OPENED = "data_streams_opened"
     DATA_FALLBACKS = "data_fallbacks"
 
@@ -72,6 +73,12 @@ class CountersSnapshot:
 
     def __getitem__(self, count: Count) -> int:
         return self.counts.get(count, 0)
+
+    def fields(self, names: Iterable[str]) -> dict[str, int]:
+        """Every count whose name is one of ``names`` (the fields of ``NodeStats``), by
+        name: a counter that has a field shows up in ``stats()`` without more wiring."""
+        wanted = set(names)
+        return {c.value: self[c] for c in Count if c.value in wanted}
 
 
 class Counters:

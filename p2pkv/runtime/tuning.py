@@ -53,6 +53,12 @@ DRAIN_SETTLE_S: Final = 0.5
 """How long a draining node stays up after its last fetch was handed to ZeroMQ, so that
 the consumers take the tail before the connection goes (within the drain deadline)."""
 
+BYE_FLUSH_S: Final = 0.25
+"""How long a peer's TCP connection outlives the ``bye`` that ended its session when
+the connection must be cut too (its data stream failed): libzmq writes the ``bye`` to
+the kernel first, so the peer learns why (cutting at once lost it about two times in
+three)."""
+
 DRAIN_FLUSH_MS: Final = 1000
 """How long a draining node's ROUTER lingers at close so that ZeroMQ hands the last
 blocks of the fetches it finished (and its byes) to the kernel; otherwise LINGER 0."""

@@ -118,6 +118,8 @@ class Gather:
                                              Callable[[], None] | None]] = (
             collections.deque())
         self.queued_bytes = 0
+        #: Bytes the kernel took so far (whether the reader makes progress).
+        self.written_bytes = 0
 
     def __bool__(self) -> bool:
         """Whether something is still to be written."""
@@ -144,6 +146,7 @@ class Gather:
             except _RETRY:
                 return False
             self.queued_bytes -= sent
+            self.written_bytes += sent
             self._advance(sent)
         return True
 
