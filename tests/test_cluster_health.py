@@ -405,16 +405,19 @@ def test_cluster_command_shows_who_quarantines_a_corrupting_holder(redis_url: st
             assert fetched["outcomes"] == ["LANDED"] * 20 and fetched["corrupt"] == 0
             assert set(fetched["sources"]) == {good.ready["address"]}
         stats = reporter.send(op="stats")
+        seen = time.monotonic()
         assert stats["quarantines"] == 1
         assert list(stats["quarantined"]) == [proxy.address]
         left, times, reason = stats["quarantined"][proxy.address]
         assert (times, reason) == (1, "failed blocks") and 0 < left <= 10.0
         partition = stats["partition"]
-        (verdict,) = _until(lambda: _verdicts(redis_url, partition).get(me), 5,
+        # Published at the next registration round (20 ms); on a loaded machine that can
+        # take seconds, so the wait is bounded by the verdict's own life, not a guess.
+        (verdict,) = _until(lambda: _verdicts(redis_url, partition).get(me), left,
                             "the verdict in the directory")
         assert (verdict.address, verdict.node_id, verdict.reason, verdict.times) == (
             proxy.address, sick.ready["node_id"], "failed blocks", 1)
-        assert abs(verdict.expires_in - left) < 1.0
+        assert abs(verdict.expires_in - (left - (time.monotonic() - seen))) < 1.0
 
         doc = json.loads(_cluster_command(redis_url, "--json"))
         (group,) = doc["groups"]
@@ -442,7 +445,7 @@ def test_cluster_command_shows_who_quarantines_a_corrupting_holder(redis_url: st
         for r in range(2, 4):
             fetched = reporter.send(op="fetch", count=20, offset=20 * r)
             assert fetched["outcomes"] == ["LANDED"] * 20 and fetched["corrupt"] == 0
-        (verdict,) = _until(lambda: _verdicts(redis_url, partition).get(me), 5,
+        (verdict,) = _until(lambda: _verdicts(redis_url, partition).get(me), 10.0,
                             "the second verdict")
         assert verdict.times == 2 and 10.0 < verdict.expires_in <= 20.0
         os.kill(reporter.proc.pid, signal.SIGKILL)  # no goodbye: it cannot deregister
@@ -450,7 +453,8 @@ def test_cluster_command_shows_who_quarantines_a_corrupting_holder(redis_url: st
         killed = time.monotonic()
         _until(lambda: not _verdicts(redis_url, partition), FAST["ttl"] + 5,
                "a dead reporter's verdict hidden")
-        assert time.monotonic() - killed < 10.0  # before its verdict would have ended
+        # Before its verdict would have ended.
+        assert time.monotonic() - killed < verdict.expires_in
         _until(lambda: client.hlen(key) == 0, 15, "a dead reporter's verdict swept")
         doc = json.loads(_cluster_command(redis_url, "--json"))
         assert all(n["quarantined_by"] == [] for g in doc["groups"] for n in g["nodes"])

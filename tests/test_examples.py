@@ -7,7 +7,9 @@ waits for its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -38,14 +40,19 @@ sys.exit(0 if result in (None, 0) else result)
 
 
 class Examples:
-    """The example processes, started together; each result is collected once."""
+    """The example processes, started together; each result is collected once.
+
+    Each example runs in a process group of its own, and the whole group is ended: an
+    example killed on its timeout (or one that forgot to) must not leave the ``serve``
+    processes it started behind as orphans."""
 
     def __init__(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("P2PKV_")}
         self.procs = {
             path.name: subprocess.Popen([sys.executable, "-c", RUNNER, str(path)],
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True, cwd=ROOT, env=env)
+                                        text=True, cwd=ROOT, env=env,
+                                        start_new_session=True)
             for path in EXAMPLES
         }
         self._results: dict[str, tuple[int, str, str]] = {}
@@ -56,18 +63,25 @@ class Examples:
             try:
                 out, err = proc.communicate(timeout=TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                _end_group(proc)
                 out, err = proc.communicate()
                 pytest.fail(f"{name} did not finish within {TIMEOUT_S}s\n{out[-2000:]}\n"
                             f"{err[-3000:]}")
+            _end_group(proc)  # whatever it started and did not stop
             self._results[name] = (proc.returncode, out, err)
         return self._results[name]
 
     def close(self) -> None:
         for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
+            _end_group(proc)
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(10)
+
+
+def _end_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL every process left in the example's group (its own session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +131,50 @@ def test_handshake_debug_example_probes_twice(examples: Examples) -> None:
     assert "REFUSED by handshake" in out
     assert "run_config.dtype" in out
     assert "node shut down cleanly" in out
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(c) for c in text.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_an_example_killed_on_its_timeout_leaves_no_serve_behind() -> None:
+    """handshake_debug.py starts ``p2pkv-node serve``; killed as a timeout kills it, the
+    example leaves that child an orphan in its group, and ending the group ends it."""
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("P2PKV_")}
+    proc = subprocess.Popen([sys.executable, "-c", RUNNER,
+                             str(ROOT / "examples" / "handshake_debug.py")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+                            env=env, start_new_session=True)
+    try:
+        children: list[int] = []
+        deadline = time.monotonic() + TIMEOUT_S
+        while not children and proc.poll() is None and time.monotonic() < deadline:
+            children = _children(proc.pid)
+            time.sleep(0.05)
+        assert children, "the example started no child"
+        proc.kill()
+        proc.wait(10)
+        assert any(_alive(c) for c in children)  # orphans now, still in the group
+        _end_group(proc)
+        deadline = time.monotonic() + 10
+        while any(_alive(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(c) for c in children)
+    finally:
+        _end_group(proc)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)

@@ -62,14 +62,32 @@ def _module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
             yield from _module_level(stmt.body)
 
 
-def import_graph(root: Path) -> dict[str, set[str]]:
-    """Module -> the package modules it imports at import time."""
+def _everywhere(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """Every statement, inside functions too (a deferred import still binds the two
+    modules), except what only a type checker runs."""
+    for stmt in body:
+        yield stmt
+        if isinstance(stmt, ast.If) and _is_type_checking(stmt.test):
+            yield from _everywhere(stmt.orelse)
+            continue
+        for name in ("body", "orelse", "finalbody"):
+            block = getattr(stmt, name, None)
+            if isinstance(block, list):
+                yield from _everywhere([b for b in block if isinstance(b, ast.stmt)])
+        for handler in getattr(stmt, "handlers", ()):
+            yield from _everywhere(handler.body)
+
+
+def import_graph(root: Path, *, deferred: bool = False) -> dict[str, set[str]]:
+    """Module -> the package modules it imports at import time (``deferred``: also
+    inside functions, where an import only hides a dependency from this graph)."""
     mods = modules(root)
     graph: dict[str, set[str]] = {name: set() for name in mods}
+    walk = _everywhere if deferred else _module_level
     for name, path in mods.items():
         is_pkg = path.name == "__init__.py"
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        for stmt in _module_level(tree.body):
+        for stmt in walk(tree.body):
             targets: list[str] = []
             if isinstance(stmt, ast.Import):
                 targets = [a.name for a in stmt.names]
@@ -233,7 +251,8 @@ def test_no_class_is_too_long() -> None:
 
 
 def test_no_import_cycle() -> None:
-    graph = import_graph(PACKAGE)
+    # Deferred imports count: one inside a function hides a cycle, it does not break it.
+    graph = import_graph(PACKAGE, deferred=True)
     assert "p2pkv.runtime.client" in graph["p2pkv.node"]  # the graph is not empty
     assert find_cycle(graph) is None
 
@@ -272,6 +291,17 @@ def test_checker_finds_an_import_cycle(tmp_path: Path) -> None:
     graph = import_graph(root)
     assert graph["pkg.d"] == set()
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]
+    assert import_graph(root, deferred=True)["pkg.d"] == {"pkg", "pkg.a"}
+
+
+def test_checker_finds_a_cycle_hidden_by_deferred_imports(tmp_path: Path) -> None:
+    root = _package(tmp_path, {
+        "a.py": "def f():\n    from pkg.b import y\n    return y\nx = 1\n",
+        "b.py": "class B:\n    def g(self):\n        from pkg.a import x\n        return x\n"
+                "y = 2\n",
+    })
+    assert find_cycle(import_graph(root)) is None
+    assert find_cycle(import_graph(root, deferred=True)) == ["pkg.a", "pkg.b", "pkg.a"]
 
 
 @pytest.mark.parametrize("guard", ["TYPE_CHECKING", "typing.TYPE_CHECKING"])
@@ -282,6 +312,7 @@ def test_checker_ignores_type_checking_imports(tmp_path: Path, guard: str) -> No
                 "    from pkg import a\n",
     })
     assert find_cycle(import_graph(root)) is None
+    assert find_cycle(import_graph(root, deferred=True)) is None
 
 
 def test_checker_finds_long_modules_and_classes(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ is still refused at the handshake when the two identities differ.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ __all__ = [
     "DirectoryError",
     "DirectoryView",
     "Holder",
+    "Lua",
     "Member",
     "MemberView",
     "NodeRecord",
@@ -36,6 +38,7 @@ __all__ = [
     "PrefixLookup",
     "QuarantineReport",
     "longest_prefix",
+    "parse_holders",
     "partition_key",
 ]
 
@@ -383,3 +386,20 @@ end
 """Lua that takes the tokens in the table ``dead`` off the block entries of one HSCAN
 step (``res``, over ``KEYS[1]``), deleting entries left empty. Shared by the sweep of one
 Redis and of each cluster sub-partition."""
+
+
+class Lua:
+    """A Lua script run by ``EVALSHA``, loaded again where a server does not know it."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.sha = hashlib.sha1(text.encode()).hexdigest()
+
+
+def parse_holders(flat: Sequence[Any]) -> dict[bytes, Holder]:
+    """``{token: Holder}`` from a script's ``{token, "node_id LF address", ...}``."""
+    holders: dict[bytes, Holder] = {}
+    for i in range(0, len(flat), 2):
+        node_id, _, address = bytes(flat[i + 1]).decode().partition("\n")
+        holders[bytes(flat[i])] = Holder(node_id, address)
+    return holders

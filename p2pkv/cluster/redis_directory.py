@@ -38,7 +38,6 @@ tag: see :mod:`p2pkv.cluster.sharded`.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import threading
@@ -52,12 +51,15 @@ from p2pkv.cluster.records import (
     DirectoryError,
     DirectoryView,
     Holder,
+    Lua,
     Member,
     MemberView,
     NodeRecord,
     QuarantineReport,
+    parse_holders,
 )
 from p2pkv.cluster.redis_urls import parse_directory_url, validate_redis_url
+from p2pkv.cluster.sharded import Subpartitions
 from p2pkv.cluster.verdicts import Verdicts, parse_reports
 from p2pkv.errors import ConfigError
 
@@ -213,14 +215,6 @@ return now_ms()
 """
 
 
-class Lua:
-    """A Lua script run by ``EVALSHA``, loaded again where a server does not know it."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self.sha = hashlib.sha1(text.encode()).hexdigest()
-
-
 class RedisDirectory:
     """A connection to one Redis directory (thread-safe; one connection pool).
 
@@ -263,7 +257,6 @@ class RedisDirectory:
         self._clock = Lua(_CLOCK)
         self._shards: Any = None
         if parsed.kind == "cluster":
-            from p2pkv.cluster.sharded import Subpartitions
 
             self._shards = Subpartitions(self, parsed.subpartitions)
         #: Publishes the holders a member keeps in quarantine (the registration's).
@@ -557,12 +550,3 @@ class RedisDirectory:
         if self._client is not None:
             with contextlib.suppress(Exception):
                 self._client.close()
-
-
-def parse_holders(flat: Sequence[Any]) -> dict[bytes, Holder]:
-    """``{token: Holder}`` from a script's ``{token, "node_id LF address", ...}``."""
-    holders: dict[bytes, Holder] = {}
-    for i in range(0, len(flat), 2):
-        node_id, _, address = bytes(flat[i + 1]).decode().partition("\n")
-        holders[bytes(flat[i])] = Holder(node_id, address)
-    return holders

@@ -36,7 +36,15 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from p2pkv.cluster.records import CLAIMS_LUA, STRIP_DEAD_LUA, DirectoryError, Holder, Member
+from p2pkv.cluster.records import (
+    CLAIMS_LUA,
+    STRIP_DEAD_LUA,
+    DirectoryError,
+    Holder,
+    Lua,
+    Member,
+    parse_holders,
+)
 
 if TYPE_CHECKING:
     from p2pkv.cluster.redis_directory import RedisDirectory
@@ -186,7 +194,6 @@ class Subpartitions:
     """
 
     def __init__(self, directory: RedisDirectory, count: int) -> None:
-        from p2pkv.cluster.redis_directory import Lua
 
         self.directory = directory
         self.count = count
@@ -218,7 +225,6 @@ class Subpartitions:
 
     def lookup(self, partition: str, keys: Sequence[bytes],
                me: bytes) -> list[tuple[Holder, ...]]:
-        from p2pkv.cluster.redis_directory import parse_holders
 
         d = self.directory
         groups = sorted(self._group(keys).items())

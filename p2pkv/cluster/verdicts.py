@@ -25,7 +25,7 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from p2pkv.cluster.records import DirectoryError, Member, QuarantineReport
+from p2pkv.cluster.records import DirectoryError, Lua, Member, QuarantineReport
 
 if TYPE_CHECKING:
     from p2pkv.cluster.redis_directory import RedisDirectory
@@ -95,7 +95,6 @@ class Verdicts:
     """Publishing a member's verdicts through one :class:`RedisDirectory`."""
 
     def __init__(self, directory: RedisDirectory) -> None:
-        from p2pkv.cluster.redis_directory import Lua
 
         self.directory = directory
         self._publish = Lua(_PUBLISH)
