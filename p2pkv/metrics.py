@@ -57,6 +57,24 @@ class NodeCollector:
             ("p2pkv_protocol_violations", s.protocol_violations, "Peers dropped for violations"),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        # Bytes by the path they took: the data stream (tcp-data-v1), shared memory
+        # (shm-v1), or ZeroMQ frames (the rest).
+        bpb = int(getattr(getattr(self._node, "layout", None), "bytes_per_block", 0) or 0)
+        for direction, total, stream, shm in (
+                ("sent", s.blocks_sent, s.blocks_sent_stream, s.blocks_sent_shm),
+                ("received", s.blocks_received, s.blocks_received_stream,
+                 s.blocks_received_shm)):
+            by_path = CounterMetricFamily(f"p2pkv_bytes_{direction}_by_path",
+                                          f"Block bytes {direction}, by the path they took",
+                                          labels=["path"])
+            for path, blocks in (("stream", stream), ("shm", shm),
+                                 ("zmq", max(0, total - stream - shm))):
+                by_path.add_metric([path], blocks * bpb)
+            yield by_path
+        yield CounterMetricFamily(
+            "p2pkv_data_streams_stalled", "Peers whose data stream took no bytes for "
+            "send_timeout while blocks waited (session ended, blocks released)",
+            value=s.data_streams_stalled)
         st = s.store
         yield GaugeMetricFamily("p2pkv_pool_capacity_blocks", "Blocks the pool holds",
                                 value=st.capacity)

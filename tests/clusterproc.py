@@ -3,9 +3,10 @@
 Usage: ``python tests/clusterproc.py SPEC_JSON`` where SPEC is a ``nodeproc`` spec plus
 ``directory`` (the Redis URL), ``cluster`` (ClusterConfig keyword arguments; ``health``
 holds HealthConfig's), ``advertise`` (the address it registers, default its own),
-``count`` and ``key_offset`` (which of ``nodeproc.keys_for`` it holds). It stores its blocks,
-waits until it is registered, prints ``{"event": "ready", "address", "node_id"}`` and
-then answers one JSON command per stdin line:
+``count`` and ``key_offset`` (which of ``nodeproc.keys_for`` it holds), and ``metrics``
+(true: serve ``/metrics``, the node's and the cluster's, on an ephemeral port). It stores
+its blocks, waits until it is registered, prints ``{"event": "ready", "address",
+"node_id", "metrics_port"}`` and then answers one JSON command per stdin line:
 
 * ``{"op": "discard", "indices": [...]}``: drop those of its keys from the store (the
   directory hears of it at the next announce interval) -> ``{"event": "discarded"}``;
@@ -33,6 +34,7 @@ from p2pkv.node import KeyOutcome
 def main(spec: dict[str, Any]) -> int:
     node = make_node(spec, **spec.get("config", {}))
     cluster = None
+    metrics = None
     try:
         keys = keys_for(spec["count"], spec.get("key_offset", 0))
         size = node.layout.bytes_per_block
@@ -46,8 +48,14 @@ def main(spec: dict[str, Any]) -> int:
         if not cluster.wait_registered(30):
             say({"event": "error", "error": "not registered within 30 s"})
             return 1
+        if spec.get("metrics"):
+            from p2pkv.cluster.metrics import ClusterCollector
+            from p2pkv.metrics import serve_metrics
+
+            metrics = serve_metrics(node, 0, collectors=[ClusterCollector(cluster)])
         say({"event": "ready", "address": node.address, "node_id": node.node_id,
-             "member": cluster.stats().member})
+             "member": cluster.stats().member,
+             "metrics_port": metrics.port if metrics is not None else None})
         for line in sys.stdin:
             cmd = json.loads(line)
             if cmd["op"] == "discard":
@@ -71,6 +79,8 @@ def main(spec: dict[str, Any]) -> int:
         cluster = None
         say({"event": "stopped"})
     finally:
+        if metrics is not None:
+            metrics.close()
         if cluster is not None:
             cluster.close(deregister=False)
         node.close()
