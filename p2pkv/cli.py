@@ -208,7 +208,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if settings["metrics_port"] is not None:
             from p2pkv.metrics import serve_metrics
 
-            metrics = serve_metrics(node, settings["metrics_port"], collectors=collectors)
+            metrics = serve_metrics(node, settings["metrics_port"], settings["metrics_host"],
+                                    collectors=collectors)
         info = {
             "event": "listening", "address": node.address, "fingerprint": rc.fingerprint,
             "namespace": rc.namespace("/kvcache"), "run_config": rc.get_run_config(),

@@ -222,6 +222,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("data_port", _int(0, 65535), 0,
            "port the data channel listens on, at the host of --listen (0: ephemeral)"),
     Option("metrics_port", _int(0, 65535), None, "serve Prometheus metrics on this port"),
+    Option("metrics_host", _str, "127.0.0.1",
+           "address the metrics endpoint listens on (0.0.0.0: every interface)"),
     Option("curve_secret_key", _str, None, "CURVE secret key file (enables encryption)"),
     Option("curve_authorized", _str, None, "directory of authorized client public keys"),
     Option("curve_server_key", _str, None, "server public key file (client side)"),
