@@ -400,7 +400,8 @@ def test_demo_text_and_json() -> None:
     as_json = start("demo", "--blocks", "8", "--json")
     code, out, err = finish(text, timeout=90)
     assert code == 0, err
-    assert "fetched 8 blocks" in out
+    assert "fetched 8 blocks" in out and "in one fetch of" in out
+    assert "over the data stream beside ZeroMQ" in out and "p2pkv-node bench" in out
     assert "0 corrupt" in out
     assert "REFUSED at handshake" in out
     assert "geometry.segments: local [589824] vs remote 12 × 49152" in out
@@ -412,6 +413,7 @@ def test_demo_text_and_json() -> None:
     assert summary["ok"] is True
     assert summary["compatible"]["blocks"] == 8
     assert summary["compatible"]["corrupt"] == 0
+    assert summary["compatible"]["path"] == "tcp-data"
     assert summary["incompatible"]["event"] == "refused"
     fields = {r["field"] for r in summary["incompatible"]["reasons"]}
     assert {"run_config.parallel_agnostic", "geometry.segments"} <= fields
