@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="small version, under a minute")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="also write results here")
     p.add_argument("--soak", type=float, metavar="SECONDS", help="eight-consumer soak run")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="also draw each bulk row against its baselines (needs matplotlib)")
     p = sub.add_parser("cluster", help="nodes in a Redis directory, grouped by identity")
     _add_options(p)
     p = sub.add_parser("cluster-bench", help="cluster directory scale benchmark (own Redis)")
@@ -480,7 +482,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.soak is not None:
         return run_soak(args.soak, json_path=args.json_path)
-    return run_bench(quick=args.quick, json_path=args.json_path)
+    if args.plot is not None:
+        from p2pkv.bench.plot import check_plotting
+
+        check_plotting()  # before minutes of benchmarks, not after
+    return run_bench(quick=args.quick, json_path=args.json_path, plot_path=args.plot)
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:

@@ -34,7 +34,8 @@ def _command() -> list[str]:
 def test_quick_bench_runs_every_case_and_verifies_every_byte(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     try:
-        proc = subprocess.run([*_command(), "bench", "--quick", "--json", str(out)],
+        proc = subprocess.run([*_command(), "bench", "--quick", "--json", str(out),
+                               "--plot", str(tmp_path / "bench.png")],
                               capture_output=True, text=True, timeout=200)
     except subprocess.TimeoutExpired as exc:  # subprocess.run killed the child already
         pytest.fail(f"bench --quick did not finish within 200 s: {exc.stderr!r:.3000}")
@@ -92,6 +93,19 @@ def test_quick_bench_runs_every_case_and_verifies_every_byte(tmp_path: Path) -> 
     (mem,) = [r for name, rs in by_case.items() if name.startswith("receiver peak RSS")
               for r in rs]
     assert isinstance(mem["details"], dict) and mem["details"]["pool_mib"] > 0
+    # The plot: every bulk layout with its four bars' figures, drawn from these rows.
+    png = (tmp_path / "bench.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    drawn = data["plot"]["bulk"]
+    assert len(drawn) == len(BULK)
+    for name in BULK:
+        label = name[len("bulk "):]
+        (row,) = by_case[name]
+        assert drawn[label]["p2pkv, ZeroMQ"] == row["value"]
+        assert drawn[label]["raw pyzmq"] == row["baseline"]
+        assert set(drawn[label]) == {"kernel ceiling", "raw pyzmq", "p2pkv, data stream",
+                                     "p2pkv, ZeroMQ"}
+    assert f"plot: {tmp_path / 'bench.png'}" in proc.stdout
     stats = data["server_stats"]["node-server"]["nodes"]
     assert stats["seed-v2"]["protocol_violations"] == 0
     assert stats["seed-v2"]["bytes_sent"] > data["plan"]["bulk_bytes"]

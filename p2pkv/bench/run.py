@@ -479,7 +479,7 @@ def spread_lines(rows: Sequence[Row]) -> list[str]:
 
 
 def run_bench(*, quick: bool = False, json_path: str | None = None,
-              out: IO[str] | None = None) -> int:
+              out: IO[str] | None = None, plot_path: str | None = None) -> int:
     """Run every case; print the table; return 0 iff every case ran and verified."""
     out = out or sys.stdout
     plan = Plan.make(quick)
@@ -574,4 +574,14 @@ def run_bench(*, quick: bool = False, json_path: str | None = None,
     lines += [f"error: {e}" for e in errors]
     lines += [f"failed: {r.case} {r.metric}: {r.error or 'bytes not verified'}"
               for r in rows_failed]
+    if plot_path is not None and rows:
+        from p2pkv.bench.plot import plot_rows
+
+        try:
+            cpus = os.cpu_count() or "?"
+            result["plot"] = plot_rows(rows, plot_path, title=(
+                f"p2pkv bench ({result['mode']}), {cpus} CPUs, one run"))
+            lines.append(f"plot: {plot_path}")
+        except ValueError as exc:
+            lines.append(f"plot: not drawn: {exc}")
     return report(rows, lines, result, ok, out, json_path)
