@@ -388,9 +388,11 @@ def test_a_producer_killed_mid_stream_fails_the_fetch_at_once(made: list[Any]) -
     assert consumer.peers() == []
 
 
-@pytest.mark.parametrize("how", ["stream closed", "wrote on the stream", "stopped reading"])
-def test_a_consumer_whose_stream_dies_leaves_no_pin(how: str, made: list[Any]) -> None:
-    producer = node({**SEED_V2, "pool": 300}, **HEARTBEAT)
+def fetch_that_stays_pinned(made: list[Any], **config: Any
+                            ) -> tuple[Node, RawPeer, socket.socket]:
+    """A producer serving a 200-block fetch on a raw client's bound stream (a small
+    receive buffer), once its first message was read and blocks are pinned for the rest."""
+    producer = node({**SEED_V2, "pool": 300}, **{**HEARTBEAT, **config})
     made.append(producer)
     keys = fill(producer, 280)
     raw = RawPeer(producer.address)
@@ -404,6 +406,12 @@ def test_a_consumer_whose_stream_dies_leaves_no_pin(how: str, made: list[Any]) -
     msg, _ = read_stream_message(stream, producer.layout.bytes_per_block)
     assert type(msg) is proto.Block
     assert wait_until(lambda: producer.store.stats().pinned > 0, timeout=5)
+    return producer, raw, stream
+
+
+@pytest.mark.parametrize("how", ["stream closed", "wrote on the stream", "stopped reading"])
+def test_a_consumer_whose_stream_dies_leaves_no_pin(how: str, made: list[Any]) -> None:
+    producer, _raw, stream = fetch_that_stays_pinned(made)
     if how == "stream closed":
         stream.close()
     elif how == "wrote on the stream":
@@ -440,20 +448,7 @@ def test_a_reader_that_stalls_but_answers_pings_is_cut_at_its_send_deadline(
     """A consumer that stops reading its stream but keeps its session alive: the stream
     takes no bytes for ``send_timeout``, the session ends with a ``bye`` that says why,
     and every block pinned for the fetch is released (SPEC §18.4)."""
-    producer = node({**SEED_V2, "pool": 300}, send_timeout=1.0, **HEARTBEAT)
-    made.append(producer)
-    keys = fill(producer, 280)
-    raw = RawPeer(producer.address)
-    made.append(raw)
-    offer = raw.handshake(producer).data
-    assert offer is not None
-    stream = open_stream(offer.port, offer.token)
-    assert read_exact(stream, 8) == proto.ACCEPTED
-    stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
-    raw.send_msg(proto.Fetch(1, tuple(keys), 200))
-    msg, _ = read_stream_message(stream, producer.layout.bytes_per_block)
-    assert type(msg) is proto.Block
-    assert wait_until(lambda: producer.store.stats().pinned > 0, timeout=5)
+    producer, raw, stream = fetch_that_stays_pinned(made, send_timeout=1.0)
     # From here on the stream is never read again; the ZeroMQ side answers every ping,
     # so the heartbeat (1 s) keeps the session alive: only the send deadline ends it.
     bye, pongs = answer_pings_until_bye(raw, timeout=20)

@@ -55,9 +55,9 @@ def bulk_series(rows: Sequence[Row]) -> dict[str, dict[str, float]]:
             layout["p2pkv, ZeroMQ"] = r.value
             if r.baseline is not None:
                 layout["raw pyzmq"] = r.baseline
-    # Other rows named "bulk ..." (checksums off, CURVE) are not layouts: a layout is
-    # what has a kernel row.
-    return {k: v for k, v in out.items() if "kernel ceiling" in v}
+    # Other rows named "bulk ..." (checksums off, CURVE) are not layouts: a layout has
+    # its ZeroMQ row (against raw pyzmq) and its kernel row.
+    return {k: v for k, v in out.items() if "kernel ceiling" in v and "p2pkv, ZeroMQ" in v}
 
 
 def same_host_series(rows: Sequence[Row]) -> dict[str, tuple[float, float]]:
@@ -69,6 +69,11 @@ def same_host_series(rows: Sequence[Row]) -> dict[str, tuple[float, float]]:
         if m := re.fullmatch(r"same-host fetch (.+)", r.case):
             out[m[1]] = (r.value, r.baseline)
     return out
+
+
+def _wrap(label: str) -> str:
+    """``seed V2 (12 x 48 KiB)`` on two lines, so that tick labels do not overlap."""
+    return label.replace(" (", "\n(", 1)
 
 
 def plot_rows(rows: Sequence[Row], path: str, *, title: str = "") -> dict[str, Any]:
@@ -100,10 +105,12 @@ def plot_rows(rows: Sequence[Row], path: str, *, title: str = "") -> dict[str, A
             if name.startswith("p2pkv") and kernel:
                 ax.text(x, value, f"{value / kernel:.2f}x", ha="center", va="bottom",
                         fontsize=7)
-    ax.set_xticks(range(len(bulk)), list(bulk), fontsize=8)
+    ax.set_xticks(range(len(bulk)), [_wrap(name) for name in bulk], fontsize=8)
     ax.set_ylabel("GB/s (loopback, bytes verified)")
     ax.set_title("bulk fetch; labels: ratio to the kernel's ceiling", fontsize=9)
-    ax.legend(fontsize=8, loc="upper left")
+    top = max(v for values in bulk.values() for v in values.values())
+    ax.set_ylim(0, top * 1.3)  # room for the legend above the bars
+    ax.legend(fontsize=8, loc="upper center", ncol=len(SERIES))
     if local:
         ax2 = axes[0][1]
         names = list(local)
@@ -115,9 +122,10 @@ def plot_rows(rows: Sequence[Row], path: str, *, title: str = "") -> dict[str, A
                     label="p2pkv, shared memory" if i == 0 else None)
             ax2.text(i + 0.2, shm, f"{shm / memcpy:.2f}x", ha="center", va="bottom",
                      fontsize=7)
-        ax2.set_xticks(range(len(names)), names, fontsize=8)
+        ax2.set_xticks(range(len(names)), [_wrap(name) for name in names], fontsize=8)
         ax2.set_title("same host", fontsize=9)
-        ax2.legend(fontsize=8, loc="upper left")
+        ax2.set_ylim(0, max(max(v) for v in local.values()) * 1.3)
+        ax2.legend(fontsize=8, loc="upper center", ncol=1)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()

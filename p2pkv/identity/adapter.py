@@ -40,6 +40,7 @@ from p2pkv.identity.checkpoint import (
     FileDigest,
     digest_cache_path,
     file_digests,
+    readable_files,
 )
 from p2pkv.identity.runconfig import FINGERPRINT_HEX_LEN, canonical_json
 
@@ -99,16 +100,7 @@ def adapter_files(path: str | os.PathLike[str]) -> list[tuple[Path, os.stat_resu
         missing = ADAPTER_CONFIG if not config else "a weight file (*.safetensors, *.bin)"
         raise AdapterError(f"adapter {str(root)!r} has no {missing}: its content "
                            "cannot be hashed, so its requests are not shared")
-    out = []
-    for file in config + weights:
-        try:
-            st = file.stat()
-            with open(file, "rb") as f:
-                f.read(1)
-        except OSError as exc:
-            raise AdapterError(f"cannot read adapter file {str(file)!r}: {exc}") from None
-        out.append((file, st))
-    return out
+    return readable_files(config + weights, what="adapter file", error=AdapterError)
 
 
 def adapter_identity(path: str | os.PathLike[str], *,

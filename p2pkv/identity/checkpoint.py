@@ -49,6 +49,7 @@ __all__ = [
     "file_digests",
     "hub_snapshot_revision",
     "modeling_code_digest",
+    "readable_files",
     "readable_weight_files",
     "weight_files",
     "weights_digest",
@@ -143,10 +144,14 @@ def weight_files(path: str | os.PathLike[str]) -> list[Path]:
 
 def readable_weight_files(path: str | os.PathLike[str]) -> list[tuple[Path, os.stat_result]]:
     """:func:`weight_files`, each opened and read one byte to prove it can be hashed."""
-    return _check_readable(weight_files(path))
+    return readable_files(weight_files(path))
 
 
-def _check_readable(files: Iterable[Path]) -> list[tuple[Path, os.stat_result]]:
+def readable_files(files: Iterable[Path], *, what: str = "weight file",
+                    error: type[CheckpointError] = CheckpointError
+                    ) -> list[tuple[Path, os.stat_result]]:
+    """Each file with its stat, each opened and read one byte to prove it can be hashed;
+    ``error`` names the first that cannot be."""
     out = []
     for path in files:
         try:
@@ -154,7 +159,7 @@ def _check_readable(files: Iterable[Path]) -> list[tuple[Path, os.stat_result]]:
             with open(path, "rb") as f:
                 f.read(1)
         except OSError as exc:
-            raise CheckpointError(f"cannot read weight file {str(path)!r}: {exc}") from None
+            raise error(f"cannot read {what} {str(path)!r}: {exc}") from None
         out.append((path, st))
     return out
 
@@ -322,7 +327,7 @@ def modeling_code_digest(path: str | os.PathLike[str], *,
                               ) from None
     if not files:
         return None
-    stats = _check_readable(files)
+    stats = readable_files(files, what="modeling code file")
     digests = file_digests(stats, cache=digest_cache_path() if cache is None else cache)
     manifest = [{"name": str(file.relative_to(root)), "sha256": sha, "size": st.st_size}
                 for (file, st), (sha, _) in zip(stats, digests, strict=True)]
