@@ -109,8 +109,9 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             labelnames=("tokens",)),
         Metrics.ADAPTER_UNSHARED: OffloadingCounterMetadata(
             "Chunks of requests under a LoRA adapter that were not shared, by reason: "
-            "adapter_mismatch (a peer holds the prompt under an adapter of the same name "
-            "and path with other content: looked up, recomputed here), adapter_unknown "
-            "(the tier did not see the request's adapter), adapter_unreadable (its files "
-            "cannot be hashed).", labelnames=("reason",)),
+            "adapter_mismatch (looked up: a peer holds the prompt under an adapter of the "
+            "same name and path with other content; recomputed here), adapter_unknown "
+            "(stored: kept from peers, the tier did not see the request's adapter), "
+            "adapter_unreadable (stored: kept from peers, its files cannot be hashed).",
+            labelnames=("reason",)),
     }

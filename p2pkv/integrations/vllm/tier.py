@@ -149,8 +149,7 @@ class _PeerLookup(AsyncLookupManager):
         if node is None or not keys:
             return [False] * len(keys)
         shared = tier._adapters.keys(req_context.req_id, keys)
-        if shared.keys is None:
-            tier._adapters.count(str(shared.reason), len(keys))
+        if shared.keys is None:  # counted once, where its chunks are kept from peers
             return [False] * len(keys)
         found, holders = self._ask(node, shared.keys)
         # A miss on a prompt's first chunk: does a peer hold it under another version
