@@ -439,7 +439,7 @@ class P2PKVTier(SecondaryTierManager):
         keys = shared.keys if shared.keys is not None else []
         if shared.keys is None:  # kept from peers: its adapter is not known
             self._adapters.count(str(shared.reason), len(engine_keys))
-        for i, (key, cid) in enumerate(zip(keys, chunk_ids, strict=False)):
+        for i, (key, cid) in enumerate(zip(keys, chunk_ids, strict=True) if keys else ()):
             chunk = self._rows[cid * row:(cid + 1) * row]
             try:
                 if node.put(key, chunk):
