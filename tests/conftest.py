@@ -59,3 +59,23 @@ def made() -> Iterator[list[Any]]:
             thing.close(timeout=1.0)
         else:
             thing.close()
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    """A private redis-server on a free port, closed after the test. Under ``make test``
+    (``P2PKV_REQUIRE_VLLM=1``) a missing server fails instead of skipping: CI must not
+    pass by testing nothing."""
+    import os
+
+    from redisprocs import LocalRedis, find_redis_server
+
+    if find_redis_server() is None:
+        if os.environ.get("P2PKV_REQUIRE_VLLM") == "1":
+            pytest.fail("redis-server is not installed (make redis installs it)")
+        pytest.skip("redis-server is not installed (make redis installs it)")
+    server = LocalRedis().start()
+    try:
+        yield server.url
+    finally:
+        server.close()

@@ -479,18 +479,5 @@ def _events_until(proc: subprocess.Popen[str], wanted: str) -> dict[str, Any]:
                          f"{proc.stderr.read() if proc.stderr else ''}")
 
 
-@pytest.fixture
-def redis_url() -> Iterator[str]:
-    from redisprocs import LocalRedis, find_redis_server
-
-    if find_redis_server() is None:
-        pytest.skip("redis-server is not installed")
-    server = LocalRedis().start()
-    try:
-        yield server.url
-    finally:
-        server.close()
-
-
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-v"]))

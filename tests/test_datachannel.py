@@ -388,6 +388,17 @@ def test_a_producer_killed_mid_stream_fails_the_fetch_at_once(made: list[Any]) -
     assert consumer.peers() == []
 
 
+def bound_stream(producer: Node, made: list[Any]) -> tuple[RawPeer, socket.socket]:
+    """A raw client's session with ``producer`` and its data stream, bound."""
+    raw = RawPeer(producer.address)
+    made.append(raw)
+    offer = raw.handshake(producer).data
+    assert offer is not None
+    stream = open_stream(offer.port, offer.token)
+    assert read_exact(stream, 8) == proto.ACCEPTED
+    return raw, stream
+
+
 def fetch_that_stays_pinned(made: list[Any], **config: Any
                             ) -> tuple[Node, RawPeer, socket.socket]:
     """A producer serving a 200-block fetch on a raw client's bound stream (a small
@@ -395,12 +406,7 @@ def fetch_that_stays_pinned(made: list[Any], **config: Any
     producer = node({**SEED_V2, "pool": 300}, **{**HEARTBEAT, **config})
     made.append(producer)
     keys = fill(producer, 280)
-    raw = RawPeer(producer.address)
-    made.append(raw)
-    offer = raw.handshake(producer).data
-    assert offer is not None
-    stream = open_stream(offer.port, offer.token)
-    assert read_exact(stream, 8) == proto.ACCEPTED
+    raw, stream = bound_stream(producer, made)
     stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
     raw.send_msg(proto.Fetch(1, tuple(keys), 200))
     msg, _ = read_stream_message(stream, producer.layout.bytes_per_block)
@@ -481,12 +487,7 @@ def test_a_reader_that_keeps_reading_slowly_is_never_cut(made: list[Any]) -> Non
     producer = node({**SEED_V2, "pool": 64}, send_timeout=0.5, **HEARTBEAT)
     made.append(producer)
     keys = fill(producer, 8)
-    raw = RawPeer(producer.address)
-    made.append(raw)
-    offer = raw.handshake(producer).data
-    assert offer is not None
-    stream = open_stream(offer.port, offer.token)
-    assert read_exact(stream, 8) == proto.ACCEPTED
+    raw, stream = bound_stream(producer, made)
     stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
     raw.send_msg(proto.Fetch(1, tuple(keys), 8))
     bpb = producer.layout.bytes_per_block
@@ -536,12 +537,7 @@ def test_the_peer_always_learns_why_its_session_ended(made: list[Any]) -> None:
     producer = node(SEED_V2, **HEARTBEAT)
     made.append(producer)
     for attempt in range(10):
-        raw = RawPeer(producer.address)
-        made.append(raw)
-        offer = raw.handshake(producer).data
-        assert offer is not None
-        stream = open_stream(offer.port, offer.token)
-        assert read_exact(stream, 8) == proto.ACCEPTED
+        raw, stream = bound_stream(producer, made)
         stream.sendall(b"\0")
         bye, _ = answer_pings_until_bye(raw, timeout=10)
         assert bye is not None, f"attempt {attempt}: no bye"

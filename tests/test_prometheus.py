@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 from clitools import finish, start
 from rawpeer import CorruptingProxy
-from redisprocs import LocalRedis, find_redis_server, free_port
+from redisprocs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "p2pkv.json"
@@ -212,19 +212,6 @@ def prometheus(tmp_path: Path) -> Iterator[Prometheus]:
         yield prom
     finally:
         prom.close()
-
-
-@pytest.fixture
-def redis_url() -> Iterator[str]:
-    if find_redis_server() is None:
-        if REQUIRED:
-            pytest.fail("redis-server is not installed (make redis)")
-        pytest.skip("redis-server is not installed")
-    server = LocalRedis().start()
-    try:
-        yield server.url
-    finally:
-        server.close()
 
 
 def test_dashboard_and_alerts_against_a_real_cluster(prometheus: Prometheus,
