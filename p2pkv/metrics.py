@@ -57,20 +57,22 @@ class NodeCollector:
             ("p2pkv_protocol_violations", s.protocol_violations, "Peers dropped for violations"),
         ):
             yield CounterMetricFamily(name, doc, value=value)
-        # Bytes by the path they took: the data stream (tcp-data-v1), shared memory
-        # (shm-v1), or ZeroMQ frames (the rest).
-        bpb = int(getattr(getattr(self._node, "layout", None), "bytes_per_block", 0) or 0)
-        for direction, total, stream, shm in (
-                ("sent", s.blocks_sent, s.blocks_sent_stream, s.blocks_sent_shm),
-                ("received", s.blocks_received, s.blocks_received_stream,
-                 s.blocks_received_shm)):
+        # Bytes by the path they took (p2pkv.runtime.paths): ZeroMQ frames, packed
+        # frames (packed-v1), shared memory (shm-v1), the data stream (tcp-data-v1).
+        for direction in ("sent", "received"):
             by_path = CounterMetricFamily(f"p2pkv_bytes_{direction}_by_path",
                                           f"Block bytes {direction}, by the path they took",
                                           labels=["path"])
-            for path, blocks in (("stream", stream), ("shm", shm),
-                                 ("zmq", max(0, total - stream - shm))):
-                by_path.add_metric([path], blocks * bpb)
+            for kind, moved in sorted(s.paths.items()):
+                by_path.add_metric([kind], getattr(moved, f"bytes_{direction}"))
             yield by_path
+        stalled = CounterMetricFamily(
+            "p2pkv_readers_stalled", "Peers cut at the send deadline for taking nothing "
+            "of what waited for them on a data path (session ended, blocks released)",
+            labels=["path"])
+        for kind, moved in sorted(s.paths.items()):
+            stalled.add_metric([kind], moved.readers_stalled)
+        yield stalled
         yield CounterMetricFamily(
             "p2pkv_data_streams_stalled", "Peers whose data stream took no bytes for "
             "send_timeout while blocks waited (session ended, blocks released)",

@@ -58,7 +58,7 @@ from p2pkv.runtime.server import Server
 from p2pkv.runtime.shm_client import SharedReceiver
 from p2pkv.runtime.shm_server import SharedSender
 from p2pkv.runtime.state import FetchTicket
-from p2pkv.runtime.stats import Counters
+from p2pkv.runtime.stats import Counters, path_stats
 from p2pkv.runtime.tuning import WAIT_GRACE
 from p2pkv.shm import ShmUnavailable
 from p2pkv.store import BlockStore
@@ -221,9 +221,8 @@ class Node:
             self._reactor, data_sock, self._counters, timeout=self.config.handshake_timeout,
             max_pending=self.config.max_peers)
         self._inbound_parts = InboundParts(
-            self._router, store, sender, shm_sender, self._counters, self._data_listener,
-            DataSender(store, self._segments, self._bpb, self._counters,
-                       send_timeout=self.config.send_timeout))
+            self._router, store, sender, shm_sender, self._counters, self.config.send_timeout,
+            self._data_listener, DataSender(store, self._segments, self._bpb, self._counters))
         listener, cport = self._data_listener, datachannel.port_of(self.address)
         self._server = Server(
             self._reactor,
@@ -246,11 +245,12 @@ class Node:
                 now=now, identity_policy=config.identity_policy),
             hello=self.hello, owner=self, store=store,
             receiver=Receiver(landing, self._segments, self._bpb, self._counters),
-            shm=SharedReceiver(landing, self._segments, self._counters, enabled=config.shm),
+            shm=SharedReceiver(landing, self._segments, self._counters,
+                               proto.CreditBudget(window), enabled=config.shm),
             data=DataReceiver(self._reactor, landing, self._segments, self._counters,
+                              proto.CreditBudget(proto.stream_window(window)),
                               enabled=offers_data),
             budget=proto.CreditBudget(window),
-            stream_budget=proto.CreditBudget(proto.stream_window(window)),
             counters=self._counters,
             curve=config.curve is not None, bytes_per_block=self._bpb),
             max_peers=config.max_peers)
@@ -401,7 +401,7 @@ class Node:
             draining=self._inbound_parts.draining.is_set(),
             data_port=None if self._data_listener is None else self._data_listener.port,
             data_peers_out=sum(1 for h in handles if h.data_path == "tcp-data"),
-            data_peers_in=self._server.stream_peers())
+            data_peers_in=self._server.stream_peers(), paths=path_stats(c.paths))
 
     def drain(self, timeout: float | None = None) -> None:
         """Leave gracefully (after ``Cluster.close``): new fetches are declined with

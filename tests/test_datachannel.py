@@ -551,12 +551,12 @@ def test_the_peer_always_learns_why_its_session_ended(made: list[Any]) -> None:
 
 def test_an_unexpected_error_while_sending_on_the_stream_leaks_no_pin(
         made: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    from p2pkv.runtime.data_server import OutStream
+    from p2pkv.runtime.data_server import BoundStream
 
     producer = node({**SEED_V2, "pool": 40})
     made.append(producer)
     keys = fill(producer, 30)
-    real_push = OutStream.push
+    real_push = BoundStream.push
     calls = {"n": 0}
 
     def failing_push(self: Any, head: bytes, segments: Any = None, done: Any = None) -> None:
@@ -565,7 +565,7 @@ def test_an_unexpected_error_while_sending_on_the_stream_leaks_no_pin(
             raise RuntimeError("injected failure in the stream's send path")
         real_push(self, head, segments, done)
 
-    monkeypatch.setattr(OutStream, "push", failing_push)
+    monkeypatch.setattr(BoundStream, "push", failing_push)
     consumer = node(SEED_V2, fetch_idle_timeout=3.0)
     made.append(consumer)
     peer = consumer.connect(producer.address)

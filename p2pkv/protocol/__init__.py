@@ -111,7 +111,7 @@ from p2pkv.protocol.messages import (
     ShmOffer,
     Welcome,
 )
-from p2pkv.protocol.requests import LocalProtocolError
+from p2pkv.protocol.requests import KeyLimitExceeded, LocalProtocolError
 from p2pkv.protocol.session import Session
 from p2pkv.protocol.transitions import IMPLEMENTED, TRANSITIONS
 
@@ -172,6 +172,7 @@ __all__ = [
     "Hello",
     "Hits",
     "KeyHash",
+    "KeyLimitExceeded",
     "Limits",
     "LocalProtocolError",
     "Located",

@@ -196,12 +196,16 @@ class RequestFailed(Event):
 class RequestTimedOut(Event):
     """Request ``req`` passed its deadline; ``kind`` is ``"lookup"``, ``"fetch"`` or ``"abort"``.
 
-    A timed-out fetch is aborted by the session (an ``abort`` is in the replies); blocks
-    that still arrive for it are reported as :class:`BlockDiscarded`.
+    ``overall``: it was the caller's deadline for the whole request that passed (the
+    ``deadline`` given when it opened), not its progress deadline (no answer, no block
+    within ``fetch_idle``). A timed-out fetch is aborted by the session (an ``abort`` is
+    in the replies); blocks that still arrive for it are reported as
+    :class:`BlockDiscarded`.
     """
 
     req: int
     kind: str
+    overall: bool = False
 
 
 # shm-v1 (protocol/SPEC.md §16)

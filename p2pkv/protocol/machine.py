@@ -193,11 +193,12 @@ class Machine:
             raise LocalProtocolError(
                 Code.UNEXPECTED, f"{what}: the connection is {self.state.value}, not ready")
 
-    def open(self, kind: str, keys: tuple[bytes, ...], deadline: float, granted: int) -> int:
+    def open(self, kind: str, keys: tuple[bytes, ...], deadline: float, granted: int,
+             until: float) -> int:
         if self.role is not Role.CLIENT:
             raise LocalProtocolError(Code.UNEXPECTED, f"{kind}: only the client sends requests")
         self.check_role(Role.CLIENT, kind)
-        return self.requests.open(kind, keys, deadline, granted, self.request_limit())
+        return self.requests.open(kind, keys, deadline, granted, self.request_limit(), until)
 
     def own(self, req: int, what: str) -> Request:
         self.check_role(Role.CLIENT, what)

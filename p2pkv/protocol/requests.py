@@ -8,6 +8,7 @@ and both remember a bounded number of finished ids so that a reply that crossed 
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Final
 
@@ -15,7 +16,7 @@ from p2pkv.errors import ProtocolError
 from p2pkv.protocol.codes import Code
 from p2pkv.protocol.events import RequestFailed
 
-__all__ = ["FINISHED_MEMORY", "LocalProtocolError", "Request", "RequestBook"]
+__all__ = ["FINISHED_MEMORY", "KeyLimitExceeded", "LocalProtocolError", "Request", "RequestBook"]
 
 FINISHED_MEMORY: Final = 4096
 """How many finished request ids a session remembers, so late replies are not violations."""
@@ -25,17 +26,32 @@ class LocalProtocolError(ProtocolError):
     """This node asked its session for something the protocol does not allow now."""
 
 
+class KeyLimitExceeded(LocalProtocolError, ValueError):
+    """A request with more keys than the peer accepts (``OUT_OF_BOUNDS``; ``allowed``:
+    the peer's ``max_keys``). Also a ValueError: the keys are a bad argument."""
+
+    def __init__(self, message: str, *, allowed: int, requested: int) -> None:
+        super().__init__(Code.OUT_OF_BOUNDS, message)
+        self.allowed = allowed
+        self.requested = requested
+
+
 class Request:
     """Bookkeeping of one unfinished request (either role)."""
 
     __slots__ = ("aborting", "deadline", "delivered", "granted", "keys", "kind", "received",
-                 "shared")
+                 "shared", "until")
 
     def __init__(self, kind: str, keys: tuple[bytes, ...], deadline: float,
-                 granted: int = 0) -> None:
+                 granted: int = 0, until: float = math.inf) -> None:
         self.kind = kind
         self.keys = keys
+        #: The progress deadline: the answer (lookup), the next block or credit (fetch),
+        #: the abort_ack (aborting); moved by the session as the request progresses.
         self.deadline = deadline
+        #: The caller's deadline for the whole request (client; inf: none). The one
+        #: clock a request has: the runtime keeps no other.
+        self.until = until
         self.granted = granted  # total blocks of window granted (fetch)
         self.received = 0  # blocks sent (server) or arrived (client)
         self.delivered: set[int] = set()  # indices sent (server) or arrived (client)
@@ -78,7 +94,7 @@ class RequestBook:
         return req in self._finished
 
     def open(self, kind: str, keys: tuple[bytes, ...], deadline: float, granted: int,
-             limit: int) -> int:
+             limit: int, until: float = math.inf) -> int:
         """Client: the next request id, unless ``limit`` requests are open already."""
         if len(self._open) >= limit:
             raise LocalProtocolError(
@@ -87,7 +103,7 @@ class RequestBook:
             )
         req = self._next
         self._next += 1
-        self._open[req] = Request(kind, keys, deadline, granted)
+        self._open[req] = Request(kind, keys, deadline, granted, until)
         return req
 
     def record(self, req: int, request: Request) -> None:

@@ -26,6 +26,7 @@ in a state that does not allow it raises :class:`LocalProtocolError`; bad argume
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 
 from p2pkv.errors import ConfigError, ProtocolError
@@ -76,8 +77,8 @@ from p2pkv.protocol.messages import (
     Release,
     ShmOffer,
 )
-from p2pkv.protocol.requests import LocalProtocolError, Request
-from p2pkv.protocol.transitions import IMPLEMENTED, expire, remote_error
+from p2pkv.protocol.requests import KeyLimitExceeded, LocalProtocolError, Request
+from p2pkv.protocol.transitions import IMPLEMENTED, abort_request, expire, remote_error
 from p2pkv.protocol.transitions import next_deadline as machine_deadline
 from p2pkv.protocol.transitions import receive as machine_receive
 
@@ -85,9 +86,15 @@ __all__ = ["LocalProtocolError", "Session"]
 
 
 def _check_keys(keys: Sequence[bytes], limit: int) -> tuple[bytes, ...]:
+    """A request's keys: 1 to the peer's ``max_keys`` of them (KeyLimitExceeded, which
+    the runtime reports as LocalLimitExceeded), each a valid key."""
     out = tuple(keys)
-    if not 1 <= len(out) <= limit:
-        raise ValueError(f"keys: need 1..{limit} keys, got {len(out)}")
+    if not out:
+        raise ValueError("keys: need at least one key")
+    if len(out) > limit:
+        raise KeyLimitExceeded(f"keys: need 1..{limit} keys, got {len(out)}: the peer "
+                               f"accepts at most {limit} keys per request; split the "
+                               "request", allowed=limit, requested=len(out))
     return check_keys(out, MAX_KEY_LEN)
 
 
@@ -363,30 +370,36 @@ class Session:
 
     # ------------------------------------------------------------------ client calls
 
-    def lookup(self, keys: Sequence[bytes], now: float) -> Lookup:
-        """Client: open a lookup; send the returned message. Answer: LookupAnswered."""
+    def lookup(self, keys: Sequence[bytes], now: float, *,
+               deadline: float = math.inf) -> Lookup:
+        """Client: open a lookup; send the returned message. Answer: LookupAnswered, or
+        RequestTimedOut once ``lookup`` seconds (or the caller's ``deadline``) passed."""
         keys_t = _check_keys(keys, self._m.peer_max_keys())
-        req = self._m.open("lookup", keys_t, now + self._m.deadlines.lookup, 0)
+        req = self._m.open("lookup", keys_t, now + self._m.deadlines.lookup, 0, deadline)
         return Lookup(req, keys_t)
 
-    def fetch(self, keys: Sequence[bytes], window: int, now: float) -> Fetch:
+    def fetch(self, keys: Sequence[bytes], window: int, now: float, *,
+              deadline: float = math.inf) -> Fetch:
         """Client: open a fetch allowing ``window`` blocks in flight; send the message.
 
         Blocks arrive as BlockArrived; grant more window with :meth:`credit` as they
-        land; FetchFinished ends it.
+        land; FetchFinished ends it. It times out (aborted, RequestTimedOut) when no
+        block or credit moved it for ``fetch_idle`` seconds, or at ``deadline``.
         """
         keys_t = _check_keys(keys, self._m.peer_max_keys())
         if type(window) is not int or not 1 <= window <= MAX_WINDOW:
             raise ValueError(f"window must be an int in [1, {MAX_WINDOW}], got {window!r}")
-        req = self._m.open("fetch", keys_t, now + self._m.deadlines.fetch_idle, window)
+        req = self._m.open("fetch", keys_t, now + self._m.deadlines.fetch_idle, window,
+                           deadline)
         return Fetch(req, keys_t, window)
 
-    def fetch_shared(self, keys: Sequence[bytes], window: int, now: float) -> Fetch:
+    def fetch_shared(self, keys: Sequence[bytes], window: int, now: float, *,
+                     deadline: float = math.inf) -> Fetch:
         """Client: :meth:`fetch`, served through the segment (``shm-v1``, after an
         accepted :meth:`attach`): its blocks arrive as BlocksLocated."""
         if not self._m.shared_memory:
             raise LocalProtocolError(Code.UNEXPECTED, "fetch_shared: no accepted attach")
-        msg = self.fetch(keys, window, now)
+        msg = self.fetch(keys, window, now, deadline=deadline)
         self._m.requests[msg.req].shared = True
         return dataclasses.replace(msg, shm=True)
 
@@ -415,8 +428,7 @@ class Session:
         r = self._m.own(req, "abort")
         if r.aborting:
             raise LocalProtocolError(Code.UNEXPECTED, f"abort: request {req} is already aborting")
-        r.aborting = True
-        r.deadline = now + self._m.deadlines.abort
+        abort_request(self._m, r, now)
         return Abort(req)
 
     def attach(self, nonce: bytes) -> Attach:

@@ -89,8 +89,8 @@ from p2pkv.protocol.messages import (
 )
 from p2pkv.protocol.requests import Request
 
-__all__ = ["IMPLEMENTED", "TRANSITIONS", "Handler", "Rule", "expire", "next_deadline", "receive",
-           "remote_error"]
+__all__ = ["IMPLEMENTED", "TRANSITIONS", "Handler", "Rule", "abort_request", "expire",
+           "next_deadline", "receive", "remote_error"]
 
 
 IMPLEMENTED: Final = frozenset({CAP_CHECKSUM_XXH3_64, CAP_SHM_V1, CAP_PACKED_V1,
@@ -163,15 +163,15 @@ def expire(m: Machine, now: float) -> Output:
     replies: list[Message] = []
     if m.role is Role.CLIENT:
         for req, r in m.requests.items():
-            if now < r.deadline:
+            if now < r.deadline and now < r.until:
                 continue
-            events.append(RequestTimedOut(req, "abort" if r.aborting else r.kind))
+            events.append(RequestTimedOut(req, "abort" if r.aborting else r.kind,
+                                          overall=not r.aborting and now >= r.until))
             if r.aborting:
                 return _closing(m, Code.TIMEOUT, f"no abort_ack for request {req} within "
                                 f"{d.abort:g} s", events, replies)
             if r.kind == "fetch":
-                r.aborting = True
-                r.deadline = now + d.abort
+                abort_request(m, r, now)
                 replies.append(Abort(req))
             else:
                 m.requests.finish(req)
@@ -205,9 +205,17 @@ def next_deadline(m: Machine) -> float | None:
                   max(m.last_rx, m.last_ping) + d.heartbeat_interval)
     if m.role is Role.CLIENT:
         for r in m.requests.values():
-            if r.deadline < soonest:
-                soonest = r.deadline
+            soonest = min(soonest, r.deadline, r.until)
     return soonest
+
+
+def abort_request(m: Machine, r: Request, now: float) -> None:
+    """Client: fetch ``r`` is being aborted; only its abort_ack is awaited now, within
+    the abort deadline (the caller's deadline no longer applies: it passed, or the
+    caller stopped the fetch)."""
+    r.aborting = True
+    r.deadline = now + m.deadlines.abort
+    r.until = math.inf
 
 
 # ---------------------------------------------------------------------- both roles

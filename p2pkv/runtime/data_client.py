@@ -1,15 +1,10 @@
-"""The fetching side of ``tcp-data-v1``: open the stream, bind it, land what it carries.
+"""The fetching half of ``tcp-data-v1``: land what a bound data stream carries.
 
-Right after a handshake that negotiated ``tcp-data-v1`` (and unless the blocks move
-through shared memory), the connection opens a plain TCP stream to the data port the
-``welcome`` named, at the host it dialed, and sends the token first; it is ready once
-the server answered (within the handshake deadline). Anything less — the capability
-not negotiated, a relay in between, a port that does not answer, a closed stream — and
-every block keeps moving over ZeroMQ; :attr:`DataLink.detail` says why.
-
-On a bound stream every message is a length-prefixed frame 0, fed to the session
-through the same door as one from ZeroMQ (``deliver``); a ``block`` the session
-accepted is followed by its blocks' bytes back to back, which ``recvmsg_into``
+Once :class:`~p2pkv.runtime.data_dial.StreamDialer` bound the stream, a
+:class:`StreamIn` is the connection's data path (the ``stream`` kind of
+:mod:`p2pkv.runtime.paths`). Every message on it is a length-prefixed frame 0, fed to
+the session through the same door as one from ZeroMQ (``deliver``); a ``block`` the
+session accepted is followed by its blocks' bytes back to back, which ``recvmsg_into``
 scatters straight into their destinations (store slots that lookups cannot see yet,
 or caller buffers): one kernel copy, nothing copied in Python but the few bytes read
 ahead with a header. A message arrives over several loop turns; every block is settled
@@ -25,24 +20,22 @@ IO thread only.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Final
 
 from p2pkv import protocol as proto
 from p2pkv.errors import P2PKVError, PeerGone, ProtocolError
 from p2pkv.runtime.landing import Landed, Landing
 from p2pkv.runtime.reactor import Reactor
-from p2pkv.runtime.state import Receiving
-from p2pkv.runtime.stats import Count, Counters
+from p2pkv.runtime.state import Receiving, writable
+from p2pkv.runtime.stats import RECEIVED, Counters
 from p2pkv.runtime.tuning import READ_BURST_BYTES
-from p2pkv.transport.datachannel import Scatter, connect_error, dial, host_of, port_of
+from p2pkv.transport.datachannel import Scatter
 
-__all__ = ["DataLink", "DataReceiver", "LinkOwner"]
+__all__ = ["DataReceiver", "StreamIn", "StreamOwner"]
 
 log = logging.getLogger("p2pkv.node")
 
@@ -55,33 +48,23 @@ _RECEIVE_CHUNK: Final = 1 << 20
 """Bytes one ``recvmsg_into`` takes at most, unless a block is larger."""
 
 
-class _State(Enum):
-    OFF = "off"
-    DIALING = "dialing"
-    AWAITING = "awaiting"
-    BOUND = "bound"
-    CLOSED = "closed"
-
-
 @dataclass(eq=False)
-class LinkOwner:
-    """What a data link calls back into: its outbound connection."""
+class StreamOwner:
+    """What a stream calls back into: its outbound connection."""
 
     #: The running fetch of a request id, or None (finished, cancelled, timed out).
     fetch_of: Callable[[int], Receiving | None]
     #: Feed one frame 0 read on the stream to the session; returns its output.
     deliver: Callable[[bytes, proto.Payload, float], proto.Output]
-    #: The stream is bound (or the attempt is over: detail says why not).
-    ready: Callable[[], None]
-    #: A bound stream ended: the connection ends with this error.
+    #: The stream ended or carried a violation: the connection ends with this error.
     lost: Callable[[P2PKVError], None]
 
 
 class DataReceiver:
-    """What the data links of this node's outbound connections share."""
+    """What the data streams of this node's outbound connections share."""
 
     def __init__(self, reactor: Reactor, landing: Landing, segments: Sequence[int],
-                 counters: Counters, *, enabled: bool) -> None:
+                 counters: Counters, budget: proto.CreditBudget, *, enabled: bool) -> None:
         self.reactor = reactor
         self.landing = landing
         self.segments = tuple(segments)
@@ -90,10 +73,14 @@ class DataReceiver:
         #: after it landed, while it is still in cache.
         self.chunk = max(self.bpb, _RECEIVE_CHUNK)
         self.counters = counters
+        #: A connection on a stream has a larger budget (SPEC §18.3).
+        self.budget = budget
         self.enabled = enabled
 
-    def link(self, address: str, owner: LinkOwner) -> DataLink:
-        return DataLink(self, address, owner)
+    def stream(self, address: str, sock: socket.socket, owner: StreamOwner,
+               detail: str) -> StreamIn:
+        """The data path of a connection whose stream ``sock`` was just bound."""
+        return StreamIn(self, address, sock, owner, detail)
 
 
 @dataclass(eq=False)
@@ -114,7 +101,7 @@ class _StreamPayload:
 
     count = None
 
-    def __init__(self, link: DataLink) -> None:
+    def __init__(self, link: StreamIn) -> None:
         self._link = link
         self.discarded = False
 
@@ -122,100 +109,76 @@ class _StreamPayload:
         return False  # only a block has a payload, and the session knows which is one
 
     def land(self, arrived: proto.DataArrived) -> None:
-        assert isinstance(arrived, proto.BlockArrived)
-        self._link._begin(arrived)
+        self._link.land(arrived)
 
     def discard(self) -> None:
         self.discarded = True
 
 
-class DataLink:
-    """One outbound connection's data stream (IO thread only)."""
+class StreamIn:
+    """One outbound connection's bound data stream, as its data path (IO thread only)."""
 
-    def __init__(self, parts: DataReceiver, address: str, owner: LinkOwner) -> None:
+    kind = "stream"
+
+    def __init__(self, parts: DataReceiver, address: str, sock: socket.socket,
+                 owner: StreamOwner, detail: str) -> None:
         self._parts = parts
         self._address = address
         self._owner = owner
-        self._state = _State.OFF
-        self._sock: socket.socket | None = None
-        self._deadline = 0.0
-        self._out = b""
+        self._sock: socket.socket | None = sock
+        self._closed = False
         self._ahead = bytearray(_LOOKAHEAD)
         self._a0 = self._a1 = 0
         self._incoming: _Incoming | None = None
         self._scratch: bytearray | None = None
-        #: How blocks move on this connection and why.
-        self.detail = ""
+        self.budget = parts.budget
+        #: How blocks move on this connection.
+        self.detail = detail
+        parts.reactor.register(sock, self._on_event)
 
-    @property
-    def bound(self) -> bool:
-        return self._state is _State.BOUND
+    # -- the data path -------------------------------------------------------------------
 
-    @property
-    def pending(self) -> bool:
-        """Whether the connection still waits for the stream's verdict."""
-        return self._state in (_State.DIALING, _State.AWAITING)
+    def open_fetch(self, session: proto.Session, keys: tuple[bytes, ...], window: int,
+                   now: float, deadline: float) -> proto.Fetch:
+        return session.fetch(keys, window, now, deadline=deadline)
 
-    # -- binding -------------------------------------------------------------------------
+    def land(self, arrived: proto.DataArrived) -> None:
+        """The session accepted a block message: open where its blocks land (its bytes
+        follow on the stream, over as many loop turns as they take)."""
+        assert isinstance(arrived, proto.BlockArrived)
+        recv = self._owner.fetch_of(arrived.req)
+        nbytes = len(arrived.idx) * self._parts.bpb
+        with writable(recv, recv) as ok:
+            if not ok or recv is None:
+                self._incoming = _Incoming(arrived.req, None, [], None, skip=nbytes)
+                return
+            landing = self._parts.landing
+            blocks = landing.open_kept(recv, [recv.index_map[i] for i in arrived.idx],
+                                       arrived.sums)
+        views: list[memoryview] = []
+        for block in blocks:
+            views.extend(block.views if block is not None else self._scratch_block())
+        self._incoming = _Incoming(arrived.req, recv, blocks, Scatter(views))
 
-    def begin(self, session: proto.Session, deadline: float) -> bool:
-        """Right after the handshake: True while a stream is being opened (``ready``
-        follows), False when the connection stays on ZeroMQ (:attr:`detail` says why)."""
-        if not self._parts.enabled:
-            self.detail = "the data channel is off on this node"
-            return False
-        offer, why = proto.usable_offer(session.capabilities, session.data_offer,
-                                        port_of(self._address))
-        if offer is None:
-            if proto.CAP_TCP_DATA_V1 in session.capabilities:
-                self._fell_back(why)  # negotiated, and still not used
-            else:
-                self.detail = why
-            return False
-        host = host_of(self._address)
-        try:
-            sock = dial(host, offer.port)
-        except OSError as exc:
-            self._fell_back(f"cannot open a data stream to {host}:{offer.port}: {exc}")
-            return False
-        self._sock = sock
-        self._deadline = deadline
-        self._out = proto.preface(offer.token)
-        self._state = _State.DIALING
-        self.detail = f"data stream to {host}:{offer.port}"
-        self._parts.reactor.register(sock, self._on_event, writable=True)
-        return True
+    def settled(self, session: proto.Session,
+                ev: proto.BlockArrived | proto.BlocksLocated) -> list[proto.Message]:
+        return []
 
-    def check(self, now: float) -> None:
-        """A stream not bound by the deadline is given up: blocks stay on ZeroMQ."""
-        if self.pending and now >= self._deadline:
-            self._give_up("the data port did not answer within the handshake deadline")
+    def cancel(self, req: int) -> None:
+        """Whatever is left of the message being received for ``req`` goes to scratch,
+        and the slots it opened are freed now, not at its next byte."""
+        inc = self._incoming
+        if inc is not None and inc.req == req and inc.scatter is not None:
+            self._give_up_message(inc)
 
-    def _give_up(self, why: str) -> None:
-        self._close_socket()
-        self._state = _State.OFF
-        self._fell_back(why)
-        self._owner.ready()
-
-    def _fell_back(self, why: str) -> None:
-        self.detail = why
-        self._parts.counters.add(Count.DATA_FALLBACKS)
-        log.info("%s: blocks move over ZeroMQ: %s", self._address, why)
-
-    def read_what_came(self, now: float) -> None:
+    def read_pending(self, now: float) -> None:
         """The ZeroMQ connection ended: handle what the stream still holds first."""
-        if self._state is _State.BOUND:
+        if not self._closed:
             self._on_event(now)
 
     def _on_event(self, now: float) -> None:
         try:
-            state = self._state
-            if state is _State.DIALING:
-                self._send_preface()
-            elif state is _State.AWAITING:
-                self._read_answer()
-            if self._state is _State.BOUND:
-                self._read(now)
+            self._read(now)
         except (ProtocolError, PeerGone) as exc:
             self._lose(exc)
         except OSError as exc:
@@ -223,56 +186,7 @@ class DataLink:
         except Exception as exc:
             # A bug must cost one connection, never the node (or its IO thread).
             log.exception("internal error on the data stream of %s", self._address)
-            if self._state is _State.BOUND:
-                self._lose(P2PKVError(f"internal error on the data stream: {exc!r}"))
-            elif self.pending:
-                self._give_up(f"internal error while binding the data stream: {exc!r}")
-
-    def _send_preface(self) -> None:
-        sock = self._sock
-        assert sock is not None
-        err = connect_error(sock)
-        if err:
-            self._give_up(f"cannot open the data stream: {errno.errorcode.get(err, err)}")
-            return
-        try:
-            sent = sock.send(self._out)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            self._give_up(f"cannot open the data stream: {exc}")
-            return
-        self._out = self._out[sent:]
-        if not self._out:
-            self._state = _State.AWAITING
-            self._parts.reactor.watch_writable(sock, False)
-
-    def _read_answer(self) -> None:
-        sock = self._sock
-        assert sock is not None
-        want = len(proto.ACCEPTED) - self._a1
-        try:
-            got = sock.recv_into(memoryview(self._ahead)[self._a1:self._a1 + want])
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            self._give_up(f"the data stream failed before it was bound: {exc}")
-            return
-        if got == 0:
-            self._give_up("the peer closed the data stream without binding it (token "
-                          "refused)")
-            return
-        self._a1 += got
-        if self._a1 < len(proto.ACCEPTED):
-            return
-        if bytes(self._ahead[:self._a1]) != proto.ACCEPTED:
-            self._give_up("the data port answered something else than p2pkv")
-            return
-        self._a0 = self._a1 = 0
-        self._state = _State.BOUND
-        self._parts.counters.add(Count.DATA_STREAMS_OPENED)
-        log.info("%s: blocks move over the data stream", self._address)
-        self._owner.ready()
+            self._lose(P2PKVError(f"internal error on the data stream: {exc!r}"))
 
     # -- reading -------------------------------------------------------------------------
 
@@ -280,7 +194,7 @@ class DataLink:
         # Bytes read ahead are always handled (the poller cannot know of them); the
         # socket is read until a burst's worth came in, then the others get a turn.
         budget = READ_BURST_BYTES
-        while self._state is _State.BOUND:
+        while not self._closed:
             if self._incoming is None:
                 if self._next_header(now, may_read=budget > 0):
                     continue
@@ -327,7 +241,7 @@ class DataLink:
     def _deliver(self, head: bytes, now: float) -> None:
         payload = _StreamPayload(self)
         out = self._owner.deliver(head, payload, now)
-        if self._state is not _State.BOUND or not payload.discarded:
+        if self._closed or not payload.discarded:
             self._continue()
             return
         # A block the session discards (its fetch is over or being aborted): skip it.
@@ -337,21 +251,6 @@ class DataLink:
                                 "neither accepted nor discarded")
         self._incoming = _Incoming(0, None, [], None, skip=skip * self._parts.bpb)
         self._continue()
-
-    def _begin(self, ev: proto.BlockArrived) -> None:
-        """The session accepted a block message: open where its blocks land."""
-        recv = self._owner.fetch_of(ev.req)
-        ticket = recv.ticket if recv is not None else None
-        if recv is None or (ticket is not None and ticket.cancelled):
-            self._incoming = _Incoming(ev.req, None, [], None,
-                                       skip=len(ev.idx) * self._parts.bpb)
-            return
-        landing = self._parts.landing
-        blocks = landing.open_kept(recv, [recv.index_map[i] for i in ev.idx], ev.sums)
-        views: list[memoryview] = []
-        for block in blocks:
-            views.extend(block.views if block is not None else self._scratch_block())
-        self._incoming = _Incoming(ev.req, recv, blocks, Scatter(views))
 
     def _continue(self) -> None:
         """Hand the bytes read ahead with the header to the message just begun."""
@@ -414,18 +313,11 @@ class DataLink:
     def _locked(self, inc: _Incoming) -> Iterator[None]:
         """Hold the fetch's ticket lock while its buffers are written; a fetch that was
         cancelled, or is no longer running, gets nothing more (the rest is skipped)."""
-        recv = inc.recv
-        ticket = recv.ticket if recv is not None else None
-        if recv is None:
-            yield
+        if inc.recv is None:
+            yield  # skipping already
             return
-        if ticket is None:
-            if self._owner.fetch_of(inc.req) is not recv:
-                self._give_up_message(inc)
-            yield
-            return
-        with ticket.lock:
-            if ticket.cancelled or self._owner.fetch_of(inc.req) is not recv:
+        with writable(inc.recv, self._owner.fetch_of(inc.req)) as ok:
+            if not ok:
                 self._give_up_message(inc)
             yield
 
@@ -459,7 +351,8 @@ class DataLink:
                 except BaseException:
                     landing.abandon(ready)  # whatever happened, no slot stays open
                     raise
-                self._parts.counters.add(Count.BLOCKS_RECEIVED_STREAM, landed)
+                self._parts.counters.moved(self.kind, RECEIVED, landed,
+                                           landed * self._parts.bpb)
         if scatter.done:
             self._incoming = None
 
@@ -475,20 +368,17 @@ class DataLink:
     # -- the end -------------------------------------------------------------------------
 
     def _lose(self, exc: P2PKVError) -> None:
-        if self._state is _State.BOUND:
+        if not self._closed:
             self.close()
             self._owner.lost(exc)
 
     def close(self) -> None:
         """Close the stream (the connection ended): the slots of a message still being
-        received are freed."""
+        received are freed. Idempotent."""
         inc, self._incoming = self._incoming, None
         if inc is not None and inc.scatter is not None:
             self._parts.landing.abandon(inc.blocks[inc.settled:])
-        self._close_socket()
-        self._state = _State.CLOSED
-
-    def _close_socket(self) -> None:
+        self._closed = True
         sock, self._sock = self._sock, None
         if sock is not None:
             self._parts.reactor.unregister(sock)

@@ -5,8 +5,9 @@ and a fresh random token (:meth:`DataListener.offer`). The token binds the first
 that presents it to that peer's session, within the handshake deadline, once: a stream
 whose preface is not a p2pkv one, whose token is unknown, used already or expired, or
 that says nothing in time, is closed unanswered and never touches the pool. A bound
-stream (:class:`OutStream`) then carries the ``block`` and ``done`` messages of the
-peer's fetches that are not served through shared memory: :class:`DataSender` pins a
+stream (:class:`BoundStream`) then carries the ``block`` and ``done`` messages of the
+peer's fetches that are not served through shared memory (:class:`StreamOut`, the
+``stream`` kind of :mod:`p2pkv.runtime.paths`): :class:`DataSender` pins a
 batch within the fetch's credit, queues its header and the slots' segments, and
 ``sendmsg`` gathers them straight from the pool; each block stays pinned until its last
 byte went to the kernel (or the stream is dropped). The client sends nothing on the
@@ -31,11 +32,11 @@ from p2pkv.protocol.codes import DATA_TOKEN_LEN, OUTCOME_SENT
 from p2pkv.runtime.reactor import Reactor
 from p2pkv.runtime.sender import pin_next_batch
 from p2pkv.runtime.state import Sending
-from p2pkv.runtime.stats import Count, Counters
+from p2pkv.runtime.stats import SENT, Count, Counters
 from p2pkv.store import BlockReader, BlockStore
 from p2pkv.transport.datachannel import Gather, tune
 
-__all__ = ["DataListener", "DataSender", "OutStream", "StreamOwner"]
+__all__ = ["BoundStream", "DataListener", "DataSender", "StreamOut", "StreamOwner"]
 
 log = logging.getLogger("p2pkv.node")
 
@@ -53,7 +54,7 @@ class StreamOwner(Protocol):
     def wants_stream(self) -> bool:
         """Whether a stream may bind to it now (its session negotiated the stream)."""
 
-    def bind_stream(self, stream: OutStream) -> None:
+    def bind_stream(self, stream: BoundStream) -> None:
         """Its stream arrived with the right token."""
 
     def stream_lost(self, code: int, why: str) -> None:
@@ -185,7 +186,7 @@ class DataListener:
                               f"the data stream failed as it was bound: {exc}")
             return
         self._counters.add(Count.DATA_STREAMS_BOUND)
-        owner.bind_stream(OutStream(self._reactor, p.sock, owner))
+        owner.bind_stream(BoundStream(self._reactor, p.sock, owner))
 
     def _drop_pending(self, p: _Pending, why: str) -> None:
         self._pending.pop(p.sock, None)
@@ -226,7 +227,7 @@ class DataListener:
         self._sock.close()
 
 
-class OutStream:
+class BoundStream:
     """One bound stream: messages queued in order, written as the socket takes them.
 
     The peer never writes on it: readable means it closed or broke the protocol, and
@@ -345,15 +346,13 @@ class DataSender:
     """Sends served fetches' blocks on bound streams, within each fetch's credit."""
 
     def __init__(self, store: BlockStore, segments: tuple[int, ...], bytes_per_block: int,
-                 counters: Counters, *, send_timeout: float) -> None:
+                 counters: Counters) -> None:
         self._store = store
         self._bpb = bytes_per_block
         self._counters = counters
-        #: Seconds a stream may take no bytes while some wait (see OutStream.stalled_for).
-        self.send_timeout = send_timeout
         self._batch_limit = proto.stream_batch_limit(bytes_per_block, len(segments))
 
-    def send_job(self, session: proto.Session, job: Sending, stream: OutStream) -> None:
+    def send_job(self, session: proto.Session, job: Sending, stream: BoundStream) -> None:
         """Queue what the credit of ``job`` and the stream's queue allow, then write."""
         store = self._store
         n = len(job.keys)
@@ -376,7 +375,7 @@ class DataSender:
                 job.outcomes[i] = OUTCOME_SENT
             self._counters.add(Count.BLOCKS_SENT, len(idx))
             self._counters.add(Count.BYTES_SENT, len(idx) * self._bpb)
-            self._counters.add(Count.BLOCKS_SENT_STREAM, len(idx))
+            self._counters.moved("stream", SENT, len(idx), len(idx) * self._bpb)
         stream.flush()
 
     def _unpin(self, readers: list[BlockReader]) -> Callable[[], None]:
@@ -390,3 +389,41 @@ class DataSender:
                 store.release_many(held.pop())
 
         return unpin
+
+
+class StreamOut:
+    """The serving half of ``tcp-data-v1`` for one peer: its bound stream carries the
+    blocks and the ``done`` of every fetch that arrived once it was bound."""
+
+    kind = "stream"
+
+    def __init__(self, sender: DataSender, stream: BoundStream) -> None:
+        self._sender = sender
+        self.stream = stream
+
+    def can_send(self, session: proto.Session, job: Sending) -> bool:
+        return self.stream.has_room
+
+    def send(self, session: proto.Session, job: Sending) -> bool:
+        # A failed write ends the stream, and its owner's session with it.
+        self._sender.send_job(session, job, self.stream)
+        return True
+
+    def finish(self, session: proto.Session, job: Sending) -> bool:
+        # The done follows the fetch's last block on the same stream (SPEC §18).
+        self.stream.push(proto.encode_head(session.fetch_done(job.req, job.outcomes)))
+        self.stream.flush()
+        return True
+
+    def abort(self, req: int) -> None:
+        pass  # what is queued goes out; the client discards a fetch it aborted
+
+    def stalled_for(self, now: float) -> float:
+        return self.stream.stalled_for(now)
+
+    @property
+    def busy(self) -> bool:
+        return self.stream.busy
+
+    def close(self) -> None:
+        self.stream.close()  # unpins what it still queued

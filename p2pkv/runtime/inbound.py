@@ -2,13 +2,15 @@
 
 An :class:`InboundConnection` owns its server :class:`~p2pkv.protocol.Session`
 (the session enforces the handshake: a refused peer is told why, then forgotten), the
-fetch jobs the peer opened, and what identifies its TCP connection. It answers lookups
-from the store and sends the blocks of its jobs through the
-:class:`~p2pkv.runtime.sender.Sender` (or locates them in shared memory) as their credit
-allows. A peer that misbehaves or becomes unreachable costs only itself: one that stops
-reading (a frozen process, a zero TCP window) is declared dead after its heartbeat
-deadline and its TCP connection is cut, so that libzmq drops what it still queued for it
-and the blocks pinned for those sends are released.
+fetch jobs the peer opened, its data path (:mod:`p2pkv.runtime.paths`: ZeroMQ frames,
+packed frames or its data stream, and shared memory for the fetches that ask for it),
+and what identifies its TCP connection. It answers lookups from the store and has each
+job's path send its blocks as their credit allows. A peer that misbehaves or becomes
+unreachable costs only itself: one that stops reading (a frozen process, a zero TCP
+window) is declared dead after its heartbeat deadline, and one that keeps answering
+pings but takes nothing of what its path holds for it is cut at the send deadline
+(``send_timeout``); either way its TCP connection is cut, so that libzmq drops what it
+still queued for it and the blocks pinned for those sends are released.
 
 All on the IO thread; the ROUTER itself is read by :class:`~p2pkv.runtime.server.Server`.
 """
@@ -29,9 +31,10 @@ from p2pkv import protocol as proto
 from p2pkv.errors import ProtocolError
 from p2pkv.protocol.codes import OUTCOME_FAILED
 from p2pkv.reports import reason_name
-from p2pkv.runtime.data_server import DataListener, DataSender, OutStream
+from p2pkv.runtime.data_server import BoundStream, DataListener, DataSender, StreamOut
+from p2pkv.runtime.paths import FramesOut, ServePath, serving_frames
 from p2pkv.runtime.sender import Sender
-from p2pkv.runtime.shm_server import SharedSender
+from p2pkv.runtime.shm_server import SharedOut, SharedSender
 from p2pkv.runtime.state import Sending
 from p2pkv.runtime.stats import Count, Counters
 from p2pkv.runtime.tuning import BYE_FLUSH_S
@@ -66,6 +69,9 @@ class InboundParts:
     sender: Sender
     shm: SharedSender
     counters: Counters
+    #: Seconds a peer may take nothing of what waits for it on its path (the send
+    #: deadline, see ``ServePath.stalled_for``).
+    send_timeout: float
     #: The data port (``tcp-data-v1``) and what sends on its streams; None when this
     #: node offers no data channel.
     data: DataListener | None = None
@@ -125,8 +131,11 @@ class InboundConnection:
         self._parts = parts
         self._on_closed = on_closed
         self._jobs: collections.OrderedDict[int, Sending] = collections.OrderedDict()
-        #: The peer's data stream once bound (``tcp-data-v1``), and the offer made for it.
-        self.stream: OutStream | None = None
+        #: The peer's data path: ZeroMQ frames until the handshake says packed, or its
+        #: data stream binds (tcp-data-v1); and shared memory once its proof was
+        #: accepted, for the fetches that ask for it.
+        self.path: ServePath = FramesOut(parts.sender, rid, self.send)
+        self._shared: SharedOut | None = None
         self._offer = session.data_offer  # tokens are minted with the session
         if parts.data is not None and self._offer is not None:
             parts.data.own(self._offer, self)
@@ -138,22 +147,23 @@ class InboundConnection:
         self._handle(self.session.receive_data(head, now, _Counted(extra_frames)))
 
     def poll(self, now: float) -> None:
-        """Check the session's deadlines and the data stream's send deadline; forget the
-        peer once its session ended."""
+        """Check the session's deadlines and its paths' send deadline; forget the peer
+        once its session ended."""
         out = self.session.poll(now)
         if out.events or out.replies:
             self._handle(out)
         if self.session.state in _DONE_STATES:
             self.drop()
             return
-        stream, sender = self.stream, self._parts.data_sender
-        if stream is not None and sender is not None and \
-                (stalled := stream.stalled_for(now)) >= sender.send_timeout:
-            self._parts.counters.add(Count.DATA_STREAMS_STALLED)
-            self.stream_lost(proto.Code.PEER_TIMEOUT,
-                             f"the data stream took no bytes for {stalled:.1f} s (send "
-                             f"timeout {sender.send_timeout:g} s) while blocks waited for "
-                             "it: its fetches fail and their blocks are released")
+        timeout = self._parts.send_timeout
+        for path in (self.path, self._shared):
+            if path is not None and (stalled := path.stalled_for(now)) >= timeout:
+                self._parts.counters.stalled(path.kind)
+                self.stream_lost(proto.Code.PEER_TIMEOUT,
+                                 f"{_STALLS[path.kind]} for {stalled:.1f} s (send timeout "
+                                 f"{timeout:g} s) while blocks waited for it: its fetches "
+                                 "fail and their blocks are released")
+                return
 
     def _handle(self, out: proto.Output) -> None:
         # Handshake verdicts are counted before the answer goes out, so that a peer that
@@ -172,6 +182,7 @@ class InboundConnection:
                 on_event(self, ev)
 
     def _count_accepted(self, ev: proto.HandshakeAccepted) -> None:
+        self.path = serving_frames(self._parts.sender, self.rid, self.session, self.send)
         counters = self._parts.counters
         counters.add(Count.HANDSHAKES_ACCEPTED)
         log.info("accepted peer %s (%s)", ev.remote.node, self.rid.hex())
@@ -188,7 +199,8 @@ class InboundConnection:
     def _unpin_abandoned(self, ev: proto.LocatedAbandoned) -> None:
         # An abort that crossed its done: unpin before the abort_ack goes out, so a peer
         # holding the ack never sees the blocks pinned.
-        self._parts.shm.abort(self.rid, ev.req)
+        if self._shared is not None:
+            self._shared.abort(ev.req)
 
     def _on_refused(self, ev: proto.HandshakeRefused) -> None:
         self.drop()
@@ -211,32 +223,41 @@ class InboundConnection:
             self.send([self.session.fail(ev.req, proto.Code.UNAVAILABLE,
                                          "node draining: ask another holder")])
             return
+        # The fetch's path is bound now: every block of it and its done take it.
+        shared = self._shared if self.session.shared_fetch(ev.req) else None
         self._jobs[ev.req] = Sending(ev.req, tuple(ev.keys), [OUTCOME_FAILED] * len(ev.keys),
-                                     on_stream=self.stream is not None)
+                                     path=shared or self.path)
 
     def _on_abort(self, ev: proto.AbortRequested) -> None:
-        self._jobs.pop(ev.req, None)
-        self._parts.shm.abort(self.rid, ev.req)
+        job = self._jobs.pop(ev.req, None)
+        if job is not None and job.path is not None:
+            job.path.abort(ev.req)
         self.send([self.session.abort_ack(ev.req)])
 
     def _on_attach(self, ev: proto.AttachRequested) -> None:
-        self.send([self._parts.shm.verify(self.rid, self.session, ev)])
+        verdict = self._parts.shm.verify(self.rid, self.session, ev)
+        if verdict.ok:
+            self._shared = SharedOut(self._parts.shm, self.rid, self.send)
+        self.send([verdict])
 
     def _on_released(self, ev: proto.BlocksReleased) -> None:
-        self._parts.shm.release(self.rid, ev.req, ev.idx)
+        if self._shared is not None:  # else nothing of it is pinned
+            self._shared.release(ev.req, ev.idx)
 
     # -- the data stream (StreamOwner) ---------------------------------------------------
 
     def wants_stream(self) -> bool:
         """Whether a stream may bind now: the welcome offered one (tcp-data-v1 was
         negotiated), the session is ready, and no stream is bound yet."""
-        return (not self.closed and self.stream is None
+        return (not self.closed and self.path.kind != "stream"
                 and self.session.state is proto.State.READY
                 and self.session.data_offer is not None)
 
-    def bind_stream(self, stream: OutStream) -> None:
+    def bind_stream(self, stream: BoundStream) -> None:
         """The peer's stream arrived with its token: fetches go out on it from now."""
-        self.stream = stream
+        sender = self._parts.data_sender
+        assert sender is not None  # a stream binds only where the node offers them
+        self.path = StreamOut(sender, stream)
         log.info("peer %s bound its data stream", self.rid.hex())
 
     def stream_lost(self, code: int, why: str) -> None:
@@ -277,21 +298,18 @@ class InboundConnection:
 
     @property
     def busy(self) -> bool:
-        """Whether a fetch of this peer is still being served (or its data stream still
-        has bytes queued)."""
-        return bool(self._jobs) or (self.stream is not None and self.stream.busy)
+        """Whether a fetch of this peer is still being served (or its path still has
+        bytes queued)."""
+        return bool(self._jobs) or self.path.busy
 
     def can_send(self) -> bool:
-        """Whether a job has blocks left that its credit (and the pin limit, or the data
-        stream's queue) lets go now."""
-        session, shm, stream = self.session, self._parts.shm, self.stream
+        """Whether a job has blocks left that its credit and its path's room (the pin
+        limit, the data stream's queue) let go now."""
+        session = self.session
         for j in self._jobs.values():
             if j.next_index >= len(j.keys) or session.window_left(j.req) <= 0:
                 continue
-            if session.shared_fetch(j.req):
-                if shm.can_send(self.rid):
-                    return True
-            elif not j.on_stream or (stream is not None and stream.has_room):
+            if j.path is not None and j.path.can_send(session, j):
                 return True
         return False
 
@@ -314,25 +332,14 @@ class InboundConnection:
                 self.drop(cut=True)
 
     def _serve(self, job: Sending) -> None:
-        parts, session, stream = self._parts, self.session, self.stream
-        if job.on_stream and stream is not None and parts.data_sender is not None and \
-                not session.shared_fetch(job.req):
-            # Its blocks and its done on the data stream, in order (SPEC §18).
-            parts.data_sender.send_job(session, job, stream)
-            if self.closed:
-                return
-            if job.next_index >= len(job.keys):
-                self._jobs.pop(job.req, None)
-                stream.push(proto.encode_head(session.fetch_done(job.req, job.outcomes)))
-                stream.flush()
-            return
-        sender = parts.shm if session.shared_fetch(job.req) else parts.sender
-        if not sender.send_job(self.rid, session, job):
+        path = job.path
+        assert path is not None  # bound when the fetch arrived
+        if not path.send(self.session, job):
             self.drop(cut=True)
             return
-        if job.next_index >= len(job.keys):
+        if not self.closed and job.next_index >= len(job.keys):
             self._jobs.pop(job.req, None)
-            self.send([session.fetch_done(job.req, job.outcomes)])
+            path.finish(self.session, job)  # its done, after its blocks, on its path
 
     def shut_down(self) -> None:
         """The node closes: tell a ready peer, then forget it."""
@@ -346,12 +353,11 @@ class InboundConnection:
         self.closed = True
         self._jobs.clear()
         self._on_closed(self)
-        self._parts.shm.forget(self.rid)
+        self.path.close()  # unpins what it still holds (a stream's queue)
+        if self._shared is not None:
+            self._shared.close()  # unpins everything located for the peer
         if self._parts.data is not None:
             self._parts.data.revoke(self._offer)
-        stream, self.stream = self.stream, None
-        if stream is not None:
-            stream.close()  # unpins what it still queued
         if cut_after is not None and self.address is not None:
             self._parts.cuts.append((time.monotonic() + cut_after, self.fd, self.address))
             self.address = None
@@ -359,6 +365,14 @@ class InboundConnection:
             log.info("cut the connection of peer %s (%s:%d)", self.rid.hex(), *self.address)
             self.address = None
 
+
+_STALLS: Final = {
+    "zmq": "the peer took none of its block frames",
+    "packed": "the peer took none of its block frames",
+    "shm": "the peer released none of its located blocks",
+    "stream": "the data stream took no bytes",
+}
+"""What a peer that stalls on a path of each kind stopped doing (its ``bye`` says so)."""
 
 _Handler = Callable[[InboundConnection, Any], None]
 _BEFORE_REPLIES: Final[dict[type[proto.Event], _Handler]] = {

@@ -2,15 +2,16 @@
 
 An :class:`OutboundConnection` owns its socket (and the socket's monitor), its client
 :class:`~p2pkv.protocol.Session`, the lookups and fetches it carries with their
-futures and deadlines, its shared-memory link and its data stream (``tcp-data-v1``).
+futures, and its data path (:mod:`p2pkv.runtime.paths`), chosen once the handshake is
+over (:class:`~p2pkv.runtime.path_choice.PathChoice`): the peer's shared memory once
+the proof was accepted, else the data stream once bound, else ZeroMQ frames.
 What the peer sends, on the DEALER or on the data stream, enters the session through
-one door (:meth:`~p2pkv.protocol.Session.receive_data`), which also has the blocks land
-(through the :class:`~p2pkv.runtime.receiver.Receiver`, copied from the peer's pool, or
-scattered from the stream by the :class:`~p2pkv.runtime.data_client.DataLink`); the
-session's events then become results and typed errors on the callers' futures, and
-credit goes back to the peer as the per-peer :class:`~p2pkv.protocol.CreditBudget`
-decides. A closed or silent connection fails
-everything waiting on it.
+one door (:meth:`~p2pkv.protocol.Session.receive_data`), which has the path land the
+blocks; the session's events then become results and typed errors on the callers'
+futures, and credit goes back to the peer as the path's
+:class:`~p2pkv.protocol.CreditBudget` decides. Every deadline of a request is the
+session's (one clock per request); a closed or silent connection fails everything
+waiting on it.
 
 IO thread only, except :attr:`OutboundConnection.handle` and
 :attr:`OutboundConnection.closed`, which API threads may read.
@@ -38,12 +39,14 @@ from p2pkv.errors import (
 )
 from p2pkv.identity import IdentityExtension
 from p2pkv.reports import refusal_error, request_error
-from p2pkv.runtime.data_client import DataLink, DataReceiver, LinkOwner
+from p2pkv.runtime.data_client import DataReceiver, StreamOwner
+from p2pkv.runtime.path_choice import PathChoice
+from p2pkv.runtime.paths import HANDLE_PATHS, FramesIn
 from p2pkv.runtime.public import FetchResult, KeyOutcome, PeerHandle, PeerOwner
 from p2pkv.runtime.reactor import Reactor, fail, resolve
 from p2pkv.runtime.receiver import Receiver, drain
-from p2pkv.runtime.shm_client import SharedLink, SharedReceiver
-from p2pkv.runtime.state import FetchTicket, Receiving
+from p2pkv.runtime.shm_client import SharedReceiver
+from p2pkv.runtime.state import FetchTicket, Receiving, Waiting
 from p2pkv.runtime.stats import Count, Counters
 from p2pkv.runtime.tuning import MONITOR_GRACE_MS, READ_BUDGET, READ_BURST_BYTES
 from p2pkv.store import BlockStore
@@ -54,31 +57,25 @@ M = TypeVar("M", proto.Lookup, proto.Fetch)
 __all__ = [
     "OutboundConnection",
     "OutboundParts",
-    "check_key_limit",
-    "data_path",
     "opened",
     "wanted_keys",
 ]
 
 log = logging.getLogger("p2pkv.node")
 
-def check_key_limit(session: proto.Session, address: str, nkeys: int, what: str) -> None:
-    """The peer's key limit, checked before a request is opened, so that the caller
-    gets a typed LocalLimitExceeded."""
-    limit = session.key_limit
-    if nkeys > limit:
-        raise LocalLimitExceeded(
-            f"{what} of {nkeys} keys: {address} accepts at most {limit} keys per "
-            "request; split the request", limit="max_keys", allowed=limit,
-            requested=nkeys)
-
 
 def opened(session: proto.Session, address: str, open_request: Callable[[], M], what: str,
            deadline: float) -> M:
-    """Open a request in the session (which holds the in-flight limit), unless the
-    caller's deadline passed already: then nothing is sent (``timeout=0``)."""
+    """Open a request in the session (which holds the peer's key limit and the in-flight
+    limit: either becomes a typed LocalLimitExceeded), unless the caller's deadline
+    passed already: then nothing is sent (``timeout=0``)."""
     try:
         msg = open_request()
+    except proto.KeyLimitExceeded as exc:
+        raise LocalLimitExceeded(
+            f"{what} of {exc.requested} keys: {address} accepts at most {exc.allowed} "
+            "keys per request; split the request", limit="max_keys", allowed=exc.allowed,
+            requested=exc.requested) from None
     except proto.LocalProtocolError as exc:
         if exc.code != proto.Code.TOO_MANY_IN_FLIGHT:
             raise
@@ -111,18 +108,6 @@ def wanted_keys(store: BlockStore, keys: Sequence[bytes], into_store: bool
     return outcomes, wanted
 
 
-def data_path(session: proto.Session, shm: SharedLink, data: DataLink
-              ) -> tuple[str, str]:
-    """How a ready connection's blocks move (``PeerHandle.data_path``) and why."""
-    if session.shared_memory:
-        return "shm", shm.detail
-    # Why shared memory is not used matters where both sides offered it.
-    why_not_shm = shm.detail if proto.CAP_SHM_V1 in session.capabilities else ""
-    if data.bound:
-        return "tcp-data", "; ".join(d for d in (data.detail, why_not_shm) if d)
-    return "tcp", "; ".join(d for d in (why_not_shm or shm.detail, data.detail) if d)
-
-
 @dataclass(frozen=True, eq=False)
 class OutboundParts:
     """What every outbound connection of a node shares (built once, by the node)."""
@@ -138,9 +123,8 @@ class OutboundParts:
     receiver: Receiver
     shm: SharedReceiver
     data: DataReceiver
+    #: The credit budget of a connection whose blocks come in ZeroMQ frames.
     budget: proto.CreditBudget
-    #: The budget of a connection whose blocks take a data stream.
-    stream_budget: proto.CreditBudget
     counters: Counters
     #: Whether connections use CurveZMQ (what a failed security handshake means).
     curve: bool
@@ -182,17 +166,17 @@ class OutboundConnection:
         self._connected = connected
         self._handshake_deadline = handshake_deadline
         self._on_closed = on_closed
-        self._lookups: dict[int, tuple[Future[list[bool]], float]] = {}
-        self._fetches: dict[int, Receiving] = {}
-        #: Fetches aborted by their callers, by request id, until the peer confirms.
-        self._aborting: dict[int, FetchTicket] = {}
+        self._waiting = Waiting()
+        self._fetches = self._waiting.fetches
         self._received_blocks = 0
-        self._shm = parts.shm.link(address)
-        self._data = parts.data.link(address, LinkOwner(
-            fetch_of=self._fetches.get, deliver=self._deliver, ready=self._ready,
-            lost=self._stream_lost))
         self._sock, self._monitor = parts.dial(address)
-        self._frames = _Frames(self._sock, self._land)
+        self._dealer_payload = _Frames(self._sock, self._land)
+        frames = FramesIn(parts.receiver, self._sock, self._fetches.get, parts.budget,
+                          parts.counters, parts.bytes_per_block)
+        self._paths = PathChoice(frames, parts.shm, parts.data, parts.reactor, parts.counters,
+                                 address, self._fetches.get, StreamOwner(
+                                     fetch_of=self._fetches.get, deliver=self._deliver,
+                                     lost=self._stream_lost), self._ready)
 
     def open(self, now: float) -> None:
         """Watch the socket and its monitor, and say hello."""
@@ -212,10 +196,11 @@ class OutboundConnection:
                            f"{self.session.state.name})")
 
     def lookup(self, keys: tuple[bytes, ...], fut: Future[list[bool]], deadline: float) -> None:
-        check_key_limit(self.session, self.address, len(keys), "lookup")
-        msg = opened(self.session, self.address,
-                     lambda: self.session.lookup(keys, time.monotonic()), "lookup", deadline)
-        self._lookups[msg.req] = (fut, deadline)
+        session = self.session
+        msg = opened(session, self.address,
+                     lambda: session.lookup(keys, time.monotonic(), deadline=deadline),
+                     "lookup", deadline)
+        self._waiting.lookups[msg.req] = fut
         self._send([msg])
 
     def fetch(self, keys: tuple[bytes, ...], destinations: Sequence[Sequence[memoryview]] | None,
@@ -228,17 +213,15 @@ class OutboundConnection:
             resolve(fut, FetchResult(keys, tuple(o or KeyOutcome.LANDED for o in outcomes),
                                      {}, 0, 0, 0.0))
             return
-        check_key_limit(self.session, self.address, len(wanted), "fetch")
         # One credit budget per peer, shared by all its fetches: it bounds the data
         # queued towards this node, and so how long a lookup answer can wait behind it.
-        window = self._budget().opening_window(self._credit_state(), len(wanted))
-        session = self.session
-        open_fetch = session.fetch_shared if session.shared_memory else session.fetch
+        path, session = self._paths.path, self.session
+        window = path.budget.opening_window(self._credit_state(), len(wanted))
         msg = opened(session, self.address,
-                     lambda: open_fetch(tuple(keys[i] for i in wanted), window, now),
-                     "fetch", deadline)
-        self._fetches[msg.req] = Receiving(msg.req, keys, fut, destinations, now, deadline,
-                                           outcomes, wanted, ticket=ticket)
+                     lambda: path.open_fetch(session, tuple(keys[i] for i in wanted), window,
+                                             now, deadline), "fetch", deadline)
+        self._fetches[msg.req] = Receiving(msg.req, keys, fut, destinations, now, outcomes,
+                                           wanted, ticket=ticket)
         ticket.peer_id, ticket.req = self.peer_id, msg.req
         self._send([msg])
 
@@ -250,7 +233,8 @@ class OutboundConnection:
             ticket.stopped.set()  # never sent, or already over
             return
         now = time.monotonic()
-        self._aborting[recv.req] = ticket
+        self._paths.path.cancel(recv.req)
+        self._waiting.aborting[recv.req] = ticket
         self._send([self.session.abort(recv.req, now)])
         if not self.closed:
             self._refill_credit(now)
@@ -271,40 +255,25 @@ class OutboundConnection:
     @property
     def busy(self) -> bool:
         """Whether a lookup or a fetch is waiting on this connection."""
-        return bool(self._lookups or self._fetches)
+        return bool(self._waiting)
 
     def next_deadline(self) -> float | None:
-        deadlines = [recv.deadline for recv in self._fetches.values()]
+        # The session holds every request's deadline; the handshake's is the caller's.
         session = self.session.next_deadline()
-        if session is not None:
-            deadlines.append(session)
-        return min(deadlines, default=None)
+        if self.handle is None:
+            return min(self._handshake_deadline, session or self._handshake_deadline)
+        return session
 
     def check_deadlines(self, now: float) -> None:
         if self.closed:
             return
         if self.handle is None:
-            self._data.check(now)  # a data port that does not answer: stay on ZeroMQ
+            self._paths.check(now)  # a data port that does not answer: stay on ZeroMQ
         if self.handle is None and now >= self._handshake_deadline:
             self.close(PeerTimeout(f"no handshake answer from {self.address} within the "
                                    "deadline"))
             return
-        for req, recv in list(self._fetches.items()):
-            if now >= recv.deadline:
-                self._fetches.pop(req, None)
-                with contextlib.suppress(ProtocolError):
-                    self._send([self.session.abort(req, now)])
-                fail(recv.future, PeerTimeout(
-                    f"fetch of {len(recv.keys)} blocks from {self.address} did not finish "
-                    "within its deadline"))
-        for req, (fut, deadline) in list(self._lookups.items()):
-            if now >= deadline:
-                self._lookups.pop(req, None)
-                if not fut.done():
-                    fut.set_exception(PeerTimeout(
-                        f"lookup on {self.address} not answered within its deadline"))
-        if not self.closed:
-            self._handle(self.session.poll(now), now)
+        self._handle(self.session.poll(now), now)
 
     # -- the socket ----------------------------------------------------------------------
 
@@ -332,7 +301,7 @@ class OutboundConnection:
         # What the peer sent before it went away may still wait on the stream or in
         # ZeroMQ's queue (a fetch's tail, its done, a drained node's bye): read it
         # first, so a peer that closed cleanly is not taken for one that vanished.
-        self._data.read_what_came(now)
+        self._paths.path.read_pending(now)
         while self.handle is not None and not self.closed and self._sock.poll(0, zmq.POLLIN):
             self._on_readable(now)
         if not self.closed:
@@ -363,7 +332,14 @@ class OutboundConnection:
             except zmq.ZMQError as exc:
                 self.close(PeerGone(f"receive from {self.address} failed: {exc}"))
                 return
-            self._handle(self.session.receive_data(head, now, self._frames), now)
+            self._handle(self.session.receive_data(head, now, self._dealer_payload), now)
+
+    def _land(self, arrived: proto.DataArrived) -> None:
+        """The DEALER's payload lands through the path its message belongs to."""
+        assert isinstance(arrived, (proto.BlockArrived, proto.BlocksLocated))
+        self._paths.of(arrived).land(arrived)
+
+    # -- the data stream (StreamOwner) ---------------------------------------------------
 
     def _stream_lost(self, exc: P2PKVError) -> None:
         """The bound data stream ended, or carried a violation (the peer is told)."""
@@ -374,46 +350,20 @@ class OutboundConnection:
         self.close(exc)
 
     def _deliver(self, head: bytes, payload: proto.Payload, now: float) -> proto.Output:
+        """A frame 0 read on the data stream, through the same door as the DEALER's."""
         self._handle(out := self.session.receive_data(head, now, payload), now)
-        return out  # the DEALER's door too
+        return out
 
-    def _land(self, arrived: proto.DataArrived) -> None:
-        """Land the blocks of an accepted message (the session calls this back).
-
-        A cancelled fetch's data is read and dropped: not one more byte goes into its
-        buffers once cancel() returned (FetchTicket).
-        """
-        if isinstance(arrived, proto.BlocksLocated):
-            located = arrived
-            self._unless_cancelled(located.req, lambda recv: self._shm.land(recv, located))
-        else:
-            assert isinstance(arrived, proto.BlockArrived)
-            block = arrived
-            receiver, sock = self._parts.receiver, self._sock
-            self._unless_cancelled(block.req, lambda recv: receiver.land(sock, recv, block))
-
-    def _unless_cancelled(self, req: int, land: Callable[[Receiving | None], None]) -> None:
-        """Land data for fetch ``req`` holding its ticket's lock, or for nobody (the data
-        is consumed and dropped) once the fetch was cancelled or is gone."""
-        recv = self._fetches.get(req)
-        ticket = recv.ticket if recv is not None else None
-        if ticket is None:
-            land(recv)
-            return
-        with ticket.lock:
-            land(None if ticket.cancelled else recv)
+    # -- credit --------------------------------------------------------------------------
 
     def _credit_state(self) -> list[proto.FetchCredit]:
         """The session's credit counts of this connection's running fetches."""
         states = (self.session.fetch_credit(req) for req in self._fetches)
         return [state for state in states if state is not None]
 
-    def _budget(self) -> proto.CreditBudget:  # larger on a data stream (SPEC §18.3)
-        return self._parts.stream_budget if self._data.bound else self._parts.budget
-
     def _refill_credit(self, now: float) -> None:
-        """Grant the credit the peer's budget allows now (see ``CreditBudget.grants``)."""
-        for req, n in self._budget().grants(self._credit_state()):
+        """Grant the credit the path's budget allows now (see ``CreditBudget.grants``)."""
+        for req, n in self._paths.path.budget.grants(self._credit_state()):
             try:
                 credit = self.session.credit(req, n, now)
             except (ProtocolError, ValueError):
@@ -433,13 +383,10 @@ class OutboundConnection:
             if on_event is not None:
                 on_event(self, ev, now)
 
-    def _on_block(self, ev: proto.BlockArrived, now: float) -> None:
-        self._received_blocks += len(ev.idx)
-        self._refill_credit(now)
-
-    def _on_located(self, ev: proto.BlocksLocated, now: float) -> None:
-        """The located blocks were copied (or dropped): release them, grant credit."""
-        self._send([self.session.release(ev.req, ev.idx)])
+    def _on_landed(self, ev: proto.BlockArrived | proto.BlocksLocated, now: float) -> None:
+        """Blocks were landed (or dropped): what their way back needs (a shared-memory
+        release; nothing for bytes that came on ZeroMQ or the stream), then credit."""
+        self._send(self._paths.of(ev).settled(self.session, ev))
         self._received_blocks += len(ev.idx)
         if not self.closed:
             self._refill_credit(now)
@@ -448,36 +395,26 @@ class OutboundConnection:
         self._parts.counters.undeclared(self.address, ev.warnings)
         log.info("connected to %s (%s), capabilities %s", self.address, ev.remote.node,
                  sorted(ev.capabilities))
-        # A same-host peer first gets our shared-memory proof; the connection is ready
-        # once it answered (within the handshake deadline).
-        attach = self._shm.begin(self.session)
-        if attach is not None:
-            self._send([attach])
-        else:
-            self._open_data()
+        # A same-host peer first gets our shared-memory proof, others a data stream if
+        # both sides take one; the connection is ready once that is over (within the
+        # handshake deadline).
+        self._send(self._paths.begin(self.session, self._handshake_deadline))
 
     def _on_attach_answered(self, ev: proto.AttachAnswered, now: float) -> None:
-        self._shm.answered(ev)
-        if self.session.shared_memory:
-            self._ready()
-        else:
-            self._open_data()
-
-    def _open_data(self) -> None:  # ready once the data stream is bound, or given up
-        if not self._data.begin(self.session, self._handshake_deadline):
-            self._ready()
+        self._paths.answered(self.session, ev, self._handshake_deadline)
 
     def _ready(self) -> None:
-        """The handshake (and the shm proof or the data stream) is over: hand it out."""
+        """The handshake (and the shm proof or the data stream) is over: choose the data
+        path, once, and hand the connection out."""
         remote = self.session.remote
         if remote is None or self.closed or self.handle is not None:
             return
         session = self.session
-        path, detail = data_path(session, self._shm, self._data)
+        detail = self._paths.choose(session)
         self.handle = PeerHandle(self.peer_id, self.address, remote.node, dict(remote.rc),
                                  remote.fp, frozenset(session.capabilities),
                                  self._parts.owner, remote.ext or IdentityExtension(),
-                                 path, detail)
+                                 HANDLE_PATHS[self._paths.path.kind], detail)
         resolve(self._connected, self.handle)
 
     def _on_refused(self, ev: proto.HandshakeRefused, now: float) -> None:
@@ -486,9 +423,7 @@ class OutboundConnection:
         self.close(exc)
 
     def _on_lookup_answered(self, ev: proto.LookupAnswered, now: float) -> None:
-        pending = self._lookups.pop(ev.req, None)
-        if pending is not None and not pending[0].done():
-            pending[0].set_result(list(ev.hits))
+        self._waiting.answered(ev.req, ev.hits)
 
     def _on_fetch_finished(self, ev: proto.FetchFinished, now: float) -> None:
         recv = self._fetches.pop(ev.req, None)
@@ -497,17 +432,22 @@ class OutboundConnection:
             self._refill_credit(now)  # its budget goes to the others
 
     def _on_abort_acknowledged(self, ev: proto.AbortAcknowledged, now: float) -> None:
-        ticket = self._aborting.pop(ev.req, None)
-        if ticket is not None:
-            ticket.stopped.set()
+        self._waiting.confirmed(ev.req)
 
     def _on_request_failed(self, ev: proto.RequestFailed, now: float) -> None:
         self._fail_request(ev.req, request_error(self.address, ev))
 
     def _on_request_timed_out(self, ev: proto.RequestTimedOut, now: float) -> None:
-        self._fail_request(ev.req, PeerTimeout(
-            f"{self.address} made no progress on request {ev.req} ({ev.kind}) within its "
-            "deadline"))
+        recv = self._fetches.get(ev.req)
+        if not ev.overall:
+            why = (f"{self.address} made no progress on request {ev.req} ({ev.kind}) "
+                   "within its deadline")
+        elif recv is not None:
+            why = (f"fetch of {len(recv.keys)} blocks from {self.address} did not finish "
+                   "within its deadline")
+        else:
+            why = f"{ev.kind} on {self.address} not answered within its deadline"
+        self._fail_request(ev.req, PeerTimeout(why))
 
     def _on_peer_closed(self, ev: proto.PeerClosed, now: float) -> None:
         if ev.code == proto.Code.TIMEOUT:
@@ -522,38 +462,21 @@ class OutboundConnection:
         self.close(ProtocolError(ev.code, ev.msg))
 
     def _fail_request(self, req: int, exc: P2PKVError) -> None:
-        pending = self._lookups.pop(req, None)
-        if pending is not None and not pending[0].done():
-            pending[0].set_exception(exc)
-        recv = self._fetches.pop(req, None)
-        if recv is not None:
-            fail(recv.future, exc)
-        ticket = self._aborting.pop(req, None)
-        if ticket is not None:
-            ticket.stopped.set()
+        if self._waiting.fail(req, exc) is not None:
+            self._paths.path.cancel(req)  # nothing more of it lands
+            self._refill_credit(time.monotonic())  # its budget goes to the others
 
     # -- the end -------------------------------------------------------------------------
 
     def close(self, exc: P2PKVError) -> None:
         """End the connection: fail everything waiting on it with ``exc``, release its
-        sockets and its mapping of the peer's pool. Idempotent."""
+        sockets, its stream and its mapping of the peer's pool. Idempotent."""
         if self.closed:
             return
         self.closed = True
         log.info("connection to %s closed: %s", self.address, exc)
         fail(self._connected, exc)
-        for fut, _ in self._lookups.values():
-            if not fut.done():
-                fut.set_exception(exc)
-        for recv in self._fetches.values():
-            fail(recv.future, exc)
-            if recv.ticket is not None:
-                recv.ticket.stopped.set()
-        for ticket in self._aborting.values():
-            ticket.stopped.set()
-        self._lookups.clear()
-        self._fetches.clear()
-        self._aborting.clear()
+        self._waiting.fail_all(exc)
         reactor = self._parts.reactor
         reactor.unregister(self._sock)
         reactor.unregister(self._monitor)
@@ -561,14 +484,13 @@ class OutboundConnection:
             self._sock.disable_monitor()
         self._monitor.close(0)
         self._sock.close(0)
-        self._shm.close()
-        self._data.close()
+        self._paths.close()
         self._on_closed(self)
 
 
 _ON_EVENT: Final[dict[type[proto.Event], Callable[[OutboundConnection, Any, float], None]]] = {
-    proto.BlockArrived: OutboundConnection._on_block,
-    proto.BlocksLocated: OutboundConnection._on_located,
+    proto.BlockArrived: OutboundConnection._on_landed,
+    proto.BlocksLocated: OutboundConnection._on_landed,
     proto.HandshakeAccepted: OutboundConnection._on_accepted,
     proto.AttachAnswered: OutboundConnection._on_attach_answered,
     proto.HandshakeRefused: OutboundConnection._on_refused,

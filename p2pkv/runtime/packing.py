@@ -109,10 +109,10 @@ class PackedReceiver:
         self._bpb = bytes_per_block
 
     def land(self, sock: zmq.Socket[bytes], recv: Receiving | None,
-             msg: proto.BlockArrived) -> None:
+             msg: proto.BlockArrived) -> int:
         """Receive the one payload frame of ``msg`` and land its blocks (inside the
-        caller's :meth:`Landing.guard`); raises the framing violation when the message
-        does not carry what its header announced."""
+        caller's :meth:`Landing.guard`): the blocks landed. Raises the framing violation
+        when the message does not carry what its header announced."""
         try:
             frame = sock.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -130,7 +130,7 @@ class PackedReceiver:
                                 f"packed payload frame is {data.nbytes} bytes, "
                                 f"{len(msg.idx)} block(s) need {len(msg.idx) * bpb}")
         if recv is None:
-            return  # the fetch is gone (timed out here); nothing to land
+            return 0  # the fetch is gone or cancelled; nothing to land
         # The session checked every index against the fetch, so index_map holds it.
         kis = [recv.index_map[i] for i in msg.idx]
         placed: list[Landed] = []
@@ -143,4 +143,4 @@ class PackedReceiver:
                     o += size
                 placed.append(block)
             off += bpb
-        self._landing.settle_many(recv, placed)
+        return self._landing.settle_many(recv, placed)

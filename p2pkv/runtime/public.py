@@ -235,6 +235,18 @@ class PeerHandle:
 
 
 @dataclass(frozen=True)
+class PathStats:
+    """What one data path moved (``NodeStats.paths``: the same shape for every path)."""
+
+    blocks_sent: int = 0
+    bytes_sent: int = 0
+    blocks_received: int = 0
+    bytes_received: int = 0
+    #: Peers this node cut at the send deadline for taking nothing on this path.
+    readers_stalled: int = 0
+
+
+@dataclass(frozen=True)
 class NodeStats:
     """A snapshot of the node's counters."""
 
@@ -272,9 +284,6 @@ class NodeStats:
     #: Connections that negotiated shm-v1 but stayed on TCP, by reason
     #: (no_segment, cannot_map, refused).
     shm_fallbacks: dict[str, int] = field(default_factory=dict)
-    #: Blocks moved through shared memory (also counted in blocks_sent/received).
-    blocks_sent_shm: int = 0
-    blocks_received_shm: int = 0
     #: Blocks pinned for same-host peers that have not released them yet.
     shm_pinned: int = 0
     #: Fetches declined (UNAVAILABLE) while the node drained; True once it drains.
@@ -286,13 +295,39 @@ class NodeStats:
     #: whose data stream this node serves (connected now).
     data_peers_out: int = 0
     data_peers_in: int = 0
-    #: Blocks moved on data streams (also counted in blocks_sent/received).
-    blocks_sent_stream: int = 0
-    blocks_received_stream: int = 0
     #: Streams this node's data port closed unbound (bad preface or token, or silent).
     data_streams_refused: int = 0
-    #: Served peers whose data stream took no bytes for ``send_timeout`` while blocks
-    #: waited (their sessions ended, their blocks released).
-    data_streams_stalled: int = 0
     #: Connections that negotiated tcp-data-v1 but stayed on ZeroMQ.
     data_fallbacks: int = 0
+    #: What each data path moved, by kind: "zmq" (frames), "packed" (packed-v1),
+    #: "shm" (shm-v1) and "stream" (tcp-data-v1); every kind is present.
+    paths: dict[str, PathStats] = field(default_factory=dict)
+
+    def _path(self, kind: str) -> PathStats:
+        return self.paths.get(kind) or PathStats()
+
+    # Views of ``paths`` under the names they had before it.
+
+    @property
+    def blocks_sent_shm(self) -> int:
+        """Blocks moved through shared memory (also counted in ``blocks_sent``)."""
+        return self._path("shm").blocks_sent
+
+    @property
+    def blocks_received_shm(self) -> int:
+        return self._path("shm").blocks_received
+
+    @property
+    def blocks_sent_stream(self) -> int:
+        """Blocks moved on data streams (also counted in ``blocks_sent``)."""
+        return self._path("stream").blocks_sent
+
+    @property
+    def blocks_received_stream(self) -> int:
+        return self._path("stream").blocks_received
+
+    @property
+    def data_streams_stalled(self) -> int:
+        """Served peers whose data stream took no bytes for ``send_timeout`` while
+        blocks waited (their sessions ended, their blocks released)."""
+        return self._path("stream").readers_stalled

@@ -70,8 +70,9 @@ class Receiver:
         self._packed = PackedReceiver(landing, segments, bytes_per_block)
 
     def land(self, sock: zmq.Socket[bytes], recv: Receiving | None,
-             msg: proto.BlockArrived) -> None:
-        """recv_into each payload frame of ``msg`` directly into its destination.
+             msg: proto.BlockArrived) -> int:
+        """recv_into each payload frame of ``msg`` directly into its destination (None:
+        read and drop them); the blocks landed.
 
         The session has already checked the header (known fetch, fresh indices, within
         the granted window, checksum presence as negotiated). Raises the framing
@@ -79,13 +80,13 @@ class Receiver:
         """
         with self._landing.guard():
             if msg.packed:
-                self._packed.land(sock, recv, msg)
-            else:
-                self._land(sock, recv, msg)
+                return self._packed.land(sock, recv, msg)
+            return self._land(sock, recv, msg)
 
     def _land(self, sock: zmq.Socket[bytes], recv: Receiving | None,
-              msg: proto.BlockArrived) -> None:
+              msg: proto.BlockArrived) -> int:
         landing = self._landing
+        landed = 0
         segments = self._segments
         nseg = len(segments)
         for n, idx in enumerate(msg.idx):
@@ -117,11 +118,12 @@ class Receiver:
                     block.writer.abort()
                 landing.fail(recv, key_index, "payload frames do not match the block geometry")
             elif block is not None:
-                landing.settle(recv, block)
+                landed += landing.settle(recv, block)
         if sock.getsockopt(zmq.RCVMORE):
             drain(sock)
             raise ProtocolError(proto.Code.FRAME_COUNT,
                                 "block message carries more frames than announced")
+        return landed
 
     def finish(self, recv: Receiving, wire: Sequence[int], now: float) -> FetchResult:
         """The result of a fetch the peer reported done: a key with no outcome yet gets

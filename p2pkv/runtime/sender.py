@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 
 import zmq
 
@@ -21,7 +22,7 @@ from p2pkv import protocol as proto
 from p2pkv.protocol.codes import OUTCOME_MISSING, OUTCOME_SENT
 from p2pkv.runtime.packing import PackedSender, packs
 from p2pkv.runtime.state import Sending
-from p2pkv.runtime.stats import Count, Counters
+from p2pkv.runtime.stats import SENT, Count, Counters
 from p2pkv.runtime.tuning import REAP_TICK_MS, ZERO_COPY_MIN
 from p2pkv.store import BlockReader, BlockStore
 
@@ -43,6 +44,8 @@ class SendLedger:
         # rid -> (tracker, readers) in send order; released once libzmq let go.
         self._inflight: dict[bytes, collections.deque[
             tuple[zmq.MessageTracker, list[BlockReader]]]] = {}
+        # rid -> since when none of its messages was let go while some waited.
+        self._progress: dict[bytes, float] = {}
 
     def __bool__(self) -> bool:
         return bool(self._inflight)
@@ -51,15 +54,32 @@ class SendLedger:
         queue = self._inflight.get(rid)
         if queue is None:
             queue = self._inflight[rid] = collections.deque()
+            self._progress[rid] = time.monotonic()
         queue.append((tracker, readers))
 
     def reap(self) -> None:
         """Unpin every message libzmq has released (in send order, per peer)."""
+        now = time.monotonic()
         for rid, q in list(self._inflight.items()):
+            if q and q[0][0].done:
+                self._progress[rid] = now
             while q and q[0][0].done:
                 self._store.release_many(q.popleft()[1])
             if not q:
                 del self._inflight[rid]
+                self._progress.pop(rid, None)
+
+    def stalled_for(self, rid: bytes, now: float) -> float:
+        """Seconds libzmq has let go of none of peer ``rid``'s messages while some were
+        pinned for it (0: none pinned). A reader that stops taking its frames but keeps
+        pinging would otherwise hold them pinned for as long as it lives."""
+        since = self._progress.get(rid)
+        return 0.0 if since is None else max(0.0, now - since)
+
+    def forget(self, rid: bytes) -> None:
+        """The peer is gone: its pins go as libzmq drops its queue (reaped), but it no
+        longer counts as stalled."""
+        self._progress.pop(rid, None)
 
     def release_all(self) -> None:
         """Unpin everything; the socket was closed with LINGER 0, so ZeroMQ dropped it."""
@@ -67,6 +87,7 @@ class SendLedger:
             while q:
                 self._store.release_many(q.popleft()[1])
         self._inflight.clear()
+        self._progress.clear()
 
 
 class Sender:
@@ -79,7 +100,8 @@ class Sender:
         self._bpb = bytes_per_block
         self._batch_limit = proto.batch_limit(bytes_per_block)
         self._counters = counters
-        self._pack = packs(store.pool.segment_sizes)
+        #: Whether this pool's blocks travel packed to a peer that accepts packed-v1.
+        self.packs = packs(store.pool.segment_sizes)
         self.packed = PackedSender(sock, store, self._batch_limit * bytes_per_block)
         self.ledger = SendLedger(store)
 
@@ -89,13 +111,14 @@ class Sender:
         # spinning a core that the receiving side may need.
         return REAP_TICK_MS if self.ledger else None
 
-    def send_job(self, rid: bytes, session: proto.Session, job: Sending) -> bool:
-        """Send what the credit of ``job`` allows. False: the peer is unreachable (the
+    def send_job(self, rid: bytes, session: proto.Session, job: Sending, *, packed: bool,
+                 kind: str) -> bool:
+        """Send what the credit of ``job`` allows, packed or not (the path of ``kind``
+        decided, see :mod:`p2pkv.runtime.paths`). False: the peer is unreachable (the
         caller drops it); the blocks of the failed message were unpinned."""
         store = self._store
         n = len(job.keys)
         checksums = session.checksums
-        packed = self._pack and session.packed_blocks
         credit = session.window_left(job.req)
         while credit > 0 and job.next_index < n:
             # Pin the next candidates in one store call; a missing key uses no credit,
@@ -122,6 +145,7 @@ class Sender:
                 job.outcomes[i] = OUTCOME_SENT
             self._counters.add(Count.BLOCKS_SENT, len(idx))
             self._counters.add(Count.BYTES_SENT, len(idx) * self._bpb)
+            self._counters.moved(kind, SENT, len(idx), len(idx) * self._bpb)
         return True
 
     def _send_message(self, rid: bytes, head: bytes, readers: list[BlockReader]) -> bool:

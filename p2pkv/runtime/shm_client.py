@@ -5,7 +5,9 @@ client maps the segment read-only (:class:`~p2pkv.shm.MappedSegment` checks owne
 mode 0600, boot id and network namespace) and echoes the nonce it read in an ``attach``.
 Anything less (shared memory off here, a peer without a segment, a segment it cannot
 map, a refused proof) leaves the connection on TCP, silently, and the reason is kept in
-:attr:`SharedLink.detail` for ``PeerHandle``, ``probe`` and stats.
+:attr:`SharedIn.detail` for ``PeerHandle``, ``probe`` and stats. Once the proof was
+accepted, :class:`SharedIn` is the connection's data path (the ``shm`` kind of
+:mod:`p2pkv.runtime.paths`).
 
 Landing a ``located`` message copies each block's segments straight from the mapped pool
 into its destination (a store slot invisible until committed, or caller buffers), one
@@ -18,17 +20,17 @@ so a lookup queued meanwhile waits no longer than behind the TCP path's ``recv_i
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from p2pkv import protocol as proto
 from p2pkv.checksum import copy_with_checksum
 from p2pkv.errors import ProtocolError
 from p2pkv.runtime.landing import Landing
-from p2pkv.runtime.state import Receiving
-from p2pkv.runtime.stats import Count, Counters, ShmFallback
+from p2pkv.runtime.state import Receiving, writable
+from p2pkv.runtime.stats import RECEIVED, Counters, ShmFallback
 from p2pkv.shm import MappedSegment, ShmUnavailable
 
-__all__ = ["SharedLink", "SharedReceiver"]
+__all__ = ["SharedIn", "SharedReceiver"]
 
 log = logging.getLogger("p2pkv.node")
 
@@ -36,29 +38,38 @@ log = logging.getLogger("p2pkv.node")
 class SharedReceiver:
     """What the shared-memory links of this node's outbound connections share."""
 
-    def __init__(self, landing: Landing, segments: Sequence[int], counters: Counters, *,
-                 enabled: bool) -> None:
+    def __init__(self, landing: Landing, segments: Sequence[int], counters: Counters,
+                 budget: proto.CreditBudget, *, enabled: bool) -> None:
         self.landing = landing
         self.segments = tuple(segments)
+        self.bpb = sum(self.segments)
         self.counters = counters
+        self.budget = budget
         self.enabled = enabled
 
-    def link(self, address: str) -> SharedLink:
-        """The shared-memory side of a new connection to ``address`` (not attached)."""
-        return SharedLink(self, address)
+    def link(self, address: str, fetch_of: Callable[[int], Receiving | None]) -> SharedIn:
+        """The shared-memory side of a new connection to ``address`` (not attached);
+        ``fetch_of``: the connection's running fetch of a request id."""
+        return SharedIn(self, address, fetch_of)
 
 
-class SharedLink:
+class SharedIn:
     """One outbound connection's view of its peer's pool (IO thread only).
 
     Attaching: :meth:`begin` right after the handshake, :meth:`answered` with the
-    server's verdict. Landing: :meth:`land` for each ``located`` message. :meth:`close`
-    once the connection ends.
+    server's verdict. Then, as the connection's data path: :meth:`open_fetch` asks for
+    the segment, :meth:`land` copies each ``located`` message, :meth:`settled` releases
+    it. :meth:`close` once the connection ends.
     """
 
-    def __init__(self, parts: SharedReceiver, address: str) -> None:
+    kind = "shm"
+
+    def __init__(self, parts: SharedReceiver, address: str,
+                 fetch_of: Callable[[int], Receiving | None]) -> None:
         self._parts = parts
         self._address = address
+        self._fetch_of = fetch_of
+        self.budget = parts.budget
         #: The peer's pool, mapped read-only once the proof was sent.
         self.mapping: MappedSegment | None = None
         #: How blocks move on this connection and why (the segment used, or the reason
@@ -112,14 +123,33 @@ class SharedLink:
         self._parts.counters.fell_back(why)
         log.info("%s: blocks move over TCP: %s", self._address, self.detail)
 
-    # -- landing -------------------------------------------------------------------------
+    # -- the data path -------------------------------------------------------------------
 
-    def land(self, recv: Receiving | None, ev: proto.BlocksLocated) -> None:
-        """Copy the located blocks into their destinations and settle each key.
+    def open_fetch(self, session: proto.Session, keys: tuple[bytes, ...], window: int,
+                   now: float, deadline: float) -> proto.Fetch:
+        return session.fetch_shared(keys, window, now, deadline=deadline)
 
-        Raises the violation when the server names a slot outside its pool. The caller
-        releases every index of ``ev`` afterwards, copied or not.
-        """
+    def land(self, arrived: proto.DataArrived) -> None:
+        """Copy the located blocks into their fetch's destinations (none once it was
+        cancelled or is over) and settle each key. Raises the violation when the server
+        names a slot outside its pool; :meth:`settled` releases every index, copied or
+        not."""
+        assert isinstance(arrived, proto.BlocksLocated)
+        recv = self._fetch_of(arrived.req)
+        with writable(recv, recv) as ok:
+            self._copy(recv if ok else None, arrived)
+
+    def settled(self, session: proto.Session,
+                ev: proto.BlockArrived | proto.BlocksLocated) -> list[proto.Message]:
+        return [session.release(ev.req, ev.idx)]
+
+    def cancel(self, req: int) -> None:
+        pass  # a located message is copied whole, within one call
+
+    def read_pending(self, now: float) -> None:
+        pass  # located messages come on the DEALER
+
+    def _copy(self, recv: Receiving | None, ev: proto.BlocksLocated) -> None:
         mapping = self.mapping
         if mapping is None:
             raise ProtocolError(proto.Code.UNEXPECTED, "located without an attached segment")
@@ -144,4 +174,4 @@ class SharedLink:
                 else:
                     block.actual = copy_with_checksum(block.views, sources)
                 landed += landing.settle(recv, block)
-        self._parts.counters.add(Count.BLOCKS_RECEIVED_SHM, landed)
+        self._parts.counters.moved(self.kind, RECEIVED, landed, landed * self._parts.bpb)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 import zmq
 
@@ -22,11 +23,11 @@ from p2pkv import protocol as proto
 from p2pkv.protocol.codes import OUTCOME_SENT
 from p2pkv.runtime.sender import pin_next_batch
 from p2pkv.runtime.state import Sending
-from p2pkv.runtime.stats import Count, Counters
+from p2pkv.runtime.stats import SENT, Count, Counters
 from p2pkv.shm import SharedSegment
 from p2pkv.store import BlockReader, BlockStore
 
-__all__ = ["SharedSender"]
+__all__ = ["SharedOut", "SharedSender"]
 
 log = logging.getLogger("p2pkv.node")
 
@@ -53,6 +54,8 @@ class SharedSender:
         # Pins by peer, fetch and index.
         self._pins: dict[bytes, dict[int, dict[int, BlockReader]]] = {}
         self._attached: set[bytes] = set()
+        # Since when each peer holding pins has released none (the stall clock).
+        self._progress: dict[bytes, float] = {}
 
     @property
     def offer(self) -> proto.ShmOffer | None:
@@ -86,6 +89,16 @@ class SharedSender:
 
     # -- located answers -----------------------------------------------------------------
 
+    def stalled_for(self, rid: bytes, now: float) -> float:
+        """Seconds peer ``rid`` has held pins without releasing any (0: it holds none).
+        A peer that maps the pool but never releases would otherwise keep
+        ``pin_limit`` blocks pinned for as long as it answers pings."""
+        since = self._progress.get(rid)
+        if since is None or not any(self._pins.get(rid, {}).values()):
+            self._progress.pop(rid, None)
+            return 0.0
+        return max(0.0, now - since)
+
     def can_send(self, rid: bytes) -> bool:
         return sum(len(p) for p in self._pins.get(rid, {}).values()) < self._pin_limit
 
@@ -103,6 +116,8 @@ class SharedSender:
             credit -= len(idx)
             if not idx:
                 continue
+            if not any(peer_pins.values()):
+                self._progress[rid] = time.monotonic()  # the clock starts with a pin
             pins = peer_pins.setdefault(job.req, {})
             pins.update(zip(idx, readers, strict=True))
             sums = [r.checksum for r in readers] if checksums else None
@@ -116,7 +131,7 @@ class SharedSender:
                 job.outcomes[i] = OUTCOME_SENT
             self._counters.add(Count.BLOCKS_SENT, len(idx))
             self._counters.add(Count.BYTES_SENT, len(idx) * self._bpb)
-            self._counters.add(Count.BLOCKS_SENT_SHM, len(idx))
+            self._counters.moved("shm", SENT, len(idx), len(idx) * self._bpb)
         return True
 
     # -- pins ----------------------------------------------------------------------------
@@ -128,6 +143,8 @@ class SharedSender:
         if not pins:
             return
         readers = [r for r in (pins.pop(i, None) for i in idx) if r is not None]
+        if readers:
+            self._progress[rid] = time.monotonic()
         if not pins:
             self._pins[rid].pop(req, None)
         self._store.release_many(readers)
@@ -141,9 +158,50 @@ class SharedSender:
     def forget(self, rid: bytes) -> None:
         """The connection ended (bye, heartbeat deadline, violation): unpin everything."""
         self._attached.discard(rid)
+        self._progress.pop(rid, None)
         for pins in self._pins.pop(rid, {}).values():
             self._store.release_many(pins.values())
 
     def release_all(self) -> None:
         for rid in list(self._pins):
             self.forget(rid)
+
+
+class SharedOut:
+    """The serving half of ``shm-v1`` for one peer whose proof was accepted (the
+    ``shm`` kind of :mod:`p2pkv.runtime.paths`): its shared fetches are located, their
+    ``done`` goes on ZeroMQ, and its pins end with the fetch or the peer."""
+
+    kind = "shm"
+
+    def __init__(self, shm: SharedSender, rid: bytes,
+                 send: Callable[[Iterable[proto.Message]], bool]) -> None:
+        self._shm = shm
+        self._rid = rid
+        self._send = send
+
+    def can_send(self, session: proto.Session, job: Sending) -> bool:
+        return self._shm.can_send(self._rid)  # the pin limit
+
+    def send(self, session: proto.Session, job: Sending) -> bool:
+        return self._shm.send_job(self._rid, session, job)
+
+    def finish(self, session: proto.Session, job: Sending) -> bool:
+        return self._send([session.fetch_done(job.req, job.outcomes)])
+
+    def abort(self, req: int) -> None:
+        self._shm.abort(self._rid, req)
+
+    def release(self, req: int, idx: Iterable[int]) -> None:
+        """The peer copied blocks ``idx`` of fetch ``req``."""
+        self._shm.release(self._rid, req, idx)
+
+    def stalled_for(self, now: float) -> float:
+        return self._shm.stalled_for(self._rid, now)
+
+    @property
+    def busy(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self._shm.forget(self._rid)

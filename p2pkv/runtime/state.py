@@ -1,5 +1,6 @@
 """Per-request records of the IO thread (touched by no other thread, except
-:class:`FetchTicket`, which a fetch's caller shares with it).
+:class:`FetchTicket`, which a fetch's caller shares with it), and what waits on one
+outbound connection (:class:`Waiting`).
 
 The protocol counts (credit granted, blocks arrived, window left) are not here: the
 connection's :class:`~p2pkv.protocol.Session` holds them, and
@@ -9,14 +10,19 @@ caller's future, where blocks land, per-key outcomes.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
-from concurrent.futures import Future
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from p2pkv.runtime.public import FetchResult, KeyOutcome
 
-__all__ = ["FetchTicket", "Receiving", "Sending"]
+if TYPE_CHECKING:
+    from p2pkv.runtime.paths import ServePath
+
+__all__ = ["FetchTicket", "Receiving", "Sending", "Waiting", "writable"]
 
 
 class FetchTicket:
@@ -54,7 +60,6 @@ class Receiving:
     future: Future[FetchResult]
     destinations: Sequence[Sequence[memoryview]] | None
     started: float
-    deadline: float
     outcomes: list[KeyOutcome | None]
     index_map: list[int]  # wire index (position in the fetch message) -> key index
     errors: dict[int, str] = field(default_factory=dict)
@@ -71,6 +76,89 @@ class Sending:
     keys: tuple[bytes, ...]
     outcomes: list[int]
     next_index: int = 0
-    #: Served on the peer's data stream (tcp-data-v1): bound when the fetch arrived, so
-    #: that every block of the fetch and its done take the same way.
-    on_stream: bool = False
+    #: The path its blocks and its done take (:mod:`p2pkv.runtime.paths`): bound when
+    #: the fetch arrived, so that every block of the fetch and its done take the same
+    #: way, even if the connection's path changes meanwhile (a data stream binding).
+    path: ServePath | None = None
+
+
+@contextlib.contextmanager
+def writable(recv: Receiving | None, current: Receiving | None) -> Iterator[bool]:
+    """Whether the buffers of fetch ``recv`` may be written now, holding its ticket's
+    lock for as long as they are (every data path lands through this).
+
+    False when there is no fetch, when ``current`` (the connection's running fetch of
+    that request id, looked up now) is no longer ``recv`` (it finished, timed out or was
+    aborted), or when its caller cancelled it: from the moment :meth:`FetchTicket.cancel`
+    returns, no byte more reaches its buffers, since a landing in progress holds the
+    lock that cancel waits for.
+    """
+    if recv is None or current is not recv:
+        yield False
+        return
+    ticket = recv.ticket
+    if ticket is None:
+        yield True
+        return
+    with ticket.lock:
+        yield not ticket.cancelled
+
+
+class Waiting:
+    """What waits on one outbound connection: its lookups' futures, its running fetches,
+    and the tickets of fetches aborted by their callers until the peer confirms."""
+
+    __slots__ = ("aborting", "fetches", "lookups")
+
+    def __init__(self) -> None:
+        self.lookups: dict[int, Future[list[bool]]] = {}
+        self.fetches: dict[int, Receiving] = {}
+        self.aborting: dict[int, FetchTicket] = {}
+
+    def __bool__(self) -> bool:
+        """Whether a lookup or a fetch is waiting."""
+        return bool(self.lookups or self.fetches)
+
+    def answered(self, req: int, hits: Sequence[bool]) -> None:
+        fut = self.lookups.pop(req, None)
+        if fut is not None and not fut.done():
+            with contextlib.suppress(InvalidStateError):
+                fut.set_result(list(hits))
+
+    def confirmed(self, req: int) -> None:
+        """The peer acknowledged the abort of ``req``: its caller stops waiting."""
+        ticket = self.aborting.pop(req, None)
+        if ticket is not None:
+            ticket.stopped.set()
+
+    def fail(self, req: int, exc: BaseException) -> Receiving | None:
+        """Request ``req`` failed: its caller gets ``exc``; the fetch, if it was one."""
+        fut = self.lookups.pop(req, None)
+        if fut is not None:
+            _fail(fut, exc)
+        recv = self.fetches.pop(req, None)
+        if recv is not None:
+            _fail(recv.future, exc)
+        self.confirmed(req)  # an abort that failed: nothing more can come of it
+        return recv
+
+    def fail_all(self, exc: BaseException) -> None:
+        """The connection ended: everyone waiting gets ``exc``, nothing more arrives."""
+        for fut in self.lookups.values():
+            _fail(fut, exc)
+        for recv in self.fetches.values():
+            _fail(recv.future, exc)
+            if recv.ticket is not None:
+                recv.ticket.stopped.set()
+        for ticket in self.aborting.values():
+            ticket.stopped.set()
+        self.lookups.clear()
+        self.fetches.clear()
+        self.aborting.clear()
+
+
+def _fail(fut: Future[Any], exc: BaseException) -> None:
+    """Fail ``fut`` unless it is done (a fetch's caller may cancel it at any moment)."""
+    if not fut.done():
+        with contextlib.suppress(InvalidStateError):
+            fut.set_exception(exc)

@@ -16,9 +16,17 @@ from dataclasses import dataclass
 from enum import Enum
 
 from p2pkv import protocol as proto
+from p2pkv.runtime.public import PathStats
 from p2pkv.runtime.tuning import LATENCY_BUCKETS
 
-__all__ = ["Count", "Counters", "CountersSnapshot", "ShmFallback"]
+__all__ = ["RECEIVED", "SENT", "Count", "Counters", "CountersSnapshot", "ShmFallback",
+           "path_stats"]
+
+#: Every data path's kind (the keys of ``NodeStats.paths``; see p2pkv.runtime.paths).
+PATH_KINDS = ("zmq", "packed", "shm", "stream")
+
+SENT = "sent"
+RECEIVED = "received"
 
 log = logging.getLogger("p2pkv.node")
 
@@ -32,20 +40,15 @@ class Count(Enum):
     LOOKUP_HITS_SERVED = "lookup_hits_served"
     BLOCKS_SENT = "blocks_sent"
     BYTES_SENT = "bytes_sent"
-    BLOCKS_SENT_SHM = "blocks_sent_shm"
     BLOCKS_RECEIVED = "blocks_received"
     BYTES_RECEIVED = "bytes_received"
-    BLOCKS_RECEIVED_SHM = "blocks_received_shm"
     CHECKSUM_FAILURES = "checksum_failures"
     PROTOCOL_VIOLATIONS = "protocol_violations"
     SHM_ATTACHED = "shm_attached"
     SHM_ATTACH_REFUSED = "shm_attach_refused"
     FETCHES_DECLINED_DRAINING = "fetches_declined_draining"
-    BLOCKS_SENT_STREAM = "blocks_sent_stream"
-    BLOCKS_RECEIVED_STREAM = "blocks_received_stream"
     DATA_STREAMS_BOUND = "data_streams_bound"
     DATA_STREAMS_REFUSED = "data_streams_refused"
-    DATA_STREAMS_STALLED = "data_streams_stalled"
     DATA_STREAMS_OPENED = "data_streams_opened"
     DATA_FALLBACKS = "data_fallbacks"
 
@@ -70,6 +73,9 @@ class CountersSnapshot:
     #: Cumulative (upper bound in seconds, count) pairs of fetch latency, +inf last.
     latency_buckets: tuple[tuple[float, int], ...]
     latency_sum: float
+    #: Blocks and bytes moved, by (path kind, SENT or RECEIVED), see
+    #: :meth:`Counters.moved`; and (kind, "stalled"): (peers cut, 0).
+    paths: dict[tuple[str, str], tuple[int, int]]
 
     def __getitem__(self, count: Count) -> int:
         return self.counts.get(count, 0)
@@ -92,10 +98,25 @@ class Counters:
         self._undeclared: collections.Counter[str] = collections.Counter()
         self._latency = [0] * len(LATENCY_BUCKETS)
         self._latency_sum = 0.0
+        self._paths: collections.Counter[tuple[str, str, str]] = collections.Counter()
 
     def add(self, count: Count, n: int = 1) -> None:
         with self._lock:
             self._counts[count] += n
+
+    def moved(self, kind: str, direction: str, blocks: int, nbytes: int) -> None:
+        """``blocks`` (``nbytes`` of them) went ``direction`` (SENT or RECEIVED) on a
+        data path of ``kind`` (``p2pkv.runtime.paths.KINDS``): every path counts the same
+        way, and the totals (``blocks_sent``, ``blocks_received``) are counted apart."""
+        if blocks:
+            with self._lock:
+                self._paths[(kind, direction, "blocks")] += blocks
+                self._paths[(kind, direction, "bytes")] += nbytes
+
+    def stalled(self, kind: str) -> None:
+        """A peer was cut at the send deadline for taking nothing on a path of ``kind``."""
+        with self._lock:
+            self._paths[(kind, "stalled", "blocks")] += 1
 
     def fell_back(self, why: ShmFallback) -> None:
         """One outbound connection stays on TCP although the peer offers ``shm-v1``."""
@@ -132,4 +153,18 @@ class Counters:
                 undeclared=dict(self._undeclared),
                 latency_buckets=tuple(zip(LATENCY_BUCKETS, itertools.accumulate(self._latency),
                                           strict=True)),
-                latency_sum=self._latency_sum)
+                latency_sum=self._latency_sum,
+                paths={(kind, direction): (self._paths[(kind, direction, "blocks")],
+                                           self._paths[(kind, direction, "bytes")])
+                       for kind, direction, what in list(self._paths) if what == "blocks"})
+
+
+def path_stats(paths: dict[tuple[str, str], tuple[int, int]]) -> dict[str, PathStats]:
+    """``NodeStats.paths``: one :class:`~p2pkv.runtime.public.PathStats` per kind."""
+    def get(kind: str, what: str) -> tuple[int, int]:
+        return paths.get((kind, what), (0, 0))
+
+    return {kind: PathStats(
+        blocks_sent=get(kind, SENT)[0], bytes_sent=get(kind, SENT)[1],
+        blocks_received=get(kind, RECEIVED)[0], bytes_received=get(kind, RECEIVED)[1],
+        readers_stalled=get(kind, "stalled")[0]) for kind in PATH_KINDS}

@@ -1,0 +1,183 @@
+"""Opening a connection's data stream (``tcp-data-v1``): dial, present the token, bind.
+
+Right after a handshake that negotiated ``tcp-data-v1`` (and unless the blocks move
+through shared memory), the connection opens a plain TCP stream to the data port the
+``welcome`` named, at the host it dialed, and sends the token first (the preface). It is
+ready once the server answered ``accepted`` within the handshake deadline: the bound
+socket then goes to a :class:`~p2pkv.runtime.data_client.StreamIn`, the connection's
+data path. Anything less — the capability not negotiated, a relay in between, a port
+that does not answer, a token refused — and every block keeps moving over ZeroMQ;
+:attr:`StreamDialer.detail` says why, and the fallback is counted.
+
+IO thread only.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from collections.abc import Callable
+from enum import Enum
+
+from p2pkv import protocol as proto
+from p2pkv.runtime.reactor import Reactor
+from p2pkv.runtime.stats import Count, Counters
+from p2pkv.transport.datachannel import connect_error, dial, host_of, port_of
+
+__all__ = ["StreamDialer"]
+
+log = logging.getLogger("p2pkv.node")
+
+
+class _State(Enum):
+    OFF = "off"
+    DIALING = "dialing"
+    AWAITING = "awaiting"
+    DONE = "done"
+
+
+class StreamDialer:
+    """Binds one outbound connection's data stream, or says why it stays on ZeroMQ.
+
+    ``bound(sock)`` is called with the bound socket (unregistered, non-blocking),
+    ``gave_up()`` when the attempt is over without one; exactly one of them, once, after
+    :meth:`begin` returned True.
+    """
+
+    def __init__(self, reactor: Reactor, counters: Counters, address: str, *,
+                 enabled: bool, bound: Callable[[socket.socket], None],
+                 gave_up: Callable[[], None]) -> None:
+        self._reactor = reactor
+        self._counters = counters
+        self._address = address
+        self._enabled = enabled
+        self._bound = bound
+        self._gave_up = gave_up
+        self._state = _State.OFF
+        self._sock: socket.socket | None = None
+        self._deadline = 0.0
+        self._out = b""
+        self._answer = bytearray()
+        #: The stream used, or why there is none.
+        self.detail = ""
+
+    @property
+    def pending(self) -> bool:
+        """Whether the connection still waits for the stream's verdict."""
+        return self._state in (_State.DIALING, _State.AWAITING)
+
+    def begin(self, session: proto.Session, deadline: float) -> bool:
+        """Right after the handshake: True while a stream is being opened (``bound`` or
+        ``gave_up`` follows), False when the connection stays on ZeroMQ."""
+        if not self._enabled:
+            self.detail = "the data channel is off on this node"
+            return False
+        offer, why = proto.usable_offer(session.capabilities, session.data_offer,
+                                        port_of(self._address))
+        if offer is None:
+            if proto.CAP_TCP_DATA_V1 in session.capabilities:
+                self._fell_back(why)  # negotiated, and still not used
+            else:
+                self.detail = why
+            return False
+        host = host_of(self._address)
+        try:
+            sock = dial(host, offer.port)
+        except OSError as exc:
+            self._fell_back(f"cannot open a data stream to {host}:{offer.port}: {exc}")
+            return False
+        self._sock = sock
+        self._deadline = deadline
+        self._out = proto.preface(offer.token)
+        self._state = _State.DIALING
+        self.detail = f"data stream to {host}:{offer.port}"
+        self._reactor.register(sock, self._on_event, writable=True)
+        return True
+
+    def check(self, now: float) -> None:
+        """A stream not bound by the deadline is given up: blocks stay on ZeroMQ."""
+        if self.pending and now >= self._deadline:
+            self._give_up("the data port did not answer within the handshake deadline")
+
+    def close(self) -> None:
+        """The connection ended while binding: close the socket, call nobody."""
+        self._close_socket()
+        self._state = _State.DONE
+
+    def _on_event(self, now: float) -> None:
+        try:
+            if self._state is _State.DIALING:
+                self._send_preface()
+            elif self._state is _State.AWAITING:
+                self._read_answer()
+        except Exception as exc:
+            # A bug must cost the stream, never the node (or its IO thread).
+            log.exception("internal error binding the data stream of %s", self._address)
+            if self.pending:
+                self._give_up(f"internal error while binding the data stream: {exc!r}")
+
+    def _send_preface(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        err = connect_error(sock)
+        if err:
+            self._give_up(f"cannot open the data stream: {errno.errorcode.get(err, err)}")
+            return
+        try:
+            sent = sock.send(self._out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._give_up(f"cannot open the data stream: {exc}")
+            return
+        self._out = self._out[sent:]
+        if not self._out:
+            self._state = _State.AWAITING
+            self._reactor.watch_writable(sock, False)
+
+    def _read_answer(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        # Exactly the answer's bytes: what follows it is the stream's, read by StreamIn.
+        want = len(proto.ACCEPTED) - len(self._answer)
+        try:
+            got = sock.recv(want)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._give_up(f"the data stream failed before it was bound: {exc}")
+            return
+        if not got:
+            self._give_up("the peer closed the data stream without binding it (token "
+                          "refused)")
+            return
+        self._answer += got
+        if len(self._answer) < len(proto.ACCEPTED):
+            return
+        if bytes(self._answer) != proto.ACCEPTED:
+            self._give_up("the data port answered something else than p2pkv")
+            return
+        self._reactor.unregister(sock)
+        self._sock = None
+        self._state = _State.DONE
+        self._counters.add(Count.DATA_STREAMS_OPENED)
+        log.info("%s: blocks move over the data stream", self._address)
+        self._bound(sock)
+
+    def _give_up(self, why: str) -> None:
+        self._close_socket()
+        self._state = _State.DONE
+        self._fell_back(why)
+        self._gave_up()
+
+    def _fell_back(self, why: str) -> None:
+        self.detail = why
+        self._counters.add(Count.DATA_FALLBACKS)
+        log.info("%s: blocks move over ZeroMQ: %s", self._address, why)
+
+    def _close_socket(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            self._reactor.unregister(sock)
+            sock.close()

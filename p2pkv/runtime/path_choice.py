@@ -1,0 +1,118 @@
+"""How an outbound connection comes to its data path: the candidates, tried in order.
+
+Right after an accepted handshake, a connection's :class:`PathChoice` tries the ways a
+peer's blocks may come, best first: the peer's pool in shared memory (``shm-v1``: map
+the segment and prove it, :class:`~p2pkv.runtime.shm_client.SharedIn`), else a data
+stream beside ZeroMQ (``tcp-data-v1``: dial and bind it,
+:class:`~p2pkv.runtime.data_dial.StreamDialer`), else ZeroMQ frames
+(:class:`~p2pkv.runtime.paths.FramesIn`, always there). When the attempts are over it
+calls ``ready`` once, and :meth:`PathChoice.choose` fixes the connection's path for the
+rest of its life, with the reasons the better ones are not used.
+
+IO thread only.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+from p2pkv import protocol as proto
+from p2pkv.runtime.data_client import DataReceiver, StreamOwner
+from p2pkv.runtime.data_dial import StreamDialer
+from p2pkv.runtime.paths import Arrived, FetchPath, FramesIn
+from p2pkv.runtime.reactor import Reactor
+from p2pkv.runtime.shm_client import SharedIn, SharedReceiver
+from p2pkv.runtime.state import Receiving
+from p2pkv.runtime.stats import Counters
+
+__all__ = ["PathChoice"]
+
+
+class PathChoice:
+    """The data-path candidates of one outbound connection, and the one chosen.
+
+    ``owner``: what the data stream calls back (the connection), ``ready``: called once
+    the attempts are over (the connection then calls :meth:`choose`).
+    """
+
+    def __init__(self, frames: FramesIn, shm: SharedReceiver, data: DataReceiver,
+                 reactor: Reactor, counters: Counters, address: str,
+                 fetch_of: Callable[[int], Receiving | None], owner: StreamOwner,
+                 ready: Callable[[], None]) -> None:
+        self._address = address
+        self._data = data
+        self._owner = owner
+        self._ready = ready
+        self.frames = frames
+        self.shm: SharedIn = shm.link(address, fetch_of)
+        self._dialer = StreamDialer(reactor, counters, address, enabled=data.enabled,
+                                    bound=self._bound, gave_up=ready)
+        self._stream: FetchPath | None = None
+        #: The data path: frames until the attempts are over and a better one is up.
+        self.path: FetchPath = frames
+
+    # -- trying --------------------------------------------------------------------------
+
+    def begin(self, session: proto.Session, deadline: float) -> list[proto.Message]:
+        """The handshake was accepted: what to send to try shared memory (its proof),
+        or nothing while a stream is being bound; ``ready`` follows either way."""
+        attach = self.shm.begin(session)
+        if attach is not None:
+            return [attach]
+        self._open_stream(session, deadline)
+        return []
+
+    def answered(self, session: proto.Session, ev: proto.AttachAnswered,
+                 deadline: float) -> None:
+        """The server's verdict on the shared-memory proof."""
+        self.shm.answered(ev)
+        if session.shared_memory:
+            self._ready()
+        else:
+            self._open_stream(session, deadline)
+
+    def check(self, now: float) -> None:
+        """A data port that does not answer by the deadline: stay on ZeroMQ."""
+        self._dialer.check(now)
+
+    def _open_stream(self, session: proto.Session, deadline: float) -> None:
+        if not self._dialer.begin(session, deadline):
+            self._ready()
+
+    def _bound(self, sock: socket.socket) -> None:
+        self._stream = self._data.stream(self._address, sock, self._owner,
+                                         self._dialer.detail)
+        self._ready()
+
+    # -- chosen --------------------------------------------------------------------------
+
+    def choose(self, session: proto.Session) -> str:
+        """Fix the data path (best of what came up) and say why: the segment or stream
+        used, and why the better ones are not, where both sides offered them."""
+        if session.shared_memory:
+            self.path = self.shm
+        elif self._stream is not None:
+            self.path = self._stream
+        why_not_shm = self.shm.detail if proto.CAP_SHM_V1 in session.capabilities else ""
+        if self.path is self.shm:
+            detail = self.shm.detail
+        elif self.path is self._stream:
+            detail = "; ".join(d for d in (self._dialer.detail, why_not_shm) if d)
+        else:
+            detail = "; ".join(d for d in (why_not_shm or self.shm.detail,
+                                           self._dialer.detail) if d)
+        self.path.detail = detail
+        return detail
+
+    def of(self, arrived: Arrived) -> FetchPath:
+        """The path a message on the DEALER lands through: a ``located`` copies from
+        shared memory, a ``block`` reads its frames (the stream lands its own)."""
+        return self.shm if isinstance(arrived, proto.BlocksLocated) else self.frames
+
+    def close(self) -> None:
+        """The connection ended: every candidate lets go of what it holds."""
+        self._dialer.close()
+        for path in (self.path, self.shm, self._stream):
+            if path is not None:
+                path.close()
