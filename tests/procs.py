@@ -16,6 +16,16 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a test's child process: the tests' helpers and this checkout's
+    p2pkv come first on its path (where p2pkv is not installed, as on a machine that puts
+    the checkout on PYTHONPATH, or is installed from another checkout), then the
+    caller's PYTHONPATH (packages carried there)."""
+    inherited = os.environ.get("PYTHONPATH", "")
+    path = os.pathsep.join([str(TESTS), str(ROOT), *([inherited] if inherited else [])])
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+
+
 class NodeProcess:
     """A node role in its own process; its stdout JSON lines arrive on a queue.
 
@@ -25,10 +35,9 @@ class NodeProcess:
 
     def __init__(self, role: str, spec: dict[str, Any], *extra: str,
                  prefix: Sequence[str] = ()) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(TESTS)}
         self._child = JsonLineProcess(
             [*prefix, sys.executable, str(TESTS / "nodeproc.py"), role, json.dumps(spec), *extra],
-            env=env, cwd=ROOT, stderr_lines=400)
+            env=child_env(), cwd=ROOT, stderr_lines=400)
         self.proc = self._child.proc
 
     def event(self, timeout: float = 60.0) -> dict[str, Any]:

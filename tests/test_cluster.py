@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from nodeproc import content, keys_for, make_node
-from procs import ROOT, TESTS, NodeProcess
+from procs import ROOT, TESTS, NodeProcess, child_env
 from redisprocs import LocalRedis, find_redis_server, free_port
 
 from p2pkv.cluster import (
@@ -76,10 +76,9 @@ class ClusterProcess(NodeProcess):
     """``tests/clusterproc.py``: a node holding blocks, registered in the directory."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(TESTS)}
         self._child = JsonLineProcess(
             [sys.executable, str(TESTS / "clusterproc.py"), json.dumps(spec)],
-            env=env, cwd=ROOT, stderr_lines=400)
+            env=child_env(), cwd=ROOT, stderr_lines=400)
         self.proc = self._child.proc
         self.ready: dict[str, Any] = {}
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from netns_helper import NetnsPair, NsProcess, Unavailable
 from nodeproc import content, fill, keys_for
 from nodeproc import pooled_node as node
@@ -39,6 +40,8 @@ pytestmark = pytest.mark.timeout(120)
 
 SHM = {"shm": True}
 HEARTBEAT = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}
+#: Pools are pinned (a shared one registered with CUDA) where CUDA is available.
+CUDA = torch.cuda.is_available()
 LAYOUTS = [
     {"layout": "v2", "geometry": "seed"},
     {"layout": "v1", "geometry": "seed"},
@@ -68,12 +71,14 @@ def test_the_segment_is_private_and_removed_on_close() -> None:
     st = os.stat(path)
     assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
     assert path.name.startswith(f"p2pkv-{os.getpid()}-")
-    assert n.store.stats().memory_kind == "shared"
+    # Where CUDA is available the segment is registered with it (page-locked).
+    assert n.store.stats().memory_kind == ("shared-pinned" if CUDA else "shared")
     n.close()
     assert not path.exists()
     plain = node(LAYOUTS[0])
     try:
-        assert plain.stats().shm_segment is None and plain.store.stats().memory_kind == "pageable"
+        assert plain.stats().shm_segment is None
+        assert plain.store.stats().memory_kind == ("pinned" if CUDA else "pageable")
     finally:
         plain.close()
 
