@@ -3,6 +3,7 @@
 A :class:`Node` serves its block store to compatible peers and fetches from them. This
 module is what users call; the work happens in :mod:`p2pkv.runtime`:
 
+* ``runtime.wiring``: puts the runtime together (sockets, counters, both sides).
 * ``runtime.reactor``: the one IO thread (poller, wake-up, command queue, deadlines).
   Every ZeroMQ socket lives on it; the public methods here are thread-safe because each
   only queues a command for it and returns a :class:`concurrent.futures.Future`
@@ -11,11 +12,12 @@ module is what users call; the work happens in :mod:`p2pkv.runtime`:
   futures, typed errors) and a peer connected to its ROUTER (handshake enforcement,
   lookup answers, fetch jobs), each owning its state; ``runtime.client`` /
   ``runtime.server`` keep them and drive them from the IO loop.
-* ``runtime.sender`` / ``runtime.receiver``: the data path. Blocks go out zero-copy
-  from the pool and stay pinned until ZeroMQ let go of them; they land with
-  ``recv_into`` straight into their destination slot, verified before they become
-  visible. ``protocol.flow`` decides the credit (one budget per peer, see
-  ``protocol/SPEC.md``, "Flow control") and the batching.
+* ``runtime.paths``: the data path of each connection, one object per side (ZeroMQ
+  frames, packed frames, shared memory, the data stream), chosen once at the
+  handshake. Blocks go out from the pool without a copy where the path allows and
+  stay pinned until they left; they land straight into their destination slot,
+  verified before they become visible. ``protocol.flow`` decides the credit (one
+  budget per peer, see ``protocol/SPEC.md``, "Flow control") and the batching.
 
 The block store is shared with the engine threads and has its own lock.
 """
@@ -35,41 +37,21 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-import zmq
-
 from p2pkv import protocol as proto
 from p2pkv.errors import ConfigError, LocalLimitExceeded, PeerGone, PeerTimeout
 from p2pkv.identity import IdentityExtension, RunConfig
 from p2pkv.keys import MAX_KEY_LEN, check_keys
 from p2pkv.layout import Layout
 from p2pkv.pool import BlockPool
-from p2pkv.protocol.codes import MAX_HEAD_BYTES
-from p2pkv.runtime.client import Client
-from p2pkv.runtime.data_client import DataReceiver
-from p2pkv.runtime.data_server import DataListener, DataSender
-from p2pkv.runtime.inbound import InboundParts
-from p2pkv.runtime.landing import Landing
-from p2pkv.runtime.outbound import OutboundParts
 from p2pkv.runtime.public import FetchResult, KeyOutcome, NodeConfig, NodeStats, PeerHandle
-from p2pkv.runtime.reactor import Reactor
-from p2pkv.runtime.receiver import Receiver, check_destinations
-from p2pkv.runtime.sender import Sender
-from p2pkv.runtime.server import Server
-from p2pkv.runtime.shm_client import SharedReceiver
-from p2pkv.runtime.shm_server import SharedSender
+from p2pkv.runtime.receiver import check_destinations
 from p2pkv.runtime.state import FetchTicket
-from p2pkv.runtime.stats import Counters, path_stats
+from p2pkv.runtime.stats import path_stats
 from p2pkv.runtime.tuning import WAIT_GRACE
+from p2pkv.runtime.wiring import wire
 from p2pkv.shm import ShmUnavailable
 from p2pkv.store import BlockStore
-from p2pkv.transport import (
-    bound_address,
-    datachannel,
-    make_dealer,
-    make_router,
-    start_authenticator,
-    validate_address,
-)
+from p2pkv.transport import validate_address
 
 __all__ = [
     "FetchResult",
@@ -97,31 +79,6 @@ def _seconds(timeout: float | None, default: float) -> float:
             0 <= timeout < float("inf")):
         raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
     return float(timeout)
-
-
-def _bind(ctx: zmq.Context[zmq.Socket[bytes]], config: NodeConfig, max_message: int,
-          data: bool) -> tuple[Any, zmq.Socket[bytes], socket.socket | None]:
-    """The node's listening sockets: its CURVE authenticator (None without CURVE), its
-    ROUTER, and its data port (tcp-data-v1, where the ROUTER listens; None when it
-    offers no data channel). On failure nothing is left open, the context is ended."""
-    auth: Any = None
-    router: zmq.Socket[bytes] | None = None
-    try:
-        if config.curve is not None:
-            # The authenticator must run before the socket binds so that no
-            # connection slips through unauthenticated.
-            auth = start_authenticator(ctx, config.curve)
-        router = make_router(ctx, config.listen, max_message_bytes=max_message,
-                             curve=config.curve)
-        host = datachannel.host_of(bound_address(router))
-        return auth, router, (datachannel.listen(host, config.data_port) if data else None)
-    except BaseException:
-        if router is not None:
-            router.close(0)
-        if auth is not None:
-            auth.stop()
-        ctx.term()
-        raise
 
 
 class Node:
@@ -170,20 +127,11 @@ class Node:
         self.node_id = self.config.node_id or f"{socket.gethostname()}-{os.getpid()}-{id(self):x}"
         self._segments = tuple(layout.segment_sizes)
         self._bpb = layout.bytes_per_block
-        window = proto.window_blocks(self.config.window_bytes, self._bpb)
-        offers_data = self.config.offers_data_channel
-        self._deadlines = proto.Deadlines(
-            handshake=self.config.handshake_timeout,
-            lookup=self.config.lookup_timeout,
-            fetch_idle=self.config.fetch_idle_timeout,
-            abort=self.config.abort_timeout,
-            heartbeat_interval=self.config.heartbeat_interval,
-            heartbeat_timeout=self.config.heartbeat_timeout,
-        )
-        self._limits = proto.Limits(
+        limits = proto.Limits(
             max_keys=self.config.max_keys_per_request,
             max_in_flight=self.config.max_inflight_requests,
         )
+        window = proto.window_blocks(self.config.window_bytes, self._bpb)
         self.hello = proto.Hello(
             node=self.node_id,
             minor=proto.PROTOCOL_MINOR,
@@ -192,71 +140,18 @@ class Node:
             geo=proto.Geometry(bpb=self._bpb, seg=self._segments),
             khash=proto.KeyHash(algo=self.config.key_hash_algo, seed=self.config.key_hash_seed),
             caps=self.config.capabilities,
-            limits=self._limits.advertised(window=window),
+            limits=limits.advertised(window=window),
             ext=None if self.extension.is_empty else self.extension,
         )
-        # libzmq drops any frame above this before Python sees it.
-        self._max_message = max(max(self._segments), MAX_HEAD_BYTES)
-
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._auth, self._router, data_sock = _bind(self._ctx, self.config,
-                                                    self._max_message, offers_data)
-        self.address = bound_address(self._router)
-
-        self._counters = Counters()
         # Fetch futures -> their tickets, for abort(); entries go with their futures.
         self._tickets: weakref.WeakKeyDictionary[Future[FetchResult], FetchTicket] = (
             weakref.WeakKeyDictionary())
         self._tickets_lock = threading.Lock()
-        self._reactor = Reactor(f"p2pkv-io-{self.address}")
+        self._rt = wire(self.config, self.hello, store, self, limits=limits, window=window)
+        self.address = self._rt.address
+        self._reactor, self._client, self._server = (self._rt.reactor, self._rt.client,
+                                                     self._rt.server)
         self._thread = self._reactor.thread
-        sender = Sender(self._router, store, self._bpb, self._counters)
-        # Only a node that opted in offers its segment; a pool shared by the caller's
-        # store is offered too (the caller owns it and removes it).
-        segment = store.pool.segment if self.config.shm else None
-        self._shm_sender = SharedSender(self._router, store, segment, self._bpb,
-                                        self._counters, pin_limit=2 * window)
-        shm_sender = self._shm_sender
-        self._data_listener = None if data_sock is None else DataListener(
-            self._reactor, data_sock, self._counters, timeout=self.config.handshake_timeout,
-            max_pending=self.config.max_peers)
-        self._inbound_parts = InboundParts(
-            self._router, store, sender, shm_sender, self._counters, self.config.send_timeout,
-            self._data_listener, DataSender(store, self._segments, self._bpb, self._counters))
-        listener, cport = self._data_listener, datachannel.port_of(self.address)
-        self._server = Server(
-            self._reactor,
-            self._inbound_parts,
-            new_session=lambda now: proto.Session(
-                proto.Role.SERVER, self.hello, deadlines=self._deadlines, limits=self._limits,
-                now=now, identity_policy=self.config.identity_policy,
-                shm_offer=shm_sender.offer,
-                data_offer=None if listener is None else listener.offer(cport, now)),
-            max_peers=self.config.max_peers)
-        landing = Landing(store, self._bpb, self._counters)
-        config = self.config
-        self._client = Client(OutboundParts(
-            reactor=self._reactor,
-            dial=lambda address: make_dealer(self._ctx, address,
-                                             max_message_bytes=self._max_message,
-                                             curve=config.curve),
-            new_session=lambda now: proto.Session(
-                proto.Role.CLIENT, self.hello, deadlines=self._deadlines, limits=self._limits,
-                now=now, identity_policy=config.identity_policy),
-            hello=self.hello, owner=self, store=store,
-            receiver=Receiver(landing, self._segments, self._bpb, self._counters),
-            shm=SharedReceiver(landing, self._segments, self._counters,
-                               proto.CreditBudget(window), enabled=config.shm),
-            data=DataReceiver(self._reactor, landing, self._segments, self._counters,
-                              proto.CreditBudget(proto.stream_window(window)),
-                              enabled=offers_data),
-            budget=proto.CreditBudget(window),
-            counters=self._counters,
-            curve=config.curve is not None, bytes_per_block=self._bpb),
-            max_peers=config.max_peers)
-        # The order the IO loop serves them in, and the order they shut down in.
-        self._reactor.add(self._client)
-        self._reactor.add(self._server)
         self._reactor.start(on_exit=self._release)
         log.info("node %s listening on %s fingerprint=%s layout=%s bytes/block=%d segments=%d",
                  self.node_id, self.address, run_config.fingerprint, layout.name, self._bpb,
@@ -384,7 +279,7 @@ class Node:
         return self._client.handles()
 
     def stats(self) -> NodeStats:
-        c = self._counters.snapshot()
+        c = self._rt.counters.snapshot()
         handles = self._client.handles()
         return NodeStats(
             **c.fields(f.name for f in dataclasses.fields(NodeStats)),
@@ -393,13 +288,13 @@ class Node:
             handshakes_refused=c.refusals, store=self.store.stats(),
             fetch_latency_buckets=c.latency_buckets, fetch_latency_sum=c.latency_sum,
             identity_undeclared=c.undeclared,
-            shm_segment=None if self._shm_sender.offer is None else self._shm_sender.offer.name,
+            shm_segment=None if (offer := self._rt.shm_sender.offer) is None else offer.name,
             shm_unavailable=self.shm_unavailable,
             shm_peers_out=sum(1 for h in handles if h.data_path == "shm"),
-            shm_peers_in=self._shm_sender.attached_peers(),
-            shm_fallbacks=c.shm_fallbacks, shm_pinned=self._shm_sender.pinned(),
-            draining=self._inbound_parts.draining.is_set(),
-            data_port=None if self._data_listener is None else self._data_listener.port,
+            shm_peers_in=self._rt.shm_sender.attached_peers(),
+            shm_fallbacks=c.shm_fallbacks, shm_pinned=self._rt.shm_sender.pinned(),
+            draining=self._rt.inbound.draining.is_set(),
+            data_port=None if self._rt.data_listener is None else self._rt.data_listener.port,
             data_peers_out=sum(1 for h in handles if h.data_path == "tcp-data"),
             data_peers_in=self._server.stream_peers(), paths=path_stats(c.paths))
 
@@ -408,7 +303,7 @@ class Node:
         UNAVAILABLE and lookups miss, fetches being sent get ``timeout`` (default
         ``drain_timeout``) to finish, then the node closes as :meth:`close` does."""
         deadline = time.monotonic() + _seconds(timeout, self.config.drain_timeout)
-        self._inbound_parts.draining.set()
+        self._rt.inbound.draining.set()
         self._server.wait_sent(deadline)
         self.close(max(0.0, deadline - time.monotonic()))
 
@@ -504,10 +399,10 @@ class Node:
 
     def _release(self) -> None:
         """IO thread, last: stop the authenticator and release the ZeroMQ context."""
-        if self._auth is not None:
+        if self._rt.auth is not None:
             with contextlib.suppress(Exception):
-                self._auth.stop()
-        self._ctx.term()
+                self._rt.auth.stop()
+        self._rt.ctx.term()
         if self._own_pool is not None:
             self._own_pool.close()  # the segment's name goes; mapped memory stays valid
         log.info("node %s closed", self.node_id)
