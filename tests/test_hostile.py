@@ -198,7 +198,7 @@ def test_partial_multipart_from_a_dying_sender_is_never_delivered(hostile: Any) 
 def test_oversize_frame_makes_libzmq_drop_the_connection(hostile: Any) -> None:
     env = hostile()
     raw = env.raw(monitor=True)
-    limit = env.server._max_message  # MAXMSGSIZE of the node's sockets
+    limit = env.server._rt.max_message  # MAXMSGSIZE of the node's sockets
     raw.send([b"\x00" * (limit + 1)])
     events = raw.monitor_events(5.0)
     assert zmq.EVENT_DISCONNECTED in events, events

@@ -31,7 +31,7 @@ from p2pkv.protocol.messages import (
     Refuse,
     ShmOffer,
 )
-from p2pkv.protocol.requests import LocalProtocolError, Request, RequestBook
+from p2pkv.protocol.requests import RequestBook
 
 __all__ = ["HANDSHAKE_STATES", "TERMINAL_STATES", "Machine", "Proof", "Role", "State"]
 
@@ -183,37 +183,7 @@ class Machine:
             return NOTHING
         return self.violate(Code.UNKNOWN_REQUEST, f"{tag} for unknown request {req}")
 
-    # -- the checks of the node's own calls (LocalProtocolError when not allowed)
-
-    def check_role(self, role: Role, what: str) -> None:
-        """A local call allowed to ``role`` only, and only once READY."""
-        if self.role is not role:
-            raise LocalProtocolError(Code.UNEXPECTED, f"{what}: only the {role.value} sends it")
-        if self.state is not State.READY:
-            raise LocalProtocolError(
-                Code.UNEXPECTED, f"{what}: the connection is {self.state.value}, not ready")
-
     def open(self, kind: str, keys: tuple[bytes, ...], deadline: float, granted: int,
              until: float) -> int:
-        if self.role is not Role.CLIENT:
-            raise LocalProtocolError(Code.UNEXPECTED, f"{kind}: only the client sends requests")
-        self.check_role(Role.CLIENT, kind)
+        """Client: a new request (the session checked the call against the table)."""
         return self.requests.open(kind, keys, deadline, granted, self.request_limit(), until)
-
-    def own(self, req: int, what: str) -> Request:
-        self.check_role(Role.CLIENT, what)
-        r = self.requests.get(req)
-        if r is None:
-            raise LocalProtocolError(Code.UNKNOWN_REQUEST, f"{what}: no open request {req}")
-        return r
-
-    def served(self, req: int, kind: str | None, what: str) -> Request:
-        self.check_role(Role.SERVER, what)
-        r = self.requests.get(req)
-        if r is None:
-            raise LocalProtocolError(Code.UNKNOWN_REQUEST, f"{what}: no open request {req}")
-        if kind is not None and r.kind != kind:
-            raise LocalProtocolError(
-                Code.UNEXPECTED, f"{what}: request {req} is a {r.kind}, not a {kind}"
-            )
-        return r

@@ -34,17 +34,15 @@ from p2pkv.identity import IDENTITY_POLICIES
 from p2pkv.keys import check_keys
 from p2pkv.protocol.codec import decode, decode_head
 from p2pkv.protocol.codes import (
-    CAP_PACKED_V1,
-    CAP_SHM_V1,
     MAX_KEY_LEN,
     MAX_KEYS,
     MAX_PACKED_BYTES,
     MAX_WINDOW,
-    OUTCOME_SENT,
     SHM_NONCE_LEN,
-    U64_MAX,
     Code,
 )
+from p2pkv.protocol.deadlines import abort_request, expire
+from p2pkv.protocol.deadlines import next_deadline as machine_deadline
 from p2pkv.protocol.events import (
     NO_PAYLOAD,
     NOTHING,
@@ -52,7 +50,6 @@ from p2pkv.protocol.events import (
     Output,
     Payload,
 )
-from p2pkv.protocol.flow import FetchCredit
 from p2pkv.protocol.limits import Deadlines, Limits
 from p2pkv.protocol.machine import TERMINAL_STATES, Machine, Proof, Role, State
 from p2pkv.protocol.messages import (
@@ -78,9 +75,17 @@ from p2pkv.protocol.messages import (
     ShmOffer,
 )
 from p2pkv.protocol.requests import KeyLimitExceeded, LocalProtocolError, Request
-from p2pkv.protocol.transitions import IMPLEMENTED, abort_request, expire, remote_error
-from p2pkv.protocol.transitions import next_deadline as machine_deadline
+from p2pkv.protocol.rules import (
+    Broken,
+    field_break,
+    indices_break,
+    outcomes_break,
+    sums_break,
+    window_break,
+)
+from p2pkv.protocol.transitions import IMPLEMENTED, allow, remote_error
 from p2pkv.protocol.transitions import receive as machine_receive
+from p2pkv.protocol.view import SessionView
 
 __all__ = ["LocalProtocolError", "Session"]
 
@@ -98,55 +103,18 @@ def _check_keys(keys: Sequence[bytes], limit: int) -> tuple[bytes, ...]:
     return check_keys(out, MAX_KEY_LEN)
 
 
-def _block_sums(sums: Sequence[int | None] | None, n: int,
-                checksums: bool) -> tuple[int | None, ...]:
-    """The ``sums`` of a block message of ``n`` blocks: u64s exactly when checksums were
-    negotiated (``None``: all absent)."""
-    if sums is None:
-        if checksums:
-            raise ValueError("block: checksums were negotiated, sums are required")
-        return (None,) * n
-    sums_t = tuple(sums)
-    if len(sums_t) != n:
-        raise ValueError(f"block: {n} block(s) need {n} sums, got {len(sums_t)}")
-    for s in sums_t:
-        ok = (type(s) is int and 0 <= s <= U64_MAX) if checksums else s is None
-        if not ok:
-            raise ValueError(f"block: sums must be {'u64' if checksums else 'None'}"
-                             f" (checksums negotiated: {checksums}), got {s!r}")
-    return sums_t
+def _refused(broken: Broken | None, what: str) -> None:
+    """A rule of :mod:`p2pkv.protocol.rules` this node's own call breaks: what the
+    protocol does not allow now is a LocalProtocolError, a bad argument a ValueError."""
+    if broken is None:
+        return
+    text = f"{what}: {broken.text}"
+    if broken.code in (Code.UNEXPECTED, Code.WINDOW_EXCEEDED):
+        raise LocalProtocolError(broken.code, text)
+    raise ValueError(text)
 
 
-def _check_indices(idx: tuple[int, ...], r: Request, req: int) -> None:
-    """The indices of a ``block`` the server sends: at least one, each a key of the
-    request, none sent before, none repeated."""
-    if not idx:
-        raise ValueError("block: idx must name at least one block")
-    for i in idx:
-        if type(i) is not int or not 0 <= i < len(r.keys):
-            raise ValueError(f"block: index {i!r} is not a key of request {req}")
-        if i in r.delivered:
-            raise ValueError(f"block: index {i} of request {req} was already sent")
-    if len(set(idx)) != len(idx):
-        raise ValueError(f"block: idx {idx!r} repeats an index")
-
-
-def _done_outcomes(outcomes: Sequence[int], nkeys: int,
-                   delivered: set[int]) -> tuple[int, ...]:
-    """The outcomes of a ``done``: one per key, OUTCOME_SENT exactly for those sent."""
-    out = tuple(outcomes)
-    if len(out) != nkeys:
-        raise ValueError(f"fetch_done: need {nkeys} outcomes, got {len(out)}")
-    for i, o in enumerate(out):
-        if type(o) is not int or not 0 <= o <= 2:
-            raise ValueError(f"fetch_done: outcome {i} must be 0, 1 or 2, got {o!r}")
-        if (o == OUTCOME_SENT) != (i in delivered):
-            raise ValueError(f"fetch_done: outcome {i} is {o} but block {i} was "
-                             f"{'sent' if i in delivered else 'not sent'}")
-    return out
-
-
-class Session:
+class Session(SessionView):
     """The protocol state of one peer connection, driven by messages and time.
 
     Lifecycle: construct, call :meth:`start` (the client sends the ``hello`` it returns),
@@ -164,7 +132,7 @@ class Session:
     other are unknown types to it.
     """
 
-    __slots__ = ("_m",)
+    __slots__ = ()
 
     def __init__(
         self,
@@ -189,107 +157,26 @@ class Session:
                           frozenset(required_caps), identity_policy, frozenset(implements),
                           shm_offer, now, data_offer)
 
-    # ------------------------------------------------------------------ properties
-
-    @property
-    def role(self) -> Role:
-        return self._m.role
-
-    @property
-    def state(self) -> State:
-        return self._m.state
-
-    @property
-    def local(self) -> Greeting:
-        return self._m.local
-
-    @property
-    def remote(self) -> Greeting | None:
-        """The peer's greeting once the handshake was accepted."""
-        return self._m.remote
-
-    @property
-    def capabilities(self) -> frozenset[str]:
-        """The negotiated capabilities (empty before the handshake)."""
-        return self._m.caps
-
-    @property
-    def checksums(self) -> bool:
-        """Whether every block carries an xxh3-64 (``checksum-xxh3-64`` negotiated)."""
-        return self._m.checksums
-
-    @property
-    def packed_blocks(self) -> bool:
-        """Whether a ``block`` may carry its blocks in one frame (``packed-v1``)."""
-        return CAP_PACKED_V1 in self._m.caps
-
-    @property
-    def shm_negotiated(self) -> bool:
-        """Both sides offered ``shm-v1``."""
-        return CAP_SHM_V1 in self._m.caps
-
-    @property
-    def shm_offer(self) -> ShmOffer | None:
-        """The server's segment: our own (server), or the one the ``welcome`` offered
-        when ``shm-v1`` was negotiated (client)."""
-        return self._m.offer
-
-    @property
-    def data_offer(self) -> DataOffer | None:
-        """The server's data stream: our own (server), or the one the ``welcome`` offered
-        (client), once ``tcp-data-v1`` was negotiated; None otherwise."""
-        return self._m.data_offer
-
-    @property
-    def shared_memory(self) -> bool:
-        """The server accepted the client's proof: fetches may use the segment."""
-        return self._m.shared_memory
-
-    @property
-    def segments(self) -> tuple[int, ...] | None:
-        """The negotiated segment sizes once READY (pass to ``codec.decode``)."""
-        return self._m.local.geo.seg if self._m.remote is not None else None
-
-    @property
-    def is_open(self) -> bool:
-        return self._m.state not in TERMINAL_STATES
-
-    @property
-    def in_flight(self) -> int:
-        """Unfinished requests on this connection."""
-        return len(self._m.requests)
-
-    @property
-    def request_limit(self) -> int:
-        """Client: the most unfinished requests it may have (its own limit, or the
-        peer's advertised ``in_flight`` when smaller)."""
-        return self._m.request_limit()
-
-    @property
-    def key_limit(self) -> int:
-        """Client: the most keys one request may carry (the peer's ``max_keys``)."""
-        return self._m.peer_max_keys()
-
-    def is_pending(self, req: int) -> bool:
-        return req in self._m.requests
-
-    def shared_fetch(self, req: int) -> bool:
-        """Whether running fetch ``req`` is served through the segment."""
-        r = self._m.requests.get(req)
-        return r is not None and r.shared
-
     def window_left(self, req: int) -> int:
         """Server: blocks of fetch ``req`` that may still be sent under the granted credit."""
-        r = self._m.served(req, "fetch", "window_left")
+        r = self._served(req, "fetch", "window_left")
         return r.granted - r.received
 
-    def fetch_credit(self, req: int) -> FetchCredit | None:
-        """Client: the credit state of running fetch ``req`` (``None`` when ``req`` is not
-        a running fetch): what :class:`~p2pkv.protocol.flow.CreditBudget` decides on."""
+    def _own(self, req: int, call: str) -> Request:
+        """Client: an open request this node's ``call`` is about (after :func:`allow`)."""
+        allow(self._m, call)
         r = self._m.requests.get(req)
-        if r is None or r.kind != "fetch" or self._m.role is not Role.CLIENT:
-            return None
-        return FetchCredit(req, r.granted, r.received, len(r.keys))
+        if r is None:
+            raise LocalProtocolError(Code.UNKNOWN_REQUEST, f"{call}: no open request {req}")
+        return r
+
+    def _served(self, req: int, kind: str | None, call: str) -> Request:
+        """Server: an open request of ``kind`` (None: any) that ``call`` answers."""
+        r = self._own(req, call)
+        if kind is not None and r.kind != kind:
+            raise LocalProtocolError(
+                Code.UNEXPECTED, f"{call}: request {req} is a {r.kind}, not a {kind}")
+        return r
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -374,6 +261,7 @@ class Session:
                deadline: float = math.inf) -> Lookup:
         """Client: open a lookup; send the returned message. Answer: LookupAnswered, or
         RequestTimedOut once ``lookup`` seconds (or the caller's ``deadline``) passed."""
+        allow(self._m, "lookup")
         keys_t = _check_keys(keys, self._m.peer_max_keys())
         req = self._m.open("lookup", keys_t, now + self._m.deadlines.lookup, 0, deadline)
         return Lookup(req, keys_t)
@@ -386,6 +274,7 @@ class Session:
         land; FetchFinished ends it. It times out (aborted, RequestTimedOut) when no
         block or credit moved it for ``fetch_idle`` seconds, or at ``deadline``.
         """
+        allow(self._m, "fetch")
         keys_t = _check_keys(keys, self._m.peer_max_keys())
         if type(window) is not int or not 1 <= window <= MAX_WINDOW:
             raise ValueError(f"window must be an int in [1, {MAX_WINDOW}], got {window!r}")
@@ -397,6 +286,7 @@ class Session:
                      deadline: float = math.inf) -> Fetch:
         """Client: :meth:`fetch`, served through the segment (``shm-v1``, after an
         accepted :meth:`attach`): its blocks arrive as BlocksLocated."""
+        allow(self._m, "fetch_shared")
         if not self._m.shared_memory:
             raise LocalProtocolError(Code.UNEXPECTED, "fetch_shared: no accepted attach")
         msg = self.fetch(keys, window, now, deadline=deadline)
@@ -405,7 +295,7 @@ class Session:
 
     def withdraw(self, req: int) -> None:
         """Client: forget request ``req``, opened but never sent (as if never opened)."""
-        r = self._m.own(req, "withdraw")
+        r = self._own(req, "withdraw")
         if r.received or r.aborting:
             raise LocalProtocolError(Code.UNEXPECTED, f"withdraw: request {req} was sent")
         self._m.requests.withdraw(req)
@@ -414,7 +304,7 @@ class Session:
         """Client: allow ``n`` more blocks of fetch ``req`` in flight (resets its idle deadline)."""
         if type(n) is not int or not 1 <= n <= MAX_WINDOW:
             raise ValueError(f"credit n must be an int in [1, {MAX_WINDOW}], got {n!r}")
-        r = self._m.own(req, "credit")
+        r = self._own(req, "credit")
         if r.kind != "fetch" or r.aborting:
             raise LocalProtocolError(
                 Code.UNEXPECTED, f"credit: request {req} is not a running fetch"
@@ -425,7 +315,7 @@ class Session:
 
     def abort(self, req: int, now: float) -> Abort:
         """Client: stop request ``req``; AbortAcknowledged follows (or a timeout)."""
-        r = self._m.own(req, "abort")
+        r = self._own(req, "abort")
         if r.aborting:
             raise LocalProtocolError(Code.UNEXPECTED, f"abort: request {req} is already aborting")
         abort_request(self._m, r, now)
@@ -434,7 +324,7 @@ class Session:
     def attach(self, nonce: bytes) -> Attach:
         """Client: echo the nonce read through the offered segment's mapping (once)."""
         m = self._m
-        self._m.check_role(Role.CLIENT, "attach")
+        allow(m, "attach")
         if m.offer is None or m.proof is not Proof.NONE:
             raise LocalProtocolError(Code.UNEXPECTED, "attach: no segment offered, or "
                                      "attach already sent")
@@ -445,7 +335,7 @@ class Session:
 
     def release(self, req: int, idx: Sequence[int]) -> Release:
         """Client: the located blocks ``idx`` of fetch ``req`` were copied or dropped."""
-        self._m.check_role(Role.CLIENT, "release")
+        allow(self._m, "release")
         idx_t = tuple(idx)
         if not 1 <= len(idx_t) <= MAX_KEYS:
             raise ValueError(f"release: need 1..{MAX_KEYS} indices, got {len(idx_t)}")
@@ -455,7 +345,7 @@ class Session:
 
     def answer_lookup(self, req: int, hits: Sequence[bool]) -> Hits:
         """Server: the answer to lookup ``req``, one bool per key."""
-        r = self._m.served(req, "lookup", "answer_lookup")
+        r = self._served(req, "lookup", "answer_lookup")
         hits_t = tuple(hits)
         if len(hits_t) != len(r.keys) or not set(map(type, hits_t)) <= {bool}:
             raise ValueError(
@@ -479,29 +369,27 @@ class Session:
         ``packed``: the payload goes as one frame (``packed-v1``, which must have been
         negotiated, and at most MAX_PACKED_BYTES).
         """
-        r = self._m.served(req, "fetch", "block")
+        r = self._served(req, "fetch", "block")
         idx_t = tuple(idx)
         n = len(idx_t)
-        _check_indices(idx_t, r, req)
-        if packed and not self.packed_blocks:
-            raise LocalProtocolError(Code.UNEXPECTED, "block: packed-v1 was not negotiated")
+        sums_t = (None,) * n if sums is None else tuple(sums)
+        if len(sums_t) != n:
+            raise ValueError(f"block: {n} block(s) need {n} sums, got {len(sums_t)}")
+        msg = Block(req, idx_t, sums_t, tuple(payload), bool(packed))
+        # The same rules as a block from the peer (p2pkv.protocol.rules).
+        _refused(field_break(msg, self._m.caps) or indices_break(r, req, idx_t)
+                 or window_break(r, req, n, "sent") or sums_break(sums_t), "block")
         if packed and n * self._m.local.geo.bpb > MAX_PACKED_BYTES:
             raise ValueError(f"block: {n} packed blocks exceed {MAX_PACKED_BYTES} bytes")
-        if r.received + n > r.granted:
-            raise LocalProtocolError(
-                Code.WINDOW_EXCEEDED,
-                f"block: request {req} has {r.granted - r.received} block(s) of window "
-                f"left, {n} asked",
-            )
-        sums_t = _block_sums(sums, n, self._m.checksums)
         r.received += n
         r.delivered.update(idx_t)
-        return Block(req, idx_t, sums_t, tuple(payload), packed)
+        return msg
 
     def located(self, req: int, idx: Sequence[int], slots: Sequence[int],
                 sums: Sequence[int | None] | None = None) -> Located:
         """Server: blocks ``idx`` of shared fetch ``req`` are pinned at ``slots``; the
         window and checksum rules are those of :meth:`block`."""
+        allow(self._m, "located")
         if not self.shared_fetch(req):
             raise LocalProtocolError(Code.UNEXPECTED, f"located: request {req} is not a "
                                      "shared fetch")
@@ -514,14 +402,15 @@ class Session:
 
     def fetch_done(self, req: int, outcomes: Sequence[int]) -> Done:
         """Server: fetch ``req`` is over; outcome 0 exactly for the indices sent."""
-        r = self._m.served(req, "fetch", "fetch_done")
-        out = _done_outcomes(outcomes, len(r.keys), r.delivered)
+        r = self._served(req, "fetch", "fetch_done")
+        out = tuple(outcomes)
+        _refused(outcomes_break(r, req, out), "fetch_done")
         self._m.requests.finish(req)
         return Done(req, out)
 
     def abort_ack(self, req: int) -> AbortAck:
         """Server: request ``req`` is stopped (after AbortRequested)."""
-        r = self._m.served(req, None, "abort_ack")
+        r = self._served(req, None, "abort_ack")
         if not r.aborting:
             raise LocalProtocolError(Code.UNEXPECTED, f"abort_ack: request {req} was not aborted")
         self._m.requests.finish(req)
@@ -529,14 +418,15 @@ class Session:
 
     def fail(self, req: int, code: int, msg: str) -> Error:
         """Server: request ``req`` failed as a whole (for example UNAVAILABLE)."""
-        self._m.served(req, None, "fail")
+        self._served(req, None, "fail")
         self._m.requests.finish(req)
         return Error(req, code, msg)
 
     def attach_verdict(self, ok: bool, msg: str) -> Attached:
         """Server: the answer to the client's ``attach`` (after AttachRequested)."""
         m = self._m
-        if m.role is not Role.SERVER or m.proof is not Proof.PENDING:
+        allow(m, "attach_verdict")
+        if m.proof is not Proof.PENDING:
             raise LocalProtocolError(Code.UNEXPECTED, "attach_verdict: no attach to answer")
         m.proof = Proof.ACCEPTED if ok else Proof.REFUSED
         return Attached(bool(ok), msg)

@@ -1,21 +1,34 @@
-"""The per-peer state machine, every rule of it in one place, with no IO
+"""The per-peer state machine, every rule of it in one table, with no IO
 (``protocol/SPEC.md``, "State machine", §16 for ``shm-v1``, §17 for ``packed-v1``, §18
 for ``tcp-data-v1``).
 
-:class:`Machine` is the state of one connection. What a message from the peer does is a
-row of :data:`TRANSITIONS`: ``(role, state, message type) -> handler``, each row naming
-the capability its message belongs to. Capabilities are data here: what a capability
-changes is written in the handlers that consult the negotiated set (``Machine.caps``) and
-the capability's state (the ``shm-v1`` offer and proof, the ``tcp-data-v1`` offer: what
-the greetings carry; the stream itself is the transport's, and whatever it carries
-comes through this same table), and the rows of a capability a
-session does not implement (``Machine.implements``) are as absent. A pair missing from
-the table is a protocol violation: ``refuse`` during the handshake, ``bye`` after it,
-and the state moves to ``ERROR``. Input from the peer never raises
-here; it becomes events and replies.
+:class:`~p2pkv.protocol.machine.Machine` is the state of one connection. The table has
+two parts, both here:
 
-:class:`~p2pkv.protocol.session.Session` owns a machine and adds the calls the node makes;
-the state the rows read and change is :class:`~p2pkv.protocol.machine.Machine`.
+* :data:`TRANSITIONS`, what a message from the peer does: ``(role, state, message
+  type) -> Rule(handler, capability)``. A pair missing from it is a protocol violation:
+  ``refuse`` during the handshake, ``bye`` after it, and the state moves to ``ERROR``.
+* :data:`CALLS`, what this node may send: ``(role, call) -> Call(states,
+  capability)``; :func:`allow` checks a call against it before the session builds the
+  message, and a call it does not allow raises
+  :class:`~p2pkv.protocol.requests.LocalProtocolError`.
+
+Capabilities are data the table consults. What a capability allows is checked against
+what the two sides *negotiated* (``Machine.caps``): the calls of a capability (the
+``shm-v1`` calls), and the fields of a message that need one
+(:data:`~p2pkv.protocol.rules.FIELD_CAPABILITIES`: a packed block, a block's checksums),
+checked the same way on what the peer sends and on what this node sends. A message row
+of a capability is recognized wherever the capability is *implemented*
+(``Machine.implements``), negotiated or not: §16.5 gives each such message an answer
+that tells the peer exactly what it got wrong (UNKNOWN_REQUEST for a ``release`` of a
+request never opened, UNEXPECTED for an ``attach`` nobody offered), and a node that does
+not implement the capability reads its messages as absent rows.
+
+The checks a block, a located and a done pass are :mod:`p2pkv.protocol.rules`, shared
+by both directions; what time does is :mod:`p2pkv.protocol.deadlines`. Input from the
+peer never raises here; it becomes events and replies.
+
+:class:`~p2pkv.protocol.session.Session` owns a machine and makes the calls.
 """
 
 from __future__ import annotations
@@ -33,7 +46,6 @@ from p2pkv.protocol.codes import (
     CAP_PACKED_V1,
     CAP_SHM_V1,
     CAP_TCP_DATA_V1,
-    OUTCOME_SENT,
     Code,
 )
 from p2pkv.protocol.compat import decide
@@ -49,7 +61,6 @@ from p2pkv.protocol.events import (
     BlocksReleased,
     CreditGranted,
     ErrorReceived,
-    Event,
     FetchFinished,
     FetchRequested,
     HandshakeAccepted,
@@ -61,7 +72,6 @@ from p2pkv.protocol.events import (
     Output,
     PeerClosed,
     RequestFailed,
-    RequestTimedOut,
 )
 from p2pkv.protocol.machine import HANDSHAKE_STATES, Machine, Proof, Role, State
 from p2pkv.protocol.messages import (
@@ -87,10 +97,17 @@ from p2pkv.protocol.messages import (
     Release,
     Welcome,
 )
-from p2pkv.protocol.requests import Request
+from p2pkv.protocol.requests import LocalProtocolError, Request
+from p2pkv.protocol.rules import (
+    field_break,
+    indices_break,
+    outcomes_break,
+    sums_break,
+    window_break,
+)
 
-__all__ = ["IMPLEMENTED", "TRANSITIONS", "Handler", "Rule", "abort_request", "expire",
-           "next_deadline", "receive", "remote_error"]
+__all__ = ["CALLS", "IMPLEMENTED", "TRANSITIONS", "Call", "Handler", "Rule", "allow",
+           "receive", "remote_error"]
 
 
 IMPLEMENTED: Final = frozenset({CAP_CHECKSUM_XXH3_64, CAP_SHM_V1, CAP_PACKED_V1,
@@ -117,10 +134,31 @@ def receive(m: Machine, msg: Message, now: float) -> Output:
     """One decoded message from the peer, through the table."""
     m.last_rx = now
     rule = TRANSITIONS[m.role].get((m.state, msg.TAG))
+    # A capability's messages are recognized wherever it is implemented, negotiated or
+    # not (§16.5 says what each then means); unimplemented, they are as absent.
     if rule is None or (rule.capability is not None and rule.capability not in m.implements):
         return m.violate(Code.UNEXPECTED, f"{msg.TAG!r} is not allowed from a "
                          f"{m.peer_role} in state {m.state.value}")
+    if m.state is State.READY:
+        broken = field_break(msg, m.caps)
+        if broken is not None:
+            return m.violate(broken.code, broken.text)
     return rule.handler(m, msg, now)
+
+
+def allow(m: Machine, call: str) -> None:
+    """Whether this node may make ``call`` now (its role, the state, the capability the
+    call belongs to, as negotiated); LocalProtocolError when it may not."""
+    rule = CALLS.get((m.role, call))
+    if rule is None:
+        other = "server" if m.role is Role.CLIENT else "client"
+        raise LocalProtocolError(Code.UNEXPECTED, f"{call}: only the {other} sends it")
+    if m.state not in rule.states:
+        raise LocalProtocolError(
+            Code.UNEXPECTED, f"{call}: the connection is {m.state.value}, not ready")
+    if rule.capability is not None and rule.capability not in m.caps:
+        raise LocalProtocolError(Code.UNEXPECTED, f"{call}: {rule.capability} was not "
+                                 "negotiated")
 
 
 def remote_error(m: Machine, error: ProtocolError, now: float) -> Output:
@@ -139,83 +177,6 @@ def remote_error(m: Machine, error: ProtocolError, now: float) -> Output:
         )
         return m.refuse((reason,), f"refused: {error.message}", None)
     return m.violate(error.code, error.message)
-
-
-def expire(m: Machine, now: float) -> Output:
-    """Time: every deadline checked against ``now``; expired ones become events and
-    replies (the handshake, the heartbeat, each request's deadline, §8)."""
-    state = m.state
-    d = m.deadlines
-    if state in HANDSHAKE_STATES:
-        if now >= m.handshake_deadline:
-            want = "hello" if m.role is Role.SERVER else "welcome"
-            text = f"no {want} within {d.handshake:g} s"
-            m.state = State.CLOSED
-            return Output(events=(PeerClosed(Code.TIMEOUT, text, False),),
-                          replies=(Bye(Code.TIMEOUT, text),))
-        return NOTHING
-    if state is not State.READY:
-        return NOTHING
-    if now - m.last_rx >= d.heartbeat_timeout:
-        return _closing(m, Code.PEER_TIMEOUT,
-                        f"no traffic from the peer for {d.heartbeat_timeout:g} s", [], [])
-    events: list[Event] = []
-    replies: list[Message] = []
-    if m.role is Role.CLIENT:
-        for req, r in m.requests.items():
-            if now < r.deadline and now < r.until:
-                continue
-            events.append(RequestTimedOut(req, "abort" if r.aborting else r.kind,
-                                          overall=not r.aborting and now >= r.until))
-            if r.aborting:
-                return _closing(m, Code.TIMEOUT, f"no abort_ack for request {req} within "
-                                f"{d.abort:g} s", events, replies)
-            if r.kind == "fetch":
-                abort_request(m, r, now)
-                replies.append(Abort(req))
-            else:
-                m.requests.finish(req)
-    if now - max(m.last_rx, m.last_ping) >= d.heartbeat_interval:
-        m.last_ping = now
-        m.ping_nonce += 1
-        replies.append(Ping(m.ping_nonce))
-    if not events and not replies:
-        return NOTHING
-    return Output(events=tuple(events), replies=tuple(replies))
-
-
-def _closing(m: Machine, code: int, text: str, events: list[Event],
-             replies: list[Message]) -> Output:
-    """A deadline ends the connection: fail what is open, say bye with ``code``."""
-    events.extend(m.fail_all(code, text))
-    events.append(PeerClosed(code, text, False))
-    m.state = State.CLOSED
-    replies.append(Bye(code, text))
-    return Output(events=tuple(events), replies=tuple(replies))
-
-
-def next_deadline(m: Machine) -> float | None:
-    """The earliest time :func:`expire` has something to do, or ``None`` when closed."""
-    if m.state in HANDSHAKE_STATES:
-        return m.handshake_deadline
-    if m.state is not State.READY:
-        return None
-    d = m.deadlines
-    soonest = min(m.last_rx + d.heartbeat_timeout,
-                  max(m.last_rx, m.last_ping) + d.heartbeat_interval)
-    if m.role is Role.CLIENT:
-        for r in m.requests.values():
-            soonest = min(soonest, r.deadline, r.until)
-    return soonest
-
-
-def abort_request(m: Machine, r: Request, now: float) -> None:
-    """Client: fetch ``r`` is being aborted; only its abort_ack is awaited now, within
-    the abort deadline (the caller's deadline no longer applies: it passed, or the
-    caller stopped the fetch)."""
-    r.aborting = True
-    r.deadline = now + m.deadlines.abort
-    r.until = math.inf
 
 
 # ---------------------------------------------------------------------- both roles
@@ -306,40 +267,16 @@ def _on_block(m: Machine, msg: Block, now: float) -> Output:
         return m.violate(Code.UNKNOWN_REQUEST, f"block for unknown request {req}")
     if r.kind != "fetch":
         return m.violate(Code.UNEXPECTED, f"block for request {req}, a {r.kind}")
-    if msg.pk and CAP_PACKED_V1 not in m.caps:
-        return m.violate(Code.UNEXPECTED, "packed block (packed-v1 was not negotiated)")
     if r.aborting:
         return Output(events=(BlockDiscarded(req, msg.idx),))
-    bad = _window_and_indices(m, r, req, msg.idx, msg.sums)
-    if bad is not None:
-        return bad
+    broken = (indices_break(r, req, msg.idx) or window_break(r, req, len(msg.idx))
+              or sums_break(msg.sums))
+    if broken is not None:
+        return m.violate(broken.code, broken.text)
+    r.delivered.update(msg.idx)
+    r.received += len(msg.idx)
     r.deadline = now + m.deadlines.fetch_idle
     return Output(events=(BlockArrived(req, msg.idx, msg.sums, msg.payload, msg.pk),))
-
-
-def _window_and_indices(m: Machine, r: Request, req: int, idx: tuple[int, ...],
-                        sums: tuple[int | None, ...]) -> Output | None:
-    """The rules a block (or located) header passes: each index a key of the request and
-    delivered once, within the granted window, checksums as negotiated."""
-    nkeys = len(r.keys)
-    delivered = r.delivered
-    for i in idx:
-        if i >= nkeys or i in delivered:
-            what = "is not a key of" if i >= nkeys else "was already delivered for"
-            return m.violate(Code.OUT_OF_BOUNDS, f"block index {i} {what} request {req}")
-        delivered.add(i)
-    r.received += len(idx)
-    if r.received > r.granted:
-        return m.violate(Code.WINDOW_EXCEEDED,
-                         f"request {req}: {r.received} blocks arrived, {r.granted} granted")
-    if m.checksums:
-        if None in sums:
-            return m.violate(Code.WRONG_TYPE,
-                             "block without checksum (checksum-xxh3-64 was negotiated)")
-    elif any(s is not None for s in sums):
-        return m.violate(Code.WRONG_TYPE,
-                         "block with checksum (checksum-xxh3-64 was not negotiated)")
-    return None
 
 
 def _on_done(m: Machine, msg: Done, now: float) -> Output:
@@ -347,14 +284,9 @@ def _on_done(m: Machine, msg: Done, now: float) -> Output:
     checked = _check_answer(m, req, "done", "fetch", len(msg.outcomes), "outcomes")
     if isinstance(checked, Output):
         return checked
-    delivered = checked.delivered
-    for i, o in enumerate(msg.outcomes):
-        if (o == OUTCOME_SENT) != (i in delivered):
-            return m.violate(
-                Code.OUT_OF_BOUNDS,
-                f"done: outcome {i} is {o} but block {i} "
-                f"{'arrived' if i in delivered else 'never arrived'} (request {req})",
-            )
+    broken = outcomes_break(checked, req, msg.outcomes)
+    if broken is not None:
+        return m.violate(broken.code, broken.text)
     m.requests.finish(req)
     return Output(events=(FetchFinished(req, msg.outcomes),))
 
@@ -542,3 +474,38 @@ def _build() -> dict[Role, dict[tuple[State, str], Rule]]:
 
 TRANSITIONS: Final = _build()
 """Every transition on a message from the peer, by role: ``(state, type) -> Rule``."""
+
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One row of the calls' table: the states a call of this node is allowed in, and
+    the capability (if any) it belongs to."""
+
+    states: frozenset[State]
+    capability: str | None = None
+
+
+_CALL_ROWS: Final[tuple[tuple[Role, str, str | None], ...]] = (
+    # role, call (a Session method), capability; every call needs the READY state
+    (_C, "lookup", None),
+    (_C, "fetch", None),
+    (_C, "fetch_shared", _SHM),  # and an accepted attach (§16.4)
+    (_C, "withdraw", None),
+    (_C, "credit", None),
+    (_C, "abort", None),
+    (_C, "attach", _SHM),  # once, when the welcome offered a segment (§16.3)
+    (_C, "release", _SHM),
+    (_S, "answer_lookup", None),
+    (_S, "block", None),  # packed needs packed-v1, sums need checksums (FIELD_CAPABILITIES)
+    (_S, "located", _SHM),  # for a shared fetch only
+    (_S, "fetch_done", None),
+    (_S, "abort_ack", None),
+    (_S, "fail", None),
+    (_S, "attach_verdict", _SHM),  # once an attach is pending
+    (_S, "window_left", None),
+)
+
+CALLS: Final[dict[tuple[Role, str], Call]] = {
+    (role, call): Call(frozenset({_READY}), cap) for role, call, cap in _CALL_ROWS}
+"""Every call this node's session may make, by role: ``(role, call) -> Call``."""

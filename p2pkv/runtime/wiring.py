@@ -61,6 +61,9 @@ class Runtime:
     inbound: InboundParts
     shm_sender: SharedSender
     data_listener: DataListener | None
+    #: The largest frame the node's sockets take (libzmq drops a connection that
+    #: sends a larger one before Python sees it).
+    max_message: int
 
 
 def deadlines_of(config: NodeConfig) -> proto.Deadlines:
@@ -158,4 +161,4 @@ def wire(config: NodeConfig, hello: proto.Hello, store: BlockStore, owner: PeerO
     reactor.add(client)
     reactor.add(server)
     return Runtime(ctx, auth, address, counters, reactor, client, server, inbound,
-                   shm_sender, listener)
+                   shm_sender, listener, max_message)
