@@ -58,13 +58,17 @@ class RawPeer:
     """One DEALER connection to ``address``, driven by hand."""
 
     def __init__(self, address: str, *, ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
-                 monitor: bool = False, reconnect: bool = False) -> None:
+                 monitor: bool = False, reconnect: bool = False, rcvhwm: int = 0,
+                 rcvbuf: int = -1) -> None:
         self._own_ctx = ctx is None
         self.ctx: zmq.Context[zmq.Socket[bytes]] = ctx or zmq.Context()
         self.sock: zmq.Socket[bytes] = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # floods must not block on our side
-        self.sock.setsockopt(zmq.RCVHWM, 0)
+        # 0: take everything (floods); small: a reader whose queue fills, so the node's
+        # TCP window closes once it stops reading.
+        self.sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        self.sock.setsockopt(zmq.RCVBUF, rcvbuf)
         if not reconnect:
             self.sock.setsockopt(zmq.RECONNECT_IVL, -1)
         self.monitor: zmq.Socket[bytes] | None = None

@@ -18,6 +18,7 @@ import pytest
 from p2pkv.identity import RunConfig
 from p2pkv.protocol import (
     CAP_CHECKSUM_XXH3_64,
+    CAP_SHM_V1,
     IMPLEMENTED,
     TRANSITIONS,
     Abort,
@@ -731,3 +732,78 @@ def test_core_imports_no_io_modules() -> None:
                 names = [node.module]
             for name in names:
                 assert name.split(".")[0] not in forbidden, f"{path.name} imports {name}"
+
+
+# ---------------------------------------------------------------- the calls' table
+
+
+def test_every_call_that_builds_a_message_is_a_row_of_the_table() -> None:
+    # The local half of the one table: each public call of a session that sends
+    # something, or reads a request's state for sending, is checked against CALLS.
+    from p2pkv.protocol.transitions import CALLS
+
+    calls = {call for _, call in CALLS}
+    public = {name for name in vars(Session) if not name.startswith("_")}
+    lifecycle = {"start", "receive", "receive_data", "receive_frames", "close", "poll",
+                 "next_deadline"}
+    views = {"is_pending", "shared_fetch", "fetch_credit"}
+    assert public - lifecycle - views == calls
+    # Each row belongs to one role: the other role is told who sends it.
+    pair = ready_pair()
+    for (role, call), _rule in CALLS.items():
+        other = pair.server if role is Role.CLIENT else pair.client
+        with pytest.raises(LocalProtocolError, match=f"only the {role.value} sends it"):
+            getattr(other, call)(*{"lookup": ([b"k"], 0.0), "fetch": ([b"k"], 1, 0.0),
+                                   "fetch_shared": ([b"k"], 1, 0.0),
+                                   "credit": (1, 1, 0.0), "abort": (1, 0.0),
+                                   "attach": (bytes(16),), "release": (1, [0]),
+                                   "block": (1, [0]), "located": (1, [0], [0]),
+                                   "fetch_done": (1, [0]), "fail": (1, 1, "x"),
+                                   "attach_verdict": (True, ""),
+                                   "answer_lookup": (1, [True])}.get(call, (1,)))
+
+
+def test_a_capability_call_is_checked_against_what_was_negotiated() -> None:
+    # Both sides implement shm-v1 and packed-v1, neither offered them: the calls of a
+    # capability are refused, not just those of a capability this code lacks.
+    pair = ready_pair()
+    assert CAP_SHM_V1 not in pair.client.capabilities
+    for call, args in (("attach", (bytes(16),)), ("release", (1, [0]))):
+        with pytest.raises(LocalProtocolError, match="shm-v1 was not negotiated"):
+            getattr(pair.client, call)(*args)
+    with pytest.raises(LocalProtocolError, match="shm-v1 was not negotiated"):
+        pair.server.attach_verdict(True, "")
+    fetch = pair.client.fetch([b"a"], 1, pair.now)
+    pair.deliver(pair.client, [fetch])
+    with pytest.raises(LocalProtocolError, match="packed-v1 was not negotiated"):
+        pair.server.block(fetch.req, [0], [1], packed=True)
+    # The same field rule on what the peer sends: a packed block is a violation.
+    out = pair.client.receive(Block(fetch.req, (0,), (1,), (), True), pair.now)
+    assert out.replies == (Bye(Code.UNEXPECTED, "packed block (packed-v1 was not "
+                                                "negotiated)"),)
+
+
+def test_a_request_has_one_clock_the_callers_deadline_included() -> None:
+    # The caller's deadline for the whole request is the session's: a lookup and a
+    # fetch past it time out as "overall" (the fetch is aborted), well before their
+    # progress deadlines.
+    pair = ready_pair(deadlines=Deadlines(lookup=10.0, fetch_idle=10.0,
+                                          heartbeat_interval=100.0, heartbeat_timeout=200.0))
+    lookup = pair.client.lookup([b"a"], pair.now, deadline=1.0)
+    fetch = pair.client.fetch([b"b"], 1, pair.now, deadline=2.0)
+    assert pair.client.next_deadline() == 1.0
+    out = pair.client.poll(1.0)
+    assert out.events == (RequestTimedOut(lookup.req, "lookup", overall=True),)
+    assert pair.client.next_deadline() == 2.0
+    out = pair.client.poll(2.0)
+    assert out.events == (RequestTimedOut(fetch.req, "fetch", overall=True),)
+    assert out.replies == (Abort(fetch.req),)
+    # Aborting, only the abort_ack is awaited, within the abort deadline.
+    assert pair.client.next_deadline() == 2.0 + Deadlines().abort
+    # Without a caller's deadline, the progress deadline is the one that passes.
+    other = ready_pair(deadlines=Deadlines(fetch_idle=10.0, heartbeat_interval=100.0,
+                                           heartbeat_timeout=200.0))
+    idle = other.client.fetch([b"c"], 1, 0.0)
+    assert other.client.next_deadline() == 10.0
+    out = other.client.poll(10.0)
+    assert out.events == (RequestTimedOut(idle.req, "fetch", overall=False),)

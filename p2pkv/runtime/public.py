@@ -99,9 +99,11 @@ class NodeConfig:
     lookup_timeout: float = 5.0
     fetch_timeout: float = 60.0
     fetch_idle_timeout: float = 10.0
-    #: Serving: seconds a peer's data stream may take no bytes while blocks wait for it
-    #: (a reader that stalled but still answers pings); then its session ends with a
-    #: ``bye`` that says why, and its blocks are released.
+    #: Serving: the send deadline. Seconds a peer may take nothing of what waits for it
+    #: on its data path while blocks stay pinned for it (no byte taken off its data
+    #: stream, no frame let go by libzmq, no located block released): a reader that
+    #: stalled but still answers pings. Its session then ends with a ``bye`` that says
+    #: why, and its blocks are released.
     send_timeout: float = 20.0
     abort_timeout: float = 2.0
     close_timeout: float = 5.0
