@@ -665,6 +665,43 @@ def test_a_server_that_breaks_the_stream_fails_the_fetch(fault: str,
     assert wait_until(lambda: consumer.peers() == [], timeout=5)
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed-v1", "no packed-v1"])
+def test_pk_on_the_stream_changes_nothing_but_needs_packed_v1(packed: bool,
+                                                              made: list[Any]) -> None:
+    """SPEC §18.3: the stream's bytes are those of a packed frame whatever ``pk`` says,
+    so a ``block`` with ``pk`` true lands like one without, where ``packed-v1`` was
+    negotiated; where it was not, ``pk`` true is UNEXPECTED 205, as on ZeroMQ."""
+    consumer = node(SEED_V2, packed_blocks=packed)
+    made.append(consumer)
+    bpb = consumer.layout.bytes_per_block
+    keys = keys_for(2)
+
+    def on_fetch(stream: socket.socket, msg: proto.Fetch) -> None:
+        blocks = [content(k, bpb) for k in keys]
+        sums = [proto.block_checksum([b]) for b in blocks]
+        stream.sendall(_frame({"t": "block", "v": 1, "req": msg.req, "idx": [0, 1],
+                               "sums": sums, "pk": True}) + b"".join(blocks))
+        stream.sendall(_frame({"t": "done", "v": 1, "req": msg.req, "outcomes": [0, 0]}))
+
+    server = _StreamServer(consumer, on_fetch)
+    made.append(server)
+    fut = consumer.connect_async(server.address, timeout=10)
+    server.accept()
+    peer = fut.result(10)
+    assert peer.data_path == "tcp-data"
+    assert ("packed-v1" in peer.capabilities) is packed
+    if packed:
+        result = consumer.fetch(peer, keys, timeout=10)
+        assert result.outcomes == (KeyOutcome.LANDED, KeyOutcome.LANDED)
+        assert [consumer.get(k) for k in keys] == [content(k, bpb) for k in keys]
+        return
+    with pytest.raises(ProtocolError) as excinfo:
+        consumer.fetch(peer, keys, timeout=10)
+    assert excinfo.value.code == proto.Code.UNEXPECTED and "packed" in str(excinfo.value)
+    assert consumer.stats().protocol_violations == 1
+    assert consumer.store.stats().stored == 0
+
+
 # ---------------------------------------------------------------------- the table
 
 
@@ -806,13 +843,17 @@ def test_datachannel_error_vector_raises_its_code(vector: dict[str, Any]) -> Non
     assert excinfo.value.code == vector["code"], excinfo.value.message
 
 
-def test_stream_vectors_read_as_the_spec_says() -> None:
+@pytest.mark.parametrize("name", ["block_two_blocks_then_done", "packed_block_then_done"])
+def test_stream_vectors_read_as_the_spec_says(name: str) -> None:
     by_name = {v["name"]: v for v in VECTORS["stream"]}
     pre = by_name["preface"]
     assert proto.preface(bytes.fromhex(pre["token"])).hex() == pre["bytes"]
     assert proto.token_of(bytes.fromhex(pre["bytes"])) == bytes.fromhex(pre["token"])
     assert bytes.fromhex(by_name["accepted"]["bytes"]) == proto.ACCEPTED
-    framed = by_name["block_two_blocks_then_done"]
+    framed = by_name[name]
+    # pk or not, the bytes after a block's frame 0 are the same (SPEC §18.3).
+    plain = by_name["block_two_blocks_then_done"]["messages"]
+    assert [m["payload"] for m in framed["messages"]] == [m["payload"] for m in plain]
     data, at, bpb = bytes.fromhex(framed["bytes"]), 0, sum(framed["segments"])
     for want in framed["messages"]:
         n = proto.frame_length(data[at:at + 4])

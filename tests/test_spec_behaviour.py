@@ -182,6 +182,26 @@ def test_shm_in_a_hello_is_decoded_then_ignored(server: Node) -> None:
         raw.close()
 
 
+def test_a_hello_that_carries_data_is_read_and_its_data_ignored(server: Node) -> None:
+    """§18.1: a hello MUST NOT carry ``data``; one that carries a well-formed one is
+    decoded by the same rules (the vector ``hello_carries_data_decoded_then_ignored``)
+    and the server ignores it: the welcome offers the server's own stream, whose token
+    is not the client's, and the session is served as any other."""
+    raw = RawPeer(server.address)
+    try:
+        forged = proto.DataOffer(1, bytes(16), 2)
+        raw.send_msg(dataclasses.replace(raw_hello(server), data=forged))
+        welcome = raw.expect(proto.Welcome)
+        raw.segments = tuple(welcome.geo.seg)
+        assert welcome.data is not None and welcome.data.token != forged.token
+        assert welcome.data.port == server.stats().data_port
+        raw.send_msg(proto.Lookup(1, tuple(keys_for(4))))
+        assert raw.expect(proto.Hits).hits == (True,) * 4
+        assert server.stats().protocol_violations == 0
+    finally:
+        raw.close()
+
+
 def test_shm_v1_messages_without_the_capability(server: Node) -> None:
     """§16.5: release naming a never-opened request is UNKNOWN_REQUEST 208 (not 205), a
     fetch with shm true is served with blocks, a release for it is ignored, an attach

@@ -742,6 +742,10 @@ def datachannel_vectors() -> dict[str, Any]:
     hello = greeting("hello", "n", V1_RC, V1_FP, [4096], minor=2,
                      caps=[CHECKSUM, "tcp-data-v1"])
     add("hello_offers_tcp_data_v1", hello, expected(hello, limits=None, v=1))
+    # A hello MUST NOT carry data, but one that does decodes by the same rules (and its
+    # receiver then ignores it, SPEC 18.1).
+    add("hello_carries_data_decoded_then_ignored", {**hello, "data": offer},
+        expected({**hello, "data": offer}, limits=None, v=1))
     bad("welcome_data_token_short", {**w, "data": {**offer, "token": token[:15]}},
         OUT_OF_BOUNDS)
     bad("welcome_data_token_str", {**w, "data": {**offer, "token": "a" * 16}}, WRONG_TYPE)
@@ -760,6 +764,8 @@ def datachannel_vectors() -> dict[str, Any]:
     blocks = [bytes([0x30 + i]) * 8 + bytes([0x40 + i]) * 4 for i in range(2)]
     head = pack({"t": "block", "v": 1, "req": 7, "idx": [1, 0],
                  "sums": [xxhash.xxh3_64_intdigest(b) for b in blocks]})
+    head_pk = pack({"t": "block", "v": 1, "req": 7, "idx": [1, 0],
+                    "sums": [xxhash.xxh3_64_intdigest(b) for b in blocks], "pk": True})
     done = pack({"t": "done", "v": 1, "req": 7, "outcomes": [0, 0, 1]})
     stream = [
         {"name": "preface", "direction": "client to server", "token": token.hex(),
@@ -770,6 +776,13 @@ def datachannel_vectors() -> dict[str, Any]:
          "messages": [{"frame0": head.hex(), "payload": (blocks[0] + blocks[1]).hex()},
                       {"frame0": done.hex(), "payload": ""}],
          "bytes": (struct.pack("<I", len(head)) + head + blocks[0] + blocks[1]
+                   + struct.pack("<I", len(done)) + done).hex()},
+        # pk true on the stream: the bytes are the same (SPEC 18.3).
+        {"name": "packed_block_then_done", "direction": "server to client",
+         "segments": seg,
+         "messages": [{"frame0": head_pk.hex(), "payload": (blocks[0] + blocks[1]).hex()},
+                      {"frame0": done.hex(), "payload": ""}],
+         "bytes": (struct.pack("<I", len(head_pk)) + head_pk + blocks[0] + blocks[1]
                    + struct.pack("<I", len(done)) + done).hex()},
     ]
     return {"about": "capability tcp-data-v1 (protocol/SPEC.md section 18): messages as "
