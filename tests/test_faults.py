@@ -12,10 +12,12 @@ still running when the fault is injected.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 from concurrent.futures import Future, wait
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -56,6 +58,15 @@ def failure_of(fut: Future[Any], timeout: float) -> tuple[BaseException, float]:
     if exc is None:
         pytest.fail(f"expected a failure, got a result: {fut.result(0)!r:.200}")
     return exc, t_done
+
+
+def all_stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (state T in /proc)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+    return bool(states) and all(state in ("T", "t") for state in states)
 
 
 def serve(spawn: Any, spec: dict[str, Any]) -> tuple[Any, str]:
@@ -164,6 +175,10 @@ def test_stopped_producer_every_wait_is_bounded(spawn: Any, nodes: Any) -> None:
         # ~177 MB at THROTTLE bytes/s: the fetch cannot be done yet.
         assert not fetch.done(), "the fetch finished before the producer could be stopped"
         os.kill(pid, signal.SIGSTOP)
+        # kill() returns before the process stops; on a loaded machine it can still
+        # answer a message sent right away. Every thread of it is stopped once /proc
+        # says so.
+        assert wait_until(lambda: all_stopped(pid), timeout=10), "the producer never stopped"
         t_stop = time.monotonic()
 
         # dl: a lookup, then a fetch, each bounded by its own deadline.
