@@ -375,6 +375,8 @@ class Session(SessionView):
         sums_t = (None,) * n if sums is None else tuple(sums)
         if len(sums_t) != n:
             raise ValueError(f"block: {n} block(s) need {n} sums, got {len(sums_t)}")
+        if not all(type(i) is int for i in idx_t):
+            raise ValueError(f"block: indices must be ints, got {idx_t!r}"[:200])
         msg = Block(req, idx_t, sums_t, tuple(payload), bool(packed))
         # The same rules as a block from the peer (p2pkv.protocol.rules).
         _refused(field_break(msg, self._m.caps) or indices_break(r, req, idx_t)
