@@ -1,11 +1,14 @@
 """``p2pkv-node``: run, inspect and debug p2pkv nodes.
 
 Subcommands: ``serve``, ``fingerprint``, ``probe``, ``fetch``, ``demo``, ``keygen``,
-``bench``, ``cluster``, ``cluster-bench``, ``chaos``. Exit codes: 0 success; 2 bad configuration
-(nothing started); 3 peer refused the handshake; 4 peer unreachable, lost or timed out;
-5 ``fetch``: a block was missing, failed or did not match the fill rule; 6 ZeroMQ's
-security handshake failed (CurveZMQ required or not offered, key not accepted, no
-answer); 1 anything else.
+``bench``, ``cluster``, ``cluster-bench``, ``chaos``. Exit codes: 0 success; 2 bad
+configuration (nothing started); 3 peer refused the handshake; 4 peer unreachable, lost
+or timed out; 5 ``fetch``: a block was missing, failed or did not match the fill rule;
+6 ZeroMQ's security handshake failed (CurveZMQ required or not offered, key not
+accepted, no answer); 1 anything else.
+
+This module is the command line: the parser, the dispatch, and the commands that start
+no node of their own. ``serve``, ``probe`` and ``fetch`` are in :mod:`p2pkv.commands`.
 """
 
 from __future__ import annotations
@@ -13,35 +16,46 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from p2pkv.errors import (
-    ConfigError,
-    P2PKVError,
-    PeerIncompatible,
-    PeerTimeout,
-    TransportHandshakeFailed,
+from p2pkv.commands.common import (
+    EXIT_CONFIG,
+    EXIT_ERROR,
+    EXIT_MISMATCH,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_TRANSPORT,
+    EXIT_UNREACHABLE,
+    print_sources,
+    settings_of,
 )
-from p2pkv.fill import MAX_FILL_BLOCKS, fill_block, fill_keys, first_mismatch
-from p2pkv.identity import canonical_model_overrides, extension_diff
-from p2pkv.reports import reason_dict, refusal_table, remote_identity
+from p2pkv.commands.peer import cmd_fetch, cmd_probe
+from p2pkv.commands.serve import cmd_serve
+from p2pkv.errors import ConfigError
+from p2pkv.identity import canonical_model_overrides
+from p2pkv.reports import refusal_table
 from p2pkv.reports import show as _show  # noqa: F401  (its old name here, for scripts)
-from p2pkv.settings import OPTIONS, Settings, load_settings, node_config
+from p2pkv.settings import OPTIONS, Settings, node_config
 
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_CONFIG = 2
-EXIT_REFUSED = 3
-EXIT_UNREACHABLE = 4
-EXIT_MISMATCH = 5
-EXIT_TRANSPORT = 6
-
-log = logging.getLogger("p2pkv.cli")
+__all__ = [
+    "EXIT_CONFIG",
+    "EXIT_ERROR",
+    "EXIT_MISMATCH",
+    "EXIT_OK",
+    "EXIT_REFUSED",
+    "EXIT_TRANSPORT",
+    "EXIT_UNREACHABLE",
+    "build_parser",
+    "cmd_fetch",
+    "cmd_probe",
+    "cmd_serve",
+    "main",
+    "node_config",
+    "refusal_table",
+]
 
 
 def _add_options(parser: argparse.ArgumentParser, *, serving: bool = False) -> None:
@@ -103,11 +117,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _settings(args: argparse.Namespace) -> Settings:
-    flags = {o.name: getattr(args, o.name, None) for o in OPTIONS}
-    return load_settings(flags, config_file=args.config)
-
-
 def _identity(settings: Settings, root: str = "/kvcache") -> dict[str, Any]:
     layout = settings.layout()
     rc = settings.run_config(layout)
@@ -132,7 +141,7 @@ def _identity(settings: Settings, root: str = "/kvcache") -> dict[str, Any]:
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
-    ident = _identity(_settings(args), args.root)
+    ident = _identity(settings_of(args), args.root)
     if args.json:
         print(json.dumps(ident, sort_keys=True))
         return EXIT_OK
@@ -147,301 +156,8 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
           + f"  digest {ident['extension_digest']} (not part of the fingerprint)")
     if ident["model_overrides_canonical"] is not None:
         print(f"overrides:   {ident['model_overrides_canonical']}")
-    _print_sources(ident["identity_sources"])
+    print_sources(ident["identity_sources"])
     return EXIT_OK
-
-
-def _print_sources(sources: dict[str, str], indent: str = "") -> None:
-    """Where each identity field came from (declared, or derived and how)."""
-    if sources:
-        print(f"{indent}identity from:")
-        for name, source in sources.items():
-            print(f"{indent}  {name}: {source}")
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    # Resolve the whole configuration before importing the node (and torch): a bad
-    # value exits 2 at once, with nothing started.
-    settings = _settings(args)
-    layout = settings.layout()
-    rc = settings.run_config(layout)
-    ext = settings.extension()
-    config = node_config(settings)
-    fill = settings["fill"]
-    if fill > settings["pool_blocks"]:
-        raise ConfigError(f"--fill: {fill} blocks do not fit a pool of "
-                          f"{settings['pool_blocks']} blocks (raise --pool-blocks)")
-    try:
-        fill_keys(fill, seed=settings["key_seed"], tokens_per_hash=rc.tokens_per_hash)
-    except ValueError as exc:
-        raise ConfigError(f"--fill: {exc}") from exc
-    from p2pkv.node import Node
-
-    # Handlers go in before anything starts, so a signal that arrives while the node
-    # starts or connects to its peers still means a clean stop (exit 0).
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set())
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    metrics = None
-    cluster = None
-    try:
-        node = Node(rc, layout, pool_blocks=settings["pool_blocks"], config=config,
-                    extension=ext)
-    except BaseException as exc:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if isinstance(exc, ConfigError) and exc.option == "listen" and not exc.named:
-            raise ConfigError(str(exc), option="listen") from exc
-        raise
-    try:
-        # Filled before the listening line: whoever reads it finds the content there.
-        for key in fill_keys(fill, seed=settings["key_seed"], tokens_per_hash=rc.tokens_per_hash):
-            node.put(key, fill_block(key, layout.bytes_per_block))
-        collectors: list[Any] = []
-        if settings["directory"] != "static":
-            from p2pkv.cluster import Cluster, ClusterConfig
-            from p2pkv.cluster.metrics import ClusterCollector
-
-            cluster = Cluster(node, directory=settings["directory"], peers=settings["peer"],
-                              config=ClusterConfig(ttl=settings["directory_ttl"]),
-                              advertise=settings["advertise"],
-                              extension="" if ext.is_empty else ext.digest)
-            collectors.append(ClusterCollector(cluster))
-        if settings["metrics_port"] is not None:
-            from p2pkv.metrics import serve_metrics
-
-            metrics = serve_metrics(node, settings["metrics_port"], settings["metrics_host"],
-                                    collectors=collectors)
-        info = {
-            "event": "listening", "address": node.address, "fingerprint": rc.fingerprint,
-            "namespace": rc.namespace("/kvcache"), "run_config": rc.get_run_config(),
-            "layout": layout.name, "pool": node.store.stats().memory_kind,
-            "metrics_port": metrics.port if metrics else None, "fill": fill,
-            "extension": ext.to_wire(), "identity_policy": settings["identity_policy"],
-            "identity_sources": settings.identity_sources(),
-        }
-        _emit(args, info, f"p2pkv-node listening on {node.address}\n"
-              f"  fingerprint {rc.fingerprint}  namespace {info['namespace']}\n"
-              f"  run config  {json.dumps(rc.get_run_config(), sort_keys=True)}\n"
-              f"  extension   {ext.describe()}, identity policy "
-              f"{settings['identity_policy']}\n"
-              + "".join(f"    {name} from {source}\n"
-                        for name, source in info["identity_sources"].items()) +
-              f"  layout {layout.name}, {layout.bytes_per_block} bytes/block, "
-              f"pool {settings['pool_blocks']} blocks ({info['pool']})"
-              + (f"\n  filled with {fill} blocks of known content (SPEC appendix A)"
-                 if fill else ""))
-        if cluster is not None:
-            registered = cluster.wait_registered(min(2.0, settings["directory_ttl"]))
-            _emit(args, {"event": "directory", "url": settings["directory"],
-                         "registered": registered, "partition": cluster.partition},
-                  f"directory {settings['directory']}: "
-                  + ("registered" if registered else "unreachable, serving on and retrying")
-                  + f" (partition {cluster.partition})")
-        for address in settings["peer"]:
-            if stop.is_set():
-                break
-            try:
-                peer = node.connect(address)
-                _emit(args, {"event": "peer", "address": address, "ok": True,
-                             "remote": peer.remote_node_id},
-                      f"connected to peer {address} ({peer.remote_node_id})")
-            except (P2PKVError, OSError) as exc:
-                _emit(args, {"event": "peer", "address": address, "ok": False,
-                             "error": str(exc)}, f"peer {address}: {exc}")
-        while not stop.wait(0.5):
-            pass
-        # A signal means a drain (below); the stopping event says for how long at most.
-        _emit(args, {"event": "stopping", "drain_seconds": settings["drain_timeout"]},
-              "shutting down")
-    finally:
-        if metrics is not None:
-            metrics.close()
-        # Leave the directory first, so that lookups stop pointing here; then decline
-        # new fetches and let those in flight finish (a consumer fails over at once).
-        if cluster is not None:
-            cluster.close()
-        if stop.is_set():
-            log.info("draining: new fetches declined, up to %gs for those in flight",
-                     settings["drain_timeout"])
-            node.drain(settings["drain_timeout"])
-        else:
-            node.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    _emit(args, {"event": "stopped"}, "stopped")
-    return EXIT_OK
-
-
-def _emit(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
-    print(json.dumps(obj, sort_keys=True) if args.json else text, flush=True)
-
-
-def _client_config(settings: Settings, address: str) -> Any:
-    """The node configuration of a command that only connects out (probe, fetch)."""
-    from p2pkv.transport import validate_address
-
-    try:
-        validate_address(address, what="ADDRESS")
-    except ConfigError as exc:
-        raise ConfigError(f"ADDRESS: {exc}") from exc
-    if settings["curve_secret_key"] is not None and settings["curve_server_key"] is None:
-        raise ConfigError("--curve-server-key: connecting with CURVE needs the server's "
-                          "public key file")
-    # It only connects out: it never uses the configured --listen address (a shared TOML
-    # file or P2PKV_LISTEN would name the serving node's port, already taken).
-    return node_config(settings, listen="tcp://127.0.0.1:0")
-
-
-def _handshake(node: Any, args: argparse.Namespace, fingerprint: str,
-               sources: dict[str, str] | None = None) -> Any:
-    """Connect and handshake; on failure print the verdict and return its exit code.
-    ``sources`` says where the local identity fields came from (shown with a refusal)."""
-    try:
-        return node.connect(args.address)
-    except PeerIncompatible as exc:
-        reasons = [reason_dict(r) for r in exc.reasons]
-        if args.json:
-            print(json.dumps({"verdict": "refused", "address": args.address,
-                              "local_fingerprint": fingerprint,
-                              "local_identity_sources": sources or {},
-                              "remote": remote_identity(exc), "reasons": reasons},
-                             sort_keys=True, default=str))
-        else:
-            print(f"REFUSED by handshake with {args.address}")
-            remote = remote_identity(exc)
-            if remote:
-                print(f"remote node:        {remote.get('node')}")
-                print(f"remote fingerprint: {remote.get('fp')}")
-                if remote.get("ext", {}).get("engine"):
-                    print(f"remote engine:      {remote['ext']['engine']}")
-            print(f"local fingerprint:  {fingerprint}")
-            _print_sources({k: v for k, v in (sources or {}).items()
-                            if any(r.field == f"ext.{k}" for r in exc.reasons)}, "local ")
-            print(refusal_table(exc.reasons))
-        return EXIT_REFUSED
-    except TransportHandshakeFailed as exc:
-        # Not a refusal: the peers never compared identities, there is no table.
-        if args.json:
-            print(json.dumps({"verdict": "transport-handshake-failed", "address": args.address,
-                              "kind": exc.kind, "error": exc.detail}, sort_keys=True))
-        else:
-            print(f"TRANSPORT HANDSHAKE FAILED with {args.address} ({exc.kind}): {exc.detail}")
-        return EXIT_TRANSPORT
-    except (PeerTimeout, P2PKVError, OSError) as exc:
-        # Any failure to reach the peer (timeout, refused or lost connection,
-        # unresolvable host) is "unreachable", exit 4.
-        _unreachable(args, exc)
-        return EXIT_UNREACHABLE
-
-
-def _unreachable(args: argparse.Namespace, exc: BaseException) -> None:
-    if args.json:
-        print(json.dumps({"verdict": "unreachable", "address": args.address,
-                          "error": str(exc)}, sort_keys=True))
-    else:
-        print(f"UNREACHABLE {args.address}: {exc}")
-
-
-def cmd_probe(args: argparse.Namespace) -> int:
-    settings = _settings(args)
-    config = _client_config(settings, args.address)
-    layout = settings.layout()
-    rc = settings.run_config(layout)
-    ext = settings.extension()
-    from p2pkv.node import Node
-    from p2pkv.protocol import Reason
-
-    with Node(rc, layout, pool_blocks=1, config=config, extension=ext) as node:
-        peer = _handshake(node, args, rc.fingerprint, settings.identity_sources())
-        if isinstance(peer, int):
-            return peer
-        # Accepted, yet the extensions may differ: a field only one side declares (under
-        # the lenient policy) or another engine. Shown, never hidden.
-        notes = [Reason(0, f"ext.{d.field}", d.local, d.remote, d.meaning)
-                 for d in extension_diff(ext, peer.remote_extension, include_engine=True)]
-        info = {"verdict": "compatible", "address": args.address,
-                "remote_node": peer.remote_node_id, "fingerprint": peer.remote_fingerprint,
-                "run_config": peer.remote_run_config,
-                "capabilities": sorted(peer.capabilities),
-                "extension": peer.remote_extension.to_wire(),
-                "local_extension": ext.to_wire(),
-                "local_identity_sources": settings.identity_sources(),
-                "extension_differences": [reason_dict(r) for r in notes],
-                "data_path": peer.data_path, "data_path_detail": peer.data_path_detail}
-        if args.json:
-            print(json.dumps(info, sort_keys=True))
-        else:
-            print(f"COMPATIBLE with {args.address} ({peer.remote_node_id})")
-            print(f"fingerprint:  {peer.remote_fingerprint}")
-            print(f"run config:   {json.dumps(peer.remote_run_config, sort_keys=True)}")
-            print(f"extension:    {peer.remote_extension.describe()}")
-            print(f"local:        {ext.describe()}")
-            _print_sources(settings.identity_sources())
-            print(f"capabilities: {', '.join(sorted(peer.capabilities)) or '(none)'}")
-            path = {"shm": "shared memory", "tcp-data": "TCP data stream"}.get(
-                peer.data_path, "TCP (ZeroMQ)")
-            print(f"data path:    {path} ({peer.data_path_detail})")
-            if notes:
-                print("identity extension differences (accepted):")
-                print(refusal_table(notes))
-        peer.close()
-    return EXIT_OK
-
-
-def cmd_fetch(args: argparse.Namespace) -> int:
-    """Fetch fill blocks 0..N-1 (SPEC appendix A) and check every byte against the rule."""
-    settings = _settings(args)
-    count = args.fill_keys
-    if not 1 <= count <= MAX_FILL_BLOCKS:
-        raise ConfigError(f"--fill-keys: must be in [1, {MAX_FILL_BLOCKS}], got {count}")
-    config = _client_config(settings, args.address)
-    layout = settings.layout()
-    rc = settings.run_config(layout)
-    try:
-        keys = fill_keys(count, seed=settings["key_seed"], tokens_per_hash=rc.tokens_per_hash)
-    except ValueError as exc:
-        raise ConfigError(f"--fill-keys: {exc}") from exc
-    size = layout.bytes_per_block
-    from p2pkv.node import KeyOutcome, Node
-
-    with Node(rc, layout, pool_blocks=count, config=config,
-              extension=settings.extension()) as node:
-        peer = _handshake(node, args, rc.fingerprint)
-        if isinstance(peer, int):
-            return peer
-        try:
-            result = peer.fetch(keys, timeout=settings["fetch_timeout"])
-        except (P2PKVError, OSError) as exc:
-            # The connection was lost or the fetch as a whole timed out.
-            _unreachable(args, exc)
-            return EXIT_UNREACHABLE
-        problems: list[dict[str, Any]] = []
-        for i, (key, outcome) in enumerate(zip(keys, result.outcomes, strict=True)):
-            if outcome is KeyOutcome.LANDED:
-                error = first_mismatch(key, node.get(key), size)
-                if error is not None:
-                    problems.append({"index": i, "key": key.hex(), "problem": "corrupt",
-                                     "detail": error})
-            else:
-                problems.append({"index": i, "key": key.hex(), "problem": outcome.value,
-                                 "detail": result.errors.get(i, "")})
-        peer.close()
-    verified = count - len(problems)
-    info = {"verdict": "verified" if not problems else "mismatch", "address": args.address,
-            "blocks": count, "verified": verified, "bytes": result.nbytes,
-            "seconds": result.seconds, "gbps": result.gbps, "problems": problems}
-    if args.json:
-        print(json.dumps(info, sort_keys=True))
-    else:
-        word = "VERIFIED" if not problems else "MISMATCH"
-        print(f"{word} {verified}/{count} blocks from {args.address}: {result.nbytes} bytes "
-              f"in {result.seconds:.3f} s, {result.gbps:.3f} GB/s")
-        for p in problems[:20]:
-            print(f"  block {p['index']} ({p['key']}): {p['problem']} {p['detail']}".rstrip())
-        if len(problems) > 20:
-            print(f"  ... and {len(problems) - 20} more")
-    return EXIT_OK if not problems else EXIT_MISMATCH
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -493,7 +209,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     from p2pkv.cluster import DirectoryError, RedisDirectory
     from p2pkv.cluster.view import render, report
 
-    settings = _settings(args)
+    settings = settings_of(args)
     if settings["directory"] == "static":
         raise ConfigError("--directory: the cluster command reads a Redis directory; give "
                           "--directory redis://HOST:PORT/DB")
@@ -548,7 +264,7 @@ def _log_level(args: argparse.Namespace) -> str:
     if not hasattr(args, "log_level"):
         return "warning"
     try:
-        return str(_settings(args)["log_level"])
+        return str(settings_of(args)["log_level"])
     except ConfigError:
         return "warning"
 

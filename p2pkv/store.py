@@ -36,6 +36,10 @@ Keys are non-empty ``bytes`` of at most 64 bytes (block keys are 20). LRU order
 is updated by lookup hits, :meth:`BlockStore.acquire_read` and commits;
 :meth:`BlockStore.contains` is a pure query. ``hits``/``misses`` count
 :meth:`BlockStore.lookup` only.
+
+The handles themselves (:class:`BlockWriter`, :class:`BlockReader`) are defined in
+:mod:`p2pkv.store_handles` and exported from here as well; this module holds the
+bookkeeping they finish through.
 """
 
 from __future__ import annotations
@@ -45,13 +49,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TypeAlias
 
 from p2pkv.checksum import BytesLike, block_checksum
 from p2pkv.errors import P2PKVError, StoreFullError
 from p2pkv.keys import MAX_KEY_LEN, check_keys, keys_well_formed
 from p2pkv.pool import BlockPool, MemoryKind
+from p2pkv.store_handles import BlockReader, BlockWriter, Entry
 
 __all__ = [
     "BlockReader",
@@ -122,118 +126,6 @@ class StoreStats:
     bytes_per_block: int
 
 
-class _Entry:
-    __slots__ = ("checksum", "discarded", "readers", "slot")
-
-    def __init__(self, slot: int, checksum: int | None) -> None:
-        self.slot = slot
-        self.readers = 0
-        self.discarded = False
-        # xxh3-64 of the committed bytes, computed at most once: a stored block
-        # is immutable, and it is sent to many peers.
-        self.checksum = checksum
-
-
-class BlockWriter:
-    """Exclusive access to one slot being filled for ``key``.
-
-    Fill :attr:`views`, then :meth:`commit` or :meth:`abort` exactly once
-    (abort after either is a no-op, so ``with writer:`` aborts on error).
-    Created only by :meth:`BlockStore.begin_write`.
-    """
-
-    __slots__ = ("_done", "_store", "key", "slot", "views")
-
-    def __init__(self, store: BlockStore, key: bytes, slot: int, views: list[memoryview]) -> None:
-        self._store = store
-        self._done = False
-        self.key = key
-        self.slot = slot
-        #: One writable memoryview per segment, aliasing the pool slot.
-        self.views = views
-
-    @property
-    def done(self) -> bool:
-        """True once committed or aborted."""
-        return self._done
-
-    def commit(self, expected_checksum: int | None = None) -> None:
-        """Make the block visible.
-
-        With ``expected_checksum`` the bytes are verified first (see
-        :func:`block_checksum`); on mismatch the write is aborted and
-        :class:`ChecksumMismatch` raised. Raises :class:`StoreError` if the
-        writer was already committed or aborted.
-        """
-        self._store._commit(self, expected_checksum)
-
-    def abort(self) -> None:
-        """Release the slot; the block never existed. Idempotent."""
-        self._store._abort(self)
-
-    def __enter__(self) -> BlockWriter:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.abort()
-
-
-class BlockReader:
-    """A pin on one committed block; its slot is not reused until released.
-
-    Created only by :meth:`BlockStore.acquire_read`. :meth:`release` is
-    idempotent and may be called from any thread (for example the thread that
-    sees a ``zmq`` send tracker finish).
-    """
-
-    __slots__ = ("_entry", "_released", "_store", "key", "views")
-
-    def __init__(
-        self, store: BlockStore, key: bytes, entry: _Entry, views: list[memoryview]
-    ) -> None:
-        self._store = store
-        self._entry = entry
-        self._released = False
-        self.key = key
-        #: One memoryview per segment, aliasing the pool slot. Do not write.
-        self.views = views
-
-    @property
-    def slot(self) -> int:
-        return self._entry.slot
-
-    @property
-    def checksum(self) -> int:
-        """:func:`block_checksum` of the block, computed once per stored block."""
-        entry = self._entry
-        value = entry.checksum
-        if value is None:
-            # Safe without the lock: the pin keeps the bytes still, and two
-            # readers racing here store the same value.
-            value = block_checksum(self.views)
-            entry.checksum = value
-        return value
-
-    def release(self) -> None:
-        self._store._release(self)
-
-    def __enter__(self) -> BlockReader:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
-
-
 class BlockStore:
     """Maps block keys to pool slots; see the module docstring for the lifecycle."""
 
@@ -241,11 +133,11 @@ class BlockStore:
         self._pool = pool
         self._lock = threading.Lock()
         # Committed, visible blocks; iteration order is LRU (oldest first).
-        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._entries: OrderedDict[bytes, Entry] = OrderedDict()
         # Keys whose write is in progress -> their slot.
         self._writing: dict[bytes, int] = {}
         # Discarded blocks still pinned by readers, by slot (eviction skips pinned ones).
-        self._discarded: dict[int, _Entry] = {}
+        self._discarded: dict[int, Entry] = {}
         # Popped from the end: slot 0 is handed out first.
         self._free: list[int] = list(reversed(range(pool.num_blocks)))
         self._hits = 0
@@ -419,7 +311,7 @@ class BlockStore:
                     self._checksum_failures += 1
                     out.append(ChecksumMismatch(writer.key, want, got))
                     continue
-                self._entries[writer.key] = _Entry(writer.slot, got)
+                self._entries[writer.key] = Entry(writer.slot, got)
                 out.append(None)
                 if self._listeners:
                     self._notify_locked(writer.key, True)
@@ -439,11 +331,6 @@ class BlockStore:
             f"all {self._pool.num_blocks} slots are pinned "
             f"({len(self._writing)} being written, the rest held by readers)"
         )
-
-    def _commit(self, writer: BlockWriter, expected_checksum: int | None) -> None:
-        (mismatch,) = self.commit_many((writer,), (expected_checksum,))
-        if mismatch is not None:
-            raise mismatch
 
     def _abort(self, writer: BlockWriter) -> None:
         with self._lock:
@@ -468,7 +355,7 @@ class BlockStore:
         size mismatch (no slot is taken), :class:`StoreFullError` and
         :class:`ChecksumMismatch` as ``begin_write``/``commit`` do.
         """
-        segments = self._split(data)
+        segments = _segments(data, self._pool.segment_sizes, self._pool.bytes_per_block)
         writer = self.begin_write(key)
         if writer is None:
             return False
@@ -478,26 +365,6 @@ class BlockStore:
             writer.commit(expected_checksum)
         return True
 
-    def _split(self, data: BytesLike | Sequence[BytesLike]) -> list[memoryview]:
-        sizes = self._pool.segment_sizes
-        if isinstance(data, (list, tuple)):
-            parts = [memoryview(part).cast("B") for part in data]
-            got = [len(part) for part in parts]
-            if got != list(sizes):
-                raise ValueError(f"segment sizes {got} do not match the layout's {list(sizes)}")
-            return parts
-        flat = memoryview(data).cast("B")  # type: ignore[arg-type]
-        if len(flat) != self._pool.bytes_per_block:
-            raise ValueError(
-                f"block data is {len(flat)} bytes, the layout needs {self._pool.bytes_per_block}"
-            )
-        parts = []
-        offset = 0
-        for size in sizes:
-            parts.append(flat[offset : offset + size])
-            offset += size
-        return parts
-
     # -- reading -------------------------------------------------------------
 
     def acquire_read(self, key: bytes) -> BlockReader | None:
@@ -505,20 +372,13 @@ class BlockStore:
 
         The block becomes most recently used. Call ``release()`` when done.
         """
-        _check_key(key)
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return None
-            entry.readers += 1
-            self._entries.move_to_end(key)
-        return BlockReader(self, key, entry, self._pool.segment_views(entry.slot))
+        return self.acquire_read_many((key,))[0]
 
     def acquire_read_many(self, keys: Sequence[bytes]) -> list[BlockReader | None]:
         """:meth:`acquire_read` for each key, under one lock (the sender's batches)."""
         if not keys_well_formed(keys, MAX_KEY_LEN):
             check_keys(keys, MAX_KEY_LEN, what="block store keys")
-        pinned: list[tuple[bytes, _Entry] | None] = []
+        pinned: list[tuple[bytes, Entry] | None] = []
         with self._lock:
             entries = self._entries
             for key in keys:
@@ -538,10 +398,6 @@ class BlockStore:
         with self._lock:
             for reader in readers:
                 self._release_locked(reader)
-
-    def _release(self, reader: BlockReader) -> None:
-        with self._lock:
-            self._release_locked(reader)
 
     def _release_locked(self, reader: BlockReader) -> None:
         if reader._released:
@@ -594,3 +450,27 @@ class BlockStore:
             else:
                 self._free.append(entry.slot)
             return True
+
+
+def _segments(data: BytesLike | Sequence[BytesLike], sizes: Sequence[int],
+              bytes_per_block: int) -> list[memoryview]:
+    """``data`` as one view per segment of a layout with segments ``sizes``: one buffer
+    of ``bytes_per_block`` bytes (segments back to back), or one buffer per segment.
+    ValueError when the sizes do not match."""
+    if isinstance(data, (list, tuple)):
+        parts = [memoryview(part).cast("B") for part in data]
+        got = [len(part) for part in parts]
+        if got != list(sizes):
+            raise ValueError(f"segment sizes {got} do not match the layout's {list(sizes)}")
+        return parts
+    flat = memoryview(data).cast("B")  # type: ignore[arg-type]
+    if len(flat) != bytes_per_block:
+        raise ValueError(
+            f"block data is {len(flat)} bytes, the layout needs {bytes_per_block}"
+        )
+    parts = []
+    offset = 0
+    for size in sizes:
+        parts.append(flat[offset : offset + size])
+        offset += size
+    return parts

@@ -26,9 +26,10 @@ stale slot is detected; every dataset is verified after the timed section.
 
 Modules: ``data`` (cases, datasets, shared measuring helpers), ``node_roles`` and
 ``raw_roles`` (the worker processes), ``worker`` (roles by name, the parent's handle on
-a worker), ``run`` (the comparison run), ``soak``, ``report`` (rows, table, JSON). The
-node's own batching and zero-copy threshold come from ``p2pkv.protocol.flow`` and
-``p2pkv.runtime.tuning``, so the baseline sends the same frames the node does.
+a worker), ``run`` (the comparison run), ``pairs`` (one case against its baseline,
+round by round), ``soak``, ``report`` (rows, table, JSON). The node's own batching and
+zero-copy threshold come from ``p2pkv.protocol.flow`` and ``p2pkv.runtime.tuning``, so
+the baseline sends the same frames the node does.
 """
 
 from __future__ import annotations

@@ -37,12 +37,10 @@ tag: see :mod:`p2pkv.cluster.sharded`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from p2pkv.cluster.records import (
@@ -58,7 +56,8 @@ from p2pkv.cluster.records import (
     QuarantineReport,
     parse_holders,
 )
-from p2pkv.cluster.redis_urls import parse_directory_url, validate_redis_url
+from p2pkv.cluster.redis_client import RedisConnection
+from p2pkv.cluster.redis_urls import validate_redis_url
 from p2pkv.cluster.sharded import Subpartitions
 from p2pkv.cluster.verdicts import Verdicts, parse_reports
 from p2pkv.errors import ConfigError
@@ -229,26 +228,15 @@ class RedisDirectory:
 
     def __init__(self, url: str, *, namespace: str = "p2pkv",
                  socket_timeout: float = 1.0) -> None:
-        try:
-            import redis
-            from redis.exceptions import NoScriptError
-        except ImportError as exc:  # pragma: no cover - depends on the extra
-            raise ConfigError("--directory redis://... needs the Redis client: "
-                              "pip install 'p2pkv[cluster]'") from exc
-        parsed = parse_directory_url(url)
+        #: The connection every script of the directory runs on (Subpartitions' and
+        #: Verdicts' too).
+        self.redis = RedisConnection(url, socket_timeout)
         if not namespace or any(c in namespace for c in "{} "):
             raise ConfigError(f"directory namespace must be non-empty without braces or "
                               f"blanks, got {namespace!r}")
-        self.url = parsed.redacted
-        self.kind = parsed.kind
+        self.url = self.redis.url
+        self.kind = self.redis.kind
         self.namespace = namespace
-        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
-        self._noscript = NoScriptError
-        self._connect = parsed.connector(socket_timeout)
-        self._client: Any = None
-        self._client_lock = threading.Lock()
-        if parsed.kind == "redis":
-            self._client = self._connect()  # redis-py connects lazily by itself
         self._register = Lua(_REGISTER)
         self._heartbeat = Lua(_HEARTBEAT)
         self._lookup = Lua(_LOOKUP)
@@ -256,72 +244,13 @@ class RedisDirectory:
         self._sweep = Lua(_SWEEP)
         self._clock = Lua(_CLOCK)
         self._shards: Any = None
-        if parsed.kind == "cluster":
-
-            self._shards = Subpartitions(self, parsed.subpartitions)
+        if self.kind == "cluster":
+            self._shards = Subpartitions(self, self.redis.subpartitions)
         #: Publishes the holders a member keeps in quarantine (the registration's).
         self.verdicts = Verdicts(self)
 
-    @property
-    def _redis(self) -> Any:
-        if self._client is None:
-            with self._client_lock:
-                if self._client is None:
-                    self._client = self._connect()
-        return self._client
-
-    def _eval(self, script: Lua, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        """One script call (``EVALSHA``; the script is loaded on ``NOSCRIPT``)."""
-        client = self._redis
-        try:
-            return client.evalsha(script.sha, len(keys), *keys, *args)
-        except self._noscript:
-            client.script_load(script.text)
-            return client.evalsha(script.sha, len(keys), *keys, *args)
-
-    def _pipelined(self, calls: Sequence[tuple[Lua, Sequence[Any], Sequence[Any]]]
-                   ) -> list[Any]:
-        """Script calls in one non-transactional pipeline (on a cluster: the calls for
-        each shard go out together, to every shard at once, before any answer is read).
-        A call answered ``NOSCRIPT`` loads its script and runs again."""
-        client = self._redis
-        pipe = client.pipeline(transaction=False)
-        for script, keys, args in calls:
-            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-        results = list(pipe.execute(raise_on_error=False))
-        again = [i for i, r in enumerate(results) if isinstance(r, self._noscript)]
-        if again:
-            for text in {calls[i][0].text for i in again}:
-                client.script_load(text)
-            pipe = client.pipeline(transaction=False)
-            for i in again:
-                script, keys, args = calls[i]
-                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-            for i, r in zip(again, pipe.execute(raise_on_error=False), strict=True):
-                results[i] = r
-        for r in results:
-            if isinstance(r, Exception):
-                raise r
-        return results
-
-    # -- keys ---------------------------------------------------------------------
-
     def _key(self, partition: str, what: str) -> str:
         return f"{self.namespace}:{{{partition}}}:{what}"
-
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except DirectoryError:
-            raise
-        except self._errors as exc:
-            raise DirectoryError(f"redis directory {self.url}: {what}: {exc}") from exc
-        except Exception as exc:
-            # redis-py's cluster client raises RedisClusterException (not a RedisError)
-            # when no startup node answers or a slot has no master.
-            if type(exc).__module__.startswith("redis"):
-                raise DirectoryError(f"redis directory {self.url}: {what}: {exc}") from exc
-            raise
 
     # -- membership ---------------------------------------------------------------
 
@@ -332,9 +261,9 @@ class RedisDirectory:
         def run() -> Member:
             nonce = os.urandom(16)
             for _ in range(16):
-                number = int(self._redis.incr(f"{self.namespace}:seq")) % (1 << 32) or 1
+                number = int(self.redis.client.incr(f"{self.namespace}:seq")) % (1 << 32) or 1
                 token = number.to_bytes(_TOKEN_BYTES, "big")
-                taken = self._eval(self._register, keys=[
+                taken = self.redis.eval(self._register, keys=[
                     self._key(p, "live"), self._key(p, "nodes"), self._key(p, "addr"),
                     self._key(p, "count"), self._key(p, "owner")], args=[
                     token, int(ttl * 1000), record.to_json(),
@@ -344,23 +273,23 @@ class RedisDirectory:
             else:
                 raise DirectoryError(f"redis directory {self.url}: register: 16 tokens in "
                                      f"a row were in use (is {self.namespace}:seq reset?)")
-            self._redis.sadd(f"{self.namespace}:partitions", p)
+            self.redis.client.sadd(f"{self.namespace}:partitions", p)
             return Member(p, token, nonce)
 
-        member: Member = self._call("register", run)
+        member: Member = self.redis.call("register", run)
         return member
 
     def heartbeat(self, member: Member, ttl: float) -> bool:
         """Renew the registration; False when it is gone (expired, Redis restarted)."""
         def run() -> bool:
-            renewed = self._eval(self._heartbeat, keys=[
+            renewed = self.redis.eval(self._heartbeat, keys=[
                 self._key(member.partition, "live"), self._key(member.partition, "owner")],
                 args=[member.token, int(ttl * 1000), member.nonce])
             # Listed again each time: a sweep may have dropped an emptied partition.
-            self._redis.sadd(f"{self.namespace}:partitions", member.partition)
+            self.redis.client.sadd(f"{self.namespace}:partitions", member.partition)
             return bool(renewed)
 
-        alive: bool = self._call("heartbeat", run)
+        alive: bool = self.redis.call("heartbeat", run)
         return alive
 
     def announce(self, member: Member, stored: Sequence[bytes],
@@ -380,7 +309,7 @@ class RedisDirectory:
             add, stored = stored[:ANNOUNCE_BATCH], stored[ANNOUNCE_BATCH:]
             room = ANNOUNCE_BATCH - len(add)
             rem, removed = removed[:room], removed[room:]
-            result = self._call("announce", lambda a=add, r=rem: self._eval(  # type: ignore[misc]
+            result = self.redis.call("announce", lambda a=add, r=rem: self.redis.eval(  # type: ignore[misc]
                 self._announce, keys=keys, args=[member.token, member.nonce, len(a), *a, *r]))
             if int(result) == -1:
                 return False
@@ -395,7 +324,7 @@ class RedisDirectory:
         if self._shards is not None:
             found: dict[int, int] = self._shards.claim_counts(member, subs)
             return found
-        n = self._call("claim counts", lambda: self._redis.hget(
+        n = self.redis.call("claim counts", lambda: self.redis.client.hget(
             self._key(member.partition, "count"), member.token))
         return {0: int(n or 0)}
 
@@ -407,27 +336,27 @@ class RedisDirectory:
         p = member.partition
 
         def run() -> None:
-            count = self._redis.hget(self._key(p, "count"), member.token)
+            count = self.redis.client.hget(self._key(p, "count"), member.token)
             if count is not None and int(count) == 0:
-                pipe = self._redis.pipeline(transaction=True)
+                pipe = self.redis.client.pipeline(transaction=True)
                 pipe.zrem(self._key(p, "live"), member.token)
                 for what in ("nodes", "addr", "count", "owner", "quarantine"):
                     pipe.hdel(self._key(p, what), member.token)
                 pipe.execute()
             else:  # leave it dead (score 0) for a sweep to clean up
-                self._redis.zadd(self._key(p, "live"), {member.token: 0})
-                self._redis.hdel(self._key(p, "quarantine"), member.token)
+                self.redis.client.zadd(self._key(p, "live"), {member.token: 0})
+                self.redis.client.hdel(self._key(p, "quarantine"), member.token)
 
-        self._call("deregister", run)
+        self.redis.call("deregister", run)
 
     def dead_tokens(self, partition: str) -> list[bytes]:
         """Tokens of ``partition`` whose registration expired."""
         def run() -> list[bytes]:
             now = self.server_time_ms(partition)
-            return [bytes(t) for t in self._redis.zrangebyscore(
+            return [bytes(t) for t in self.redis.client.zrangebyscore(
                 self._key(partition, "live"), "-inf", f"({now}")]
 
-        tokens: list[bytes] = self._call("dead tokens", run)
+        tokens: list[bytes] = self.redis.call("dead tokens", run)
         return tokens
 
     def sweep_step(self, member: Member, dead: Sequence[bytes], cursor: int,
@@ -441,7 +370,7 @@ class RedisDirectory:
             step: int | None = self._shards.sweep_step(member, dead, cursor, count)
             return step
         p = member.partition
-        result = self._call("sweep", lambda: self._eval(
+        result = self.redis.call("sweep", lambda: self.redis.eval(
             self._sweep, keys=[self._key(p, "blocks"), self._key(p, "live"), self._key(p, "nodes"),
                   self._key(p, "addr"), self._key(p, "count"), self._key(p, "sweep"),
                   self._key(p, "owner"), self._key(p, "quarantine")],
@@ -463,7 +392,7 @@ class RedisDirectory:
         if self._shards is not None:
             found: list[tuple[Holder, ...]] = self._shards.lookup(partition, keys, me)
             return found
-        reply = self._call("lookup", lambda: self._eval(
+        reply = self.redis.call("lookup", lambda: self.redis.eval(
             self._lookup, keys=[self._key(partition, "blocks"), self._key(partition, "live"),
                                 self._key(partition, "addr")], args=[me, *keys]))
         try:
@@ -477,16 +406,16 @@ class RedisDirectory:
 
     def server_time_ms(self, partition: str) -> int:
         """The clock (ms) of the server that holds ``partition``'s liveness."""
-        return int(self._eval(self._clock, keys=[self._key(partition, "live")], args=[]))
+        return int(self.redis.eval(self._clock, keys=[self._key(partition, "live")], args=[]))
 
     def view(self) -> DirectoryView:
         """Every partition, its members, their block counts and liveness (for tools)."""
         def run() -> DirectoryView:
             out: dict[str, list[MemberView]] = {}
-            for raw in sorted(self._redis.smembers(f"{self.namespace}:partitions")):
+            for raw in sorted(self.redis.client.smembers(f"{self.namespace}:partitions")):
                 p = bytes(raw).decode()
                 now = self.server_time_ms(p)
-                pipe = self._redis.pipeline(transaction=False)
+                pipe = self.redis.client.pipeline(transaction=False)
                 pipe.hgetall(self._key(p, "nodes"))
                 pipe.zrange(self._key(p, "live"), 0, -1, withscores=True)
                 pipe.hgetall(self._key(p, "count"))
@@ -518,35 +447,21 @@ class RedisDirectory:
                     out[p] = members
             return DirectoryView(out)
 
-        view: DirectoryView = self._call("view", run)
+        view: DirectoryView = self.redis.call("view", run)
         return view
 
     @property
     def client(self) -> Any:
         """The underlying redis-py client (``redis.Redis`` or ``RedisCluster``; for tools
         and the benchmark)."""
-        return self._redis
+        return self.redis.client
 
     def memory(self) -> int:
         """Redis ``used_memory`` in bytes, summed over a cluster's masters (benchmark)."""
-        if self.kind == "cluster":
-            from redis.cluster import RedisCluster
-
-            info = self._call("info", lambda: self._redis.info(
-                "memory", target_nodes=RedisCluster.PRIMARIES))
-        else:
-            info = self._call("info", lambda: self._redis.info("memory"))
-        if "used_memory" in info:
-            return int(info["used_memory"])
-        return sum(int(v["used_memory"]) for v in info.values())
+        return self.redis.memory()
 
     def ping(self) -> bool:
-        try:
-            return bool(self._call("ping", lambda: self._redis.ping()))
-        except DirectoryError:
-            return False
+        return self.redis.ping()
 
     def close(self) -> None:
-        if self._client is not None:
-            with contextlib.suppress(Exception):
-                self._client.close()
+        self.redis.close()

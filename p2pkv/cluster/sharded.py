@@ -194,7 +194,6 @@ class Subpartitions:
     """
 
     def __init__(self, directory: RedisDirectory, count: int) -> None:
-
         self.directory = directory
         self.count = count
         self._tags: dict[str, tuple[str, ...]] = {}
@@ -230,7 +229,7 @@ class Subpartitions:
         groups = sorted(self._group(keys).items())
         calls = [(self._sub_lookup, [self.blocks_key(partition, s)], [keys[i] for i in idx])
                  for s, idx in groups]
-        replies = d._call("lookup", lambda: d._pipelined(calls))
+        replies = d.redis.call("lookup", lambda: d.redis.pipelined(calls))
         values: list[bytes | None] = [None] * len(keys)
         try:
             for (_, idx), reply in zip(groups, replies, strict=True):
@@ -244,7 +243,7 @@ class Subpartitions:
             return []
         tokens = {v[p:p + _TOKEN_BYTES] for v in values[:end] if v is not None
                   for p in range(0, len(v), _TOKEN_BYTES)}
-        flat = d._call("lookup", lambda: d._eval(
+        flat = d.redis.call("lookup", lambda: d.redis.eval(
             self._live, keys=[d._key(partition, "live"), d._key(partition, "addr")],
             args=[me, *sorted(tokens)]))
         try:
@@ -273,7 +272,7 @@ class Subpartitions:
             add, stored = stored[:ANNOUNCE_BATCH], stored[ANNOUNCE_BATCH:]
             room = ANNOUNCE_BATCH - len(add)
             rem, removed = removed[:room], removed[room:]
-            ok = d._call("announce", lambda a=add: d._eval(  # type: ignore[misc]
+            ok = d.redis.call("announce", lambda a=add: d.redis.eval(  # type: ignore[misc]
                 self._check, keys=[d._key(p, "live"), d._key(p, "owner")],
                 args=[member.token, member.nonce, "1" if a else "0"]))
             if not int(ok):
@@ -287,13 +286,13 @@ class Subpartitions:
                 calls.append((self._sub_announce, [self.blocks_key(p, s),
                                                    self.blocks_key(p, s, "count")],
                               [member.token, len(a), *a, *r]))
-            deltas = d._call("announce", lambda c=calls: d._pipelined(c))  # type: ignore[misc]
+            deltas = d.redis.call("announce", lambda c=calls: d.redis.pipelined(c))  # type: ignore[misc]
             if counts is not None:
                 for s, x in zip(subs, deltas, strict=True):
                     counts[s] += int(x)
             delta = sum(int(x) for x in deltas)
             if delta:
-                d._call("announce", lambda n=delta: d._eval(  # type: ignore[misc]
+                d.redis.call("announce", lambda n=delta: d.redis.eval(  # type: ignore[misc]
                     self._count, keys=[d._key(p, "count")], args=[member.token, n]))
         return True
 
@@ -303,12 +302,12 @@ class Subpartitions:
         d = self.directory
 
         def run() -> list[Any]:
-            pipe = d._redis.pipeline(transaction=False)
+            pipe = d.redis.client.pipeline(transaction=False)
             for s in subs:
                 pipe.hget(self.blocks_key(member.partition, s, "count"), member.token)
             return list(pipe.execute())
 
-        found = d._call("claim counts", run)
+        found = d.redis.call("claim counts", run)
         return {s: int(v or 0) for s, v in zip(subs, found, strict=True)}
 
     # -- the sweep ------------------------------------------------------------------
@@ -319,18 +318,18 @@ class Subpartitions:
         sub-partition is ``cursor % S``, its HSCAN cursor ``cursor // S``."""
         d = self.directory
         p = member.partition
-        if not int(d._call("sweep", lambda: d._eval(
+        if not int(d.redis.call("sweep", lambda: d.redis.eval(
                 self._lock, keys=[d._key(p, "sweep")], args=[member.token]))):
             return None
         s, scan = cursor % self.count, cursor // self.count
-        nxt = int(d._call("sweep", lambda: d._eval(
+        nxt = int(d.redis.call("sweep", lambda: d.redis.eval(
             self._sub_sweep, keys=[self.blocks_key(p, s), self.blocks_key(p, s, "count")],
             args=[scan, count, *dead])))
         if nxt:
             return nxt * self.count + s
         if s + 1 < self.count:
             return s + 1
-        d._call("sweep", lambda: d._eval(self._sweep_end, keys=[
+        d.redis.call("sweep", lambda: d.redis.eval(self._sweep_end, keys=[
             d._key(p, "live"), d._key(p, "nodes"), d._key(p, "addr"), d._key(p, "count"),
             d._key(p, "owner"), d._key(p, "sweep"), d._key(p, "quarantine")],
             args=list(dead)))

@@ -95,7 +95,6 @@ class Verdicts:
     """Publishing a member's verdicts through one :class:`RedisDirectory`."""
 
     def __init__(self, directory: RedisDirectory) -> None:
-
         self.directory = directory
         self._publish = Lua(_PUBLISH)
 
@@ -105,7 +104,7 @@ class Verdicts:
         d = self.directory
         p = member.partition
         body = encode_reports(reports) if reports else ""
-        result = d._call("quarantine report", lambda: d._eval(
+        result = d.redis.call("quarantine report", lambda: d.redis.eval(
             self._publish, keys=[d._key(p, "live"), d._key(p, "owner"),
                                  d._key(p, "quarantine")],
             args=[member.token, member.nonce, body]))

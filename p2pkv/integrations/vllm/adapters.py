@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from p2pkv.identity.adapter import (
     AdapterError,
@@ -50,8 +50,11 @@ from p2pkv.identity.adapter import (
     adapter_signature,
 )
 
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec, OffloadKey, ReqContext
+
 __all__ = ["ADAPTER_MISMATCH", "ADAPTER_UNKNOWN", "ADAPTER_UNREADABLE", "AdapterKeys",
-           "RequestAdapter", "RequestAdapters"]
+           "RequestAdapter", "RequestAdapters", "first_chunk", "first_chunk_tokens"]
 
 log = logging.getLogger("vllm.p2pkv")
 
@@ -249,6 +252,22 @@ class RequestAdapters:
             raise AdapterError(f"cannot hash adapter {resolved!r}: {exc}") from None
         log.info("p2pkv tier: %s at %s", identity.describe(), resolved)
         return identity
+
+
+def first_chunk_tokens(spec: OffloadingSpec) -> int:
+    """Tokens up to the end of a request's first offload chunk (the longest of its
+    groups' chunks): a key whose position is at most this is a first chunk."""
+    groups = spec.tokens_per_block
+    return max(groups) * spec.blocks_per_chunk if groups else 1
+
+
+def first_chunk(key: OffloadKey, req_context: ReqContext, tokens: int) -> bool:
+    """True for the offload key of a request's first chunk (of its group): its end
+    position, as the scheduler recorded it, is at most ``tokens``. A request's first
+    chunk is kept under its adapter's name-and-path key too (see
+    :attr:`AdapterKeys.name_keys`)."""
+    position = req_context.get_offload_key_position(key)
+    return position is not None and position <= tokens
 
 
 def _resolve(path: str) -> str:

@@ -18,6 +18,9 @@ Threads and what each may touch:
 - the node's **IO thread** lands fetched chunks in the primary region with ``recv_into``
   (no intermediate copy) and completes the load futures.
 
+The loads and stores themselves (the jobs, their futures, what they report) are
+``transfers.py``'s; this module holds the lookups and the tier vLLM calls.
+
 Nothing is ever loaded that was not verified: a refused, dead, slow or corrupt source
 fails only its keys (reported through ``successful_keys``), vLLM recomputes them, and the
 lookup cache marks them as misses so the scheduler does not retry a doomed load.
@@ -25,18 +28,11 @@ lookup cache marks them as misses so the scheduler does not retry a doomed load.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
-import functools
 import logging
 import threading
-import time
 from collections.abc import Iterable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -55,19 +51,11 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from p2pkv.cluster import PrefixFetch
-from p2pkv.errors import P2PKVError, PeerGone
 from p2pkv.identity import RunConfig
-from p2pkv.integrations.vllm.adapters import RequestAdapter, RequestAdapters
+from p2pkv.integrations.vllm.adapters import RequestAdapters, first_chunk, first_chunk_tokens
 from p2pkv.integrations.vllm.identity import TierIdentity, run_config_from_spec
 from p2pkv.integrations.vllm.loads import DIRECTORY, TierLoads
-from p2pkv.integrations.vllm.metrics import (
-    NO_HOLDER,
-    TIER_DISABLED,
-    Metrics,
-    load_failure_reason,
-    metric_definitions,
-)
+from p2pkv.integrations.vllm.metrics import Metrics, metric_definitions
 from p2pkv.integrations.vllm.options import (
     TIER_DEFAULTS,
     TIER_OPTIONS,
@@ -77,61 +65,14 @@ from p2pkv.integrations.vllm.options import (
 )
 from p2pkv.integrations.vllm.peers import Peers
 from p2pkv.integrations.vllm.starter import TierNode
+from p2pkv.integrations.vllm.transfers import TierTransfers
 from p2pkv.layout import EngineRowLayout
-from p2pkv.node import FetchResult, KeyOutcome, Node, PeerHandle
+from p2pkv.node import Node
 
 # Under "vllm." so that vLLM's own log handler prints the tier's lines with the engine's.
 log = logging.getLogger("vllm.p2pkv")
 
 __all__ = ["TIER_DEFAULTS", "TIER_OPTIONS", "Metrics", "P2PKVTier"]
-
-@dataclass
-class _LoadJob:
-    job_id: int
-    #: The keys fetched (salted for a request under an adapter, see adapters.py) ...
-    keys: list[bytes]
-    pending: int
-    #: ... and vLLM's own key of each, which the job's result names.
-    engine_keys: list[OffloadKey] = field(default_factory=list)
-    landed: set[bytes] = field(default_factory=set)
-    #: Failed chunks by ``vllm:p2pkv_load_failures`` reason (see load_failure_reason).
-    failures: dict[str, int] = field(default_factory=dict)
-    nbytes: int = 0
-    started: float = field(default_factory=time.perf_counter)
-
-    def settle(self, n: int, result: FetchResult | None, exc: BaseException | None,
-               missing: int) -> bool:
-        """Account ``n`` chunks: by their per-key outcomes (``result``, plus ``missing``
-        more keys past it), or all failed by ``exc``. True once every fetch settled."""
-        failures = self.failures
-        if result is not None:
-            for key, outcome in zip(result.keys, result.outcomes, strict=True):
-                if outcome is KeyOutcome.LANDED:
-                    self.landed.add(key)
-                else:
-                    reason = load_failure_reason(outcome)
-                    failures[reason] = failures.get(reason, 0) + 1
-            if missing:
-                reason = load_failure_reason(KeyOutcome.MISSING)
-                failures[reason] = failures.get(reason, 0) + missing
-            self.nbytes += result.nbytes
-        elif exc is not None:
-            reason = load_failure_reason(exc)
-            failures[reason] = failures.get(reason, 0) + n
-        if n:
-            self.pending -= 1
-        return self.pending <= 0
-
-    def report(self, row: int) -> tuple[JobResult, list[OffloadKey]]:
-        """The job's result for vLLM, and the keys (vLLM's) that did not land."""
-        engine = self.engine_keys or self.keys
-        ok = [e for e, k in zip(engine, self.keys, strict=True) if k in self.landed]
-        failed = [e for e, k in zip(engine, self.keys, strict=True) if k not in self.landed]
-        return JobResult(job_id=self.job_id, success=not failed,
-                         successful_keys=tuple(ok) if failed else None,
-                         transfer_time=time.perf_counter() - self.started,
-                         transfer_bytes=len(ok) * row), failed
-
 
 class _PeerLookup(AsyncLookupManager):
     """The tier's lookups: each step's keys of one request, asked on vLLM's lookup
@@ -155,7 +96,7 @@ class _PeerLookup(AsyncLookupManager):
         # A miss on a prompt's first chunk: does a peer hold it under another version
         # of this adapter (its name-and-path key)? Then say so; nothing is loaded.
         if shared.name_keys and not found[0] and \
-                _first_chunk(keys[0], req_context, tier._first_chunk_tokens) and \
+                first_chunk(keys[0], req_context, tier._first_chunk_tokens) and \
                 self._ask(node, shared.name_keys[:1])[0][0]:
             tier._adapters.mismatch(str(shared.adapter), len(keys))
         return tier._policy.advise(req_context.req_id, keys, found, holders)
@@ -226,11 +167,6 @@ class P2PKVTier(SecondaryTierManager):
                                  chunk_bytes=self.block_size_bytes,
                                  chunk_tokens=_chunk_tokens(offloading_spec),
                                  lock=self._lock, count=self._count)
-        self._finished: collections.deque[tuple[JobResult, list[OffloadKey]]] = \
-            collections.deque()
-        self._loads: dict[int, _LoadJob] = {}
-        self._outstanding: set[Future[Any]] = set()
-        self._stores = concurrent.futures.ThreadPoolExecutor(1, "p2pkv-vllm-store")
         self._stats = OffloadingConnectorStats()
         self._inbound_refusals: dict[str, int] = {}
         # Requests under a LoRA adapter are shared under keys salted with the adapter's
@@ -239,7 +175,13 @@ class P2PKVTier(SecondaryTierManager):
         self._adapters = RequestAdapters(
             lora_enabled=self.identity.lora_enabled,
             count=lambda reason, n: self._counted(Metrics.ADAPTER_UNSHARED, n, (reason,)))
-        self._first_chunk_tokens = _first_chunk_tokens(offloading_spec)
+        self._first_chunk_tokens = first_chunk_tokens(offloading_spec)
+        self._transfers = TierTransfers(
+            self._run, self._rows, row=self.block_size_bytes, peers=self._peers,
+            policy=self._policy, adapters=self._adapters, lock=self._lock,
+            count=self._count, fetch_timeout=self._fetch_timeout,
+            identity_timeout=self._identity_timeout, drain_grace=self._drain_grace,
+            first_chunk_tokens=self._first_chunk_tokens)
         log.info("p2pkv tier: fingerprint %s, %d-byte chunks, peers %s; identity derived "
                  "so far: %s", self.run_config.fingerprint, self.block_size_bytes,
                  list(peers) or "none", self.identity.describe())
@@ -287,191 +229,23 @@ class P2PKVTier(SecondaryTierManager):
         return LookupResult.HIT if found else LookupResult.MISS
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        node = self._ensure_node()
-        engine_keys, chunk_ids = _job_chunks(job_metadata, "load")
-        shared = self._adapters.keys(job_metadata.req_context.req_id, engine_keys)
-        keys = shared.keys if shared.keys is not None else list(engine_keys)
-        by_peer: dict[str, list[tuple[bytes, int]]] = {}
-        job = _LoadJob(job_metadata.job_id, keys, pending=0, engine_keys=engine_keys)
-        if node is None or shared.keys is None:
-            reason = TIER_DISABLED if node is None else str(shared.reason)
-            job.failures[reason] = len(keys)
-            self._load_done(job, 0, None, None)
-            return
-        if self._run.directory is not None:
-            self._load_through_directory(job, chunk_ids)
-            return
-        handles, holders = self._peers.route(keys)
-        with self._lock:
-            for key, cid, address in zip(keys, chunk_ids, holders, strict=True):
-                if address is None:
-                    job.failures[NO_HOLDER] = job.failures.get(NO_HOLDER, 0) + 1
-                    continue
-                by_peer.setdefault(address, []).append((key, int(cid)))
-            job.pending = len(by_peer)
-            self._loads[job.job_id] = job
-        row = self.block_size_bytes
-        for address, items in by_peer.items():
-            handle = handles[address]
-            dests = [[self._rows[cid * row:(cid + 1) * row]] for _, cid in items]
-            try:
-                fut = node.fetch_into_async(handle, [k for k, _ in items], dests,
-                                            timeout=self._fetch_timeout)
-            except P2PKVError as exc:
-                self._peers.lost(handle, exc)
-                self._load_done(job, len(items), None, exc)
-                continue
-            with self._lock:
-                self._outstanding.add(fut)
-            fut.add_done_callback(functools.partial(self._fetched, job, len(items), handle))
-        if not by_peer:
-            self._load_done(job, 0, None, None)
-
-    def _load_through_directory(self, job: _LoadJob, chunk_ids: list[int]) -> None:
-        """One striped, failing-over prefix fetch for the whole job (see directory.py)."""
-        assert self._run.directory is not None
-        row = self.block_size_bytes
-        dests = [[self._rows[cid * row:(cid + 1) * row]] for cid in chunk_ids]
-        with self._lock:
-            job.pending = 1
-            self._loads[job.job_id] = job
-        try:
-            fut = self._run.directory.load(job.keys, dests)
-        except P2PKVError as exc:
-            self._load_done(job, len(job.keys), None, exc)
-            return
-        with self._lock:
-            self._outstanding.add(fut)
-        fut.add_done_callback(functools.partial(self._prefix_fetched, job))
-
-    def _prefix_fetched(self, job: _LoadJob, fut: Future[PrefixFetch]) -> None:
-        with self._lock:
-            self._outstanding.discard(fut)
-        try:
-            result = fut.result().result
-        except BaseException as exc:
-            self._load_done(job, len(job.keys), None, exc)
-            return
-        self._policy.fetched(DIRECTORY, result)
-        # Keys past the available prefix: nobody compatible holds them any more.
-        self._load_done(job, len(job.keys), result, None,
-                        missing=len(job.keys) - len(result.keys))
-
-    def _fetched(self, job: _LoadJob, n: int, handle: PeerHandle,
-                 fut: Future[FetchResult]) -> None:
-        with self._lock:
-            self._outstanding.discard(fut)
-        try:
-            result = fut.result()
-        except BaseException as exc:
-            if isinstance(exc, PeerGone):
-                self._peers.lost(handle, exc)
-            self._load_done(job, n, None, exc)
-            return
-        self._policy.fetched(handle.address, result)
-        self._load_done(job, n, result, None)
-
-    def _load_done(self, job: _LoadJob, n: int, result: FetchResult | None,
-                   exc: BaseException | None, *, missing: int = 0) -> None:
-        """Settle ``n`` chunks of ``job`` (see :meth:`_LoadJob.settle`); once all are
-        settled, count them and report the job."""
-        if exc is not None:
-            log.warning("p2pkv tier: load job %d: %d chunk(s) failed: %s", job.job_id, n, exc)
-        with self._lock:
-            if not job.settle(n, result, exc, missing):
-                return
-            self._loads.pop(job.job_id, None)
-            row = self.block_size_bytes
-            finished, failed = job.report(row)
-            loaded = len(job.keys) - len(failed)
-            self._stats.increase_counter(Metrics.LOADED_BLOCKS, loaded)
-            self._stats.increase_counter(Metrics.LOADED_BYTES, loaded * row)
-            for kind, count in job.failures.items():
-                self._stats.increase_counter(Metrics.LOAD_FAILURES, count, (kind,))
-            self._finished.append((finished, failed))
+        self._transfers.load(job_metadata)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        node = self._ensure_node()
-        keys, chunk_ids = _job_chunks(job_metadata, "store")
-        if node is None and not (self.identity.pending and self._run.failed is None
-                                 and not self._run.closed):
-            with self._lock:
-                self._finished.append((JobResult(job_id=job_metadata.job_id, success=False,
-                                                 transfer_bytes=0), []))
-            return
-        self._policy.stored(job_metadata.req_context.req_id, keys)
-        # The request may finish before the store thread gets to it: its adapter is
-        # taken now.
-        adapter = self._adapters.state(job_metadata.req_context.req_id)
-        fut = self._stores.submit(self._store, node, job_metadata, adapter, keys, chunk_ids)
-        with self._lock:
-            self._outstanding.add(fut)
-        fut.add_done_callback(self._forget)
-
-    def _forget(self, fut: Future[Any]) -> None:
-        with self._lock:
-            self._outstanding.discard(fut)
-
-    def _store(self, node: Node | None, job: TransferJob, adapter: RequestAdapter,
-               engine_keys: list[OffloadKey], chunk_ids: list[int]) -> None:
-        """Store thread: copy the chunks out of the primary region into the pool, under
-        the keys their adapter shares them under (first waiting, bounded, for the
-        identity when the node has not started yet, and for the adapter's digest)."""
-        job_id = job.job_id
-        started = time.perf_counter()
-        row = self.block_size_bytes
-        stored = 0
-        failed = 0
-        # Waits in short slices, so that a shutdown never waits for a digest.
-        deadline = time.monotonic() + self._identity_timeout
-        while (node is None and not self._run.closed and self._run.failed is None
-               and time.monotonic() < deadline):
-            node = self._ensure_node(wait=min(0.5, max(0.0, deadline - time.monotonic())))
-        if node is None:
-            log.warning("p2pkv tier: store job %d dropped: the identity is not known (%s)",
-                        job_id, self._run.failed or "weights digest still being computed")
-            with self._lock:
-                self._finished.append((JobResult(job_id=job_id, success=False,
-                                                 transfer_bytes=0), []))
-            return
-        shared = self._adapters.shared(adapter, engine_keys, wait=self._identity_timeout,
-                                       req_id=job.req_context.req_id)
-        keys = shared.keys if shared.keys is not None else []
-        if shared.keys is None:  # kept from peers: its adapter is not known
-            self._adapters.count(str(shared.reason), len(engine_keys))
-        for i, (key, cid) in enumerate(zip(keys, chunk_ids, strict=True) if keys else ()):
-            chunk = self._rows[cid * row:(cid + 1) * row]
-            try:
-                if node.put(key, chunk):
-                    stored += 1
-                if shared.name_keys and _first_chunk(engine_keys[i], job.req_context,
-                                                     self._first_chunk_tokens):
-                    node.put(shared.name_keys[i], chunk)
-            except (P2PKVError, ValueError) as exc:
-                failed += 1
-                log.warning("p2pkv tier: cannot keep chunk %s: %s", key.hex()[:16], exc)
-        with self._lock:
-            self._stats.increase_counter(Metrics.STORED_BLOCKS, stored)
-            self._stats.increase_counter(Metrics.STORED_BYTES, stored * row)
-            self._finished.append((JobResult(
-                job_id=job_id, success=failed == 0, transfer_time=time.perf_counter() - started,
-                transfer_bytes=stored * row), []))
+        self._transfers.store(job_metadata)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results: list[JobResult] = []
-        with self._lock:
-            while self._finished:
-                result, failed = self._finished.popleft()
-                results.append(result)
-                if failed:
-                    # Never promise these keys again in this request's lookups: vLLM
-                    # recomputes them instead of retrying a load that just failed.
-                    self._lookup.mark_miss(failed)
+        for result, failed in self._transfers.finished():
+            results.append(result)
+            if failed:
+                # Never promise these keys again in this request's lookups: vLLM
+                # recomputes them instead of retrying a load that just failed.
+                self._lookup.mark_miss(failed)
         return results
 
     def has_pending_work(self) -> bool:
-        with self._lock:
-            return bool(self._outstanding or self._loads or self._finished)
+        return self._transfers.pending()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookup.cleanup(req_context.req_id)
@@ -484,28 +258,16 @@ class P2PKVTier(SecondaryTierManager):
         self._maintain()
 
     def drain_jobs(self) -> None:
-        """Wait until no load or store touches the primary region. Loads are bounded by
-        ``fetch_timeout`` (the node fails them at their deadline), stores by a copy;
-        ``drain_grace`` more is allowed for them to report."""
-        deadline = time.monotonic() + self._fetch_timeout + self._drain_grace
-        while True:
-            with self._lock:
-                pending = set(self._outstanding)
-            if not pending:
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                log.error("p2pkv tier: %d transfer(s) still running after the fetch deadline",
-                          len(pending))
-                return
-            concurrent.futures.wait(pending, timeout=remaining)
+        """Wait until no load or store touches the primary region; bounded by
+        ``fetch_timeout`` and ``drain_grace`` (see :meth:`TierTransfers.drain`)."""
+        self._transfers.drain()
 
     def shutdown(self) -> None:
         if self._run.closed:
             return
         self._run.closed = True
         self.drain_jobs()
-        self._stores.shutdown(wait=True)
+        self._transfers.close()
         self._adapters.shutdown()
         self._lookup.shutdown()
         self._run.close()
@@ -560,27 +322,3 @@ def _chunk_tokens(spec: OffloadingSpec) -> int:
     key per KV-cache group."""
     groups = spec.tokens_per_block
     return max(1, max(groups) * spec.blocks_per_chunk // len(groups)) if groups else 1
-
-
-def _first_chunk_tokens(spec: OffloadingSpec) -> int:
-    """Tokens up to the end of a request's first offload chunk (the longest of its
-    groups' chunks): a key whose position is at most this is a first chunk."""
-    groups = spec.tokens_per_block
-    return max(groups) * spec.blocks_per_chunk if groups else 1
-
-
-def _first_chunk(key: OffloadKey, req_context: ReqContext, tokens: int) -> bool:
-    """True for the offload key of a request's first chunk (of its group): its end
-    position, as the scheduler recorded it, is at most ``tokens``."""
-    position = req_context.get_offload_key_position(key)
-    return position is not None and position <= tokens
-
-
-def _job_chunks(job: TransferJob, what: str) -> tuple[list[OffloadKey], list[int]]:
-    """A job's keys and the primary-region chunk of each (they must pair up)."""
-    keys = list(job.keys)
-    chunk_ids = np.asarray(job.chunk_ids).tolist()
-    if len(keys) != len(chunk_ids):
-        raise ValueError(f"{what} job {job.job_id}: {len(keys)} keys for "
-                         f"{len(chunk_ids)} chunks")
-    return keys, chunk_ids

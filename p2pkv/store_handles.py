@@ -1,0 +1,143 @@
+"""The handles :class:`~p2pkv.store.BlockStore` gives out on one pool slot.
+
+A :class:`BlockWriter` is exclusive access to a slot being filled (invisible to lookup
+until it commits); a :class:`BlockReader` is one pin on a committed block (its slot is
+neither evicted nor reused until every reader has released it). Both alias the slot's
+memory with one ``memoryview`` per segment, and both finish through the store that made
+them: this module holds what a handle is, the store holds the bookkeeping and the lock.
+:class:`Entry` is the store's record of one committed block, shared with its readers
+(the pin count, the checksum computed once).
+
+Handles are created only by the store; see :mod:`p2pkv.store` for the lifecycle and
+the threading rules.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from p2pkv.checksum import block_checksum
+
+if TYPE_CHECKING:
+    from p2pkv.store import BlockStore
+
+__all__ = ["BlockReader", "BlockWriter", "Entry"]
+
+
+class Entry:
+    """The store's record of one committed block."""
+
+    __slots__ = ("checksum", "discarded", "readers", "slot")
+
+    def __init__(self, slot: int, checksum: int | None) -> None:
+        self.slot = slot
+        self.readers = 0
+        self.discarded = False
+        # xxh3-64 of the committed bytes, computed at most once: a stored block
+        # is immutable, and it is sent to many peers.
+        self.checksum = checksum
+
+
+class BlockWriter:
+    """Exclusive access to one slot being filled for ``key``.
+
+    Fill :attr:`views`, then :meth:`commit` or :meth:`abort` exactly once
+    (abort after either is a no-op, so ``with writer:`` aborts on error).
+    Created only by :meth:`BlockStore.begin_write`.
+    """
+
+    __slots__ = ("_done", "_store", "key", "slot", "views")
+
+    def __init__(self, store: BlockStore, key: bytes, slot: int, views: list[memoryview]) -> None:
+        self._store = store
+        self._done = False
+        self.key = key
+        self.slot = slot
+        #: One writable memoryview per segment, aliasing the pool slot.
+        self.views = views
+
+    @property
+    def done(self) -> bool:
+        """True once committed or aborted."""
+        return self._done
+
+    def commit(self, expected_checksum: int | None = None) -> None:
+        """Make the block visible.
+
+        With ``expected_checksum`` the bytes are verified first (see
+        :func:`block_checksum`); on mismatch the write is aborted and
+        :class:`~p2pkv.store.ChecksumMismatch` raised. Raises
+        :class:`~p2pkv.store.StoreError` if the writer was already committed or
+        aborted.
+        """
+        # One commit path: a single block is a batch of one.
+        (mismatch,) = self._store.commit_many((self,), (expected_checksum,))
+        if mismatch is not None:
+            raise mismatch
+
+    def abort(self) -> None:
+        """Release the slot; the block never existed. Idempotent."""
+        self._store._abort(self)
+
+    def __enter__(self) -> BlockWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.abort()
+
+
+class BlockReader:
+    """A pin on one committed block; its slot is not reused until released.
+
+    Created only by :meth:`BlockStore.acquire_read`. :meth:`release` is
+    idempotent and may be called from any thread (for example the thread that
+    sees a ``zmq`` send tracker finish).
+    """
+
+    __slots__ = ("_entry", "_released", "_store", "key", "views")
+
+    def __init__(
+        self, store: BlockStore, key: bytes, entry: Entry, views: list[memoryview]
+    ) -> None:
+        self._store = store
+        self._entry = entry
+        self._released = False
+        self.key = key
+        #: One memoryview per segment, aliasing the pool slot. Do not write.
+        self.views = views
+
+    @property
+    def slot(self) -> int:
+        return self._entry.slot
+
+    @property
+    def checksum(self) -> int:
+        """:func:`block_checksum` of the block, computed once per stored block."""
+        entry = self._entry
+        value = entry.checksum
+        if value is None:
+            # Safe without the lock: the pin keeps the bytes still, and two
+            # readers racing here store the same value.
+            value = block_checksum(self.views)
+            entry.checksum = value
+        return value
+
+    def release(self) -> None:
+        self._store.release_many((self,))
+
+    def __enter__(self) -> BlockReader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
