@@ -191,8 +191,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("fetch_idle_timeout", _seconds, 10.0,
            "seconds a fetch may go without progress before it is aborted"),
     Option("send_timeout", _seconds, 20.0,
-           "seconds a peer's data stream may take no bytes while blocks wait for it; "
-           "then its session ends and the blocks are released"),
+           "seconds a peer may take nothing of what waits for it on its data path (its "
+           "data stream, its ZeroMQ frames, its shared-memory pins); then its session "
+           "ends and the blocks are released"),
     Option("abort_timeout", _seconds, 2.0,
            "seconds a peer gets to confirm an abort before it is disconnected"),
     Option("drain_timeout", _seconds, 10.0,
@@ -219,6 +220,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("data_channel", _bool, True,
            "offer the data channel (tcp-data-v1): block bytes on a plain TCP stream beside "
            "the ZeroMQ connection, bound to the session by a token (never under CURVE)"),
+    Option("data_streams", _int(1, 8), 1,
+           "data streams per peer (tcp-streams-v1): this node opens up to N to each "
+           "peer and accepts up to N from each; a fetch is striped over them"),
     Option("data_port", _int(0, 65535), 0,
            "port the data channel listens on, at the host of --listen (0: ephemeral)"),
     Option("metrics_port", _int(0, 65535), None, "serve Prometheus metrics on this port"),
@@ -492,6 +496,7 @@ def node_config(settings: Settings, *, listen: str | None = None) -> Any:
             heartbeat_interval=interval, curve=curve,
             identity_policy=v["identity_policy"], shm=v["shm"],
             data_channel=v["data_channel"], data_port=v["data_port"],
+            data_streams=v["data_streams"],
         )
     except ConfigError as exc:
         if exc.option == "listen" and not exc.named:

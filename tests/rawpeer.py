@@ -269,17 +269,20 @@ class ThrottlingProxy:
     _CHUNK = 65536
 
     def __init__(self, upstream: str, rate: float, upstream_rcvbuf: int | None = None, *,
-                 deliver_on_close: bool = False) -> None:
+                 deliver_on_close: bool = False, listen: tuple[str, int] = ("127.0.0.1", 0)
+                 ) -> None:
         self._deliver_on_close = deliver_on_close
         host, port = upstream.removeprefix("tcp://").rsplit(":", 1)
-        self._upstream = (host, int(port))
+        self._upstream = (host.strip("[]"), int(port))
         self._rate = rate
         self._rcvbuf = upstream_rcvbuf
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
+        family = socket.AF_INET6 if ":" in listen[0] else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.bind(listen)
         self.sock.listen(16)
         self.sock.settimeout(0.05)
-        self.address = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
+        shown = f"[{listen[0]}]" if family == socket.AF_INET6 else listen[0]
+        self.address = f"tcp://{shown}:{self.sock.getsockname()[1]}"
         self.relayed = 0  # bytes delivered towards clients
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._accept, daemon=True)]

@@ -76,6 +76,10 @@ DATA_CHANNEL_PREFIX = "dc-"
 """Client node ids of the data-channel rows: this prefix and the case's name."""
 NOSUM_CASE = "seed-v1"
 """The case whose data-channel row is repeated with checksums off."""
+MULTI_STREAMS = 4
+"""Data streams of the multi-stream row (tcp-streams-v1), against one stream."""
+MULTI_PREFIX = "dc4-"
+"""Client node id prefix of the multi-stream row (its case is NOSUM_CASE)."""
 
 SHM_CASES: tuple[BulkCase, ...] = (
     BulkCase("shm-seed-v2", "seed V2 (12 x 48 KiB)", "v2", SEED_GEOMETRY, 0.6),

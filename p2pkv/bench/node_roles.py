@@ -13,6 +13,7 @@ from typing import Any
 
 from p2pkv.bench.data import (
     MIB,
+    MULTI_STREAMS,
     BenchError,
     Dataset,
     MemcpyRound,
@@ -44,7 +45,8 @@ def make_node(spec: dict[str, Any], *, pool_blocks: int, checksums: bool = True,
     # the other rows measure the ZeroMQ path; servers offer it to whoever asks.
     cfg = NodeConfig(checksums=checksums, curve=curve, fetch_timeout=120.0,
                      shm=bool(spec.get("shm", False)),
-                     data_channel=bool(spec.get("data_channel", False)))
+                     data_channel=bool(spec.get("data_channel", False)),
+                     data_streams=int(spec.get("data_streams", 1)))
     return Node(rc, layout, pool_blocks=pool_blocks, config=cfg)
 
 
@@ -64,7 +66,11 @@ def role_node_server(spec: dict[str, Any]) -> int:
     try:
         for nspec in spec["nodes"]:
             ds = Dataset(nspec["dataset"], nspec["segments"], nspec["blocks"])
-            node = make_node({**nspec, "data_channel": True}, pool_blocks=ds.blocks,
+            # Servers take up to MULTI_STREAMS data streams from a client that opens
+            # several (tcp-streams-v1); a client of one stream never sees the others.
+            node = make_node({**nspec, "data_channel": True,
+                              "data_streams": nspec.get("data_streams", MULTI_STREAMS)},
+                             pool_blocks=ds.blocks,
                              curve=curve_keys(nspec.get("curve")))
             nodes[nspec["id"]] = node
             for i, key in enumerate(ds.keys):
@@ -179,6 +185,10 @@ def role_node_client(spec: dict[str, Any]) -> int:
             if peer.data_path != want:
                 raise BenchError(f"{nspec['id']}: blocks move by {peer.data_path}, not "
                                  f"{want}: {peer.data_path_detail}")
+            streams = int(nspec.get("data_streams", 1))
+            if streams > 1 and not peer.data_path_detail.startswith(f"{streams} data streams"):
+                raise BenchError(f"{nspec['id']}: not on {streams} data streams: "
+                                 f"{peer.data_path_detail}")
         copies = {m["id"]: MemcpyRound(int(m["bytes"]), int(m["bytes_per_block"]))
                   for m in spec.get("memcpy", ())}
         say({"event": "ready", "pid": os.getpid()})

@@ -27,6 +27,8 @@ from p2pkv.bench.data import (
     KERNEL_TARGETS,
     KIB,
     MIB,
+    MULTI_PREFIX,
+    MULTI_STREAMS,
     NOSUM_CASE,
     RECEIVER_CPU_TARGET,
     SHM_CASES,
@@ -77,6 +79,7 @@ def _bench_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase
                 blocks: dict[str, int], curve_ok: bool) -> list[Row]:
     rows = _bulk_rows(plan, workers, cases, blocks)
     rows += _data_channel_rows(plan, workers, cases, blocks)
+    rows += _multi_stream_rows(plan, workers, cases, blocks)
     rows += _shm_rows(plan, workers, blocks)
     rows += _other_rows(plan, workers, cases, blocks, curve_ok)
     return rows
@@ -204,6 +207,38 @@ def _data_channel_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[B
                      "node_receiver_cpu_s_per_gb": res["b_rx_cpu_s_per_gb"],
                      "kernel_cpu_s_per_gb": res["a_cpu_s_per_gb"],
                      "kernel_receiver_cpu_s_per_gb": res["a_rx_cpu_s_per_gb"]}))
+    return rows
+
+
+def _multi_stream_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase],
+                       blocks: dict[str, int]) -> list[Row]:
+    """Several data streams per peer (tcp-streams-v1) against one, on loopback, where no
+    flow is capped: N streams must be no slower than one (a capped link, where they are
+    faster, is ``tests/test_streams.py``'s)."""
+    node = workers["node-client"]
+    pids = (workers["node-server"].pid, node.pid)
+    rows: list[Row] = []
+    for case in [c for c in cases if c.name == NOSUM_CASE]:
+        nbytes = blocks[case.name] * case.bytes_per_block
+        rounds = rounds_for(plan.bulk_bytes, nbytes)
+        name = f"bulk {case.label} on {MULTI_STREAMS} data streams vs 1"
+        try:
+            res = bulk_pair(name, rounds, nbytes, (node, f"{DATA_CHANNEL_PREFIX}{case.name}"),
+                            (node, f"{MULTI_PREFIX}{case.name}"), pids_a=pids, pids_b=pids)
+        except BenchError as exc:
+            rows.append(error_row(name, "fetch GB/s", ">= 1.0x one stream", exc))
+            continue
+        ratio = ratio_of(res["b_gbps"], res["a_gbps"])
+        rows.append(Row(
+            name, "fetch GB/s", res["b_gbps"], res["a_gbps"], ratio, ">= 1.0x one stream",
+            ratio is not None and ratio >= 1.0, res["a_verified"] and res["b_verified"],
+            baseline_kind="p2pkv on one data stream",
+            details={"rounds": rounds, "bytes_per_side": res["b_bytes"],
+                     "streams": MULTI_STREAMS, "value": "median of rounds",
+                     "spread": spread(res), "streams_round_gbps": res["b_round_gbps"],
+                     "one_stream_round_gbps": res["a_round_gbps"],
+                     "node_receiver_cpu_s_per_gb": res["b_rx_cpu_s_per_gb"],
+                     "one_stream_receiver_cpu_s_per_gb": res["a_rx_cpu_s_per_gb"]}))
     return rows
 
 
@@ -391,6 +426,9 @@ def run_bench(*, quick: bool = False, json_path: str | None = None,
                                data_channel=True, server=c.name) for c in cases]
     client_nodes += [node_spec(f"{DATA_CHANNEL_PREFIX}nosum-{c.name}", c, blocks[c.name],
                                data_channel=True, checksums=False, server=c.name)
+                     for c in cases if c.name == NOSUM_CASE]
+    client_nodes += [node_spec(f"{MULTI_PREFIX}{c.name}", c, blocks[c.name], data_channel=True,
+                               data_streams=MULTI_STREAMS, server=c.name)
                      for c in cases if c.name == NOSUM_CASE]
     for c in SHM_CASES:
         server_nodes.append(node_spec(c.name, c, blocks[c.name], shm=True))

@@ -32,6 +32,7 @@ from p2pkv.protocol.codes import (
     MAX_REASONS,
     MAX_RUN_CONFIG_ITEMS,
     MAX_STR_LEN,
+    MAX_STREAMS,
     MAX_WINDOW,
     OUTCOME_FAILED,
     PROTOCOL_MAJOR,
@@ -174,8 +175,9 @@ def _d_hits(m: dict[Any, Any], v: int) -> Message:
 
 
 def _d_fetch(m: dict[Any, Any], v: int) -> Message:
+    stream = f.integer(m, "stream", 0, MAX_STREAMS - 1) if "stream" in m else 0
     return Fetch(f.u64(m, "req"), f.keys(m), f.integer(m, "window", 1, MAX_WINDOW),
-                 f.flag(m, "shm"))
+                 f.flag(m, "shm"), stream)
 
 
 def _d_credit(m: dict[Any, Any], v: int) -> Message:

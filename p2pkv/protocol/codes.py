@@ -23,6 +23,7 @@ __all__ = [
     "CAP_PACKED_V1",
     "CAP_SHM_V1",
     "CAP_TCP_DATA_V1",
+    "CAP_TCP_STREAMS_V1",
     "DATA_TOKEN_LEN",
     "MAX_BLOCKS_PER_MESSAGE",
     "MAX_BLOCK_BYTES",
@@ -42,6 +43,7 @@ __all__ = [
     "MAX_RUN_CONFIG_DEPTH",
     "MAX_RUN_CONFIG_ITEMS",
     "MAX_SEGMENTS",
+    "MAX_STREAMS",
     "MAX_STR_LEN",
     "MAX_WINDOW",
     "OUTCOME_FAILED",
@@ -128,6 +130,13 @@ CAP_TCP_DATA_V1: Final = "tcp-data-v1"
 """Capability: the server's ``block`` and ``done`` messages travel on a plain TCP stream
 beside the ZeroMQ connection, bound to the session by a token (``welcome.data``,
 SPEC §18)."""
+CAP_TCP_STREAMS_V1: Final = "tcp-streams-v1"
+"""Capability (with ``tcp-data-v1``): several data streams per session, each bound by a
+token of its own (``welcome.data.more``); a ``fetch`` names the stream it goes on
+(``stream``), so one caller's fetch can be striped over them (SPEC §18.6)."""
+MAX_STREAMS: Final = 8
+"""Most data streams one session may bind (``tcp-streams-v1``): the first token and at
+most seven more."""
 DATA_TOKEN_LEN: Final = 16
 """Bytes of the random token a ``welcome.data`` offer carries and a stream sends first."""
 SHM_NONCE_LEN: Final = 16

@@ -87,8 +87,11 @@ def _e_greeting(msg: Greeting) -> dict[str, Any]:
     if msg.shm is not None:
         out["shm"] = {"name": msg.shm.name, "size": msg.shm.size}
     if msg.data is not None:
-        out["data"] = {"port": msg.data.port, "token": msg.data.token,
-                       "cport": msg.data.cport}
+        data: dict[str, Any] = {"port": msg.data.port, "token": msg.data.token,
+                                "cport": msg.data.cport}
+        if msg.data.more:  # written only when set: one stream keeps its bytes
+            data["more"] = list(msg.data.more)
+        out["data"] = data
     return out
 
 
@@ -96,6 +99,8 @@ def _e_fetch(m: Fetch) -> dict[str, Any]:
     out = {"t": "fetch", "v": PROTOCOL_MAJOR, "req": m.req, "keys": m.keys, "window": m.window}
     if m.shm:  # written only when set: a plain fetch keeps its 1.1 bytes
         out["shm"] = True
+    if m.stream:  # likewise (tcp-streams-v1)
+        out["stream"] = m.stream
     return out
 
 

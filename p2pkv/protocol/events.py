@@ -101,11 +101,13 @@ class LookupAnswered(Event):
 
 @dataclass(frozen=True, slots=True)
 class FetchRequested(Event):
-    """Server: send the blocks of ``keys``, at most ``window`` blocks beyond credits."""
+    """Server: send the blocks of ``keys``, at most ``window`` blocks beyond credits
+    (on data stream ``stream`` when it is bound, ``tcp-streams-v1``)."""
 
     req: int
     keys: tuple[bytes, ...]
     window: int
+    stream: int = 0
 
 
 @dataclass(frozen=True, slots=True)

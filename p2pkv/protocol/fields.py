@@ -27,6 +27,7 @@ from p2pkv.protocol.codes import (
     MAX_RUN_CONFIG_DEPTH,
     MAX_RUN_CONFIG_ITEMS,
     MAX_SEGMENTS,
+    MAX_STREAMS,
     MAX_WINDOW,
     SHM_NAME_PATTERN,
     SHM_NONCE_LEN,
@@ -273,7 +274,18 @@ def data_offer(value: object) -> DataOffer | None:
         raise wrong("data.token", "bin", token)
     if len(token) != DATA_TOKEN_LEN:
         raise bounds("data.token", f"must be {DATA_TOKEN_LEN} bytes, got {len(token)}")
-    return DataOffer(integer(data, "port", 1, 65535), token, integer(data, "cport", 1, 65535))
+    more = data.get("more", ())
+    if type(more) is not tuple:  # msgpack arrays decode as tuples
+        raise wrong("data.more", "an array", more)
+    if len(more) > MAX_STREAMS - 1:
+        raise bounds("data.more", f"at most {MAX_STREAMS - 1} tokens, got {len(more)}")
+    for extra in more:
+        if type(extra) is not bytes:
+            raise wrong("data.more[]", "bin", extra)
+        if len(extra) != DATA_TOKEN_LEN:
+            raise bounds("data.more[]", f"must be {DATA_TOKEN_LEN} bytes, got {len(extra)}")
+    return DataOffer(integer(data, "port", 1, 65535), token, integer(data, "cport", 1, 65535),
+                     tuple(more))
 
 
 def nonce(m: dict[Any, Any]) -> bytes:

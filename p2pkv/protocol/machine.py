@@ -10,6 +10,7 @@ violation.
 
 from __future__ import annotations
 
+import dataclasses
 from enum import Enum
 from typing import Final
 
@@ -17,6 +18,7 @@ from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
     CAP_SHM_V1,
     CAP_TCP_DATA_V1,
+    CAP_TCP_STREAMS_V1,
     MAX_KEYS,
     Code,
 )
@@ -177,6 +179,10 @@ class Machine:
             self.offer = None  # a segment is offered only when shm-v1 was negotiated
         if CAP_TCP_DATA_V1 not in caps:
             self.data_offer = None  # and a data stream only when tcp-data-v1 was
+        elif CAP_TCP_STREAMS_V1 not in caps and self.data_offer is not None \
+                and self.data_offer.more:
+            # and further streams only when tcp-streams-v1 was too
+            self.data_offer = dataclasses.replace(self.data_offer, more=())
 
     def late_or_unknown(self, req: int, tag: str) -> Output:
         if self.requests.finished(req):

@@ -144,6 +144,9 @@ class DataOffer:
     port: int
     token: bytes = field(repr=False)
     cport: int
+    #: The tokens of the session's further streams (``tcp-streams-v1``, SPEC §18.6):
+    #: stream ``k`` presents ``more[k - 1]``. Empty without the capability.
+    more: tuple[bytes, ...] = field(default=(), repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +318,8 @@ class Fetch:
     keys: tuple[bytes, ...]
     window: int
     shm: bool = False
+    #: The data stream to serve it on (``tcp-streams-v1``, SPEC §18.6); 0 by default.
+    stream: int = 0
 
 
 @dataclass(frozen=True, slots=True)

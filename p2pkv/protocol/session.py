@@ -37,6 +37,7 @@ from p2pkv.protocol.codes import (
     MAX_KEY_LEN,
     MAX_KEYS,
     MAX_PACKED_BYTES,
+    MAX_STREAMS,
     MAX_WINDOW,
     SHM_NONCE_LEN,
     Code,
@@ -267,7 +268,7 @@ class Session(SessionView):
         return Lookup(req, keys_t)
 
     def fetch(self, keys: Sequence[bytes], window: int, now: float, *,
-              deadline: float = math.inf) -> Fetch:
+              deadline: float = math.inf, stream: int = 0) -> Fetch:
         """Client: open a fetch allowing ``window`` blocks in flight; send the message.
 
         Blocks arrive as BlockArrived; grant more window with :meth:`credit` as they
@@ -278,9 +279,13 @@ class Session(SessionView):
         keys_t = _check_keys(keys, self._m.peer_max_keys())
         if type(window) is not int or not 1 <= window <= MAX_WINDOW:
             raise ValueError(f"window must be an int in [1, {MAX_WINDOW}], got {window!r}")
+        msg = Fetch(0, keys_t, window, stream=stream)
+        _refused(field_break(msg, self._m.caps), "fetch")  # stream needs tcp-streams-v1
+        if type(stream) is not int or not 0 <= stream < MAX_STREAMS:
+            raise ValueError(f"fetch: stream must be in [0, {MAX_STREAMS - 1}], got {stream!r}")
         req = self._m.open("fetch", keys_t, now + self._m.deadlines.fetch_idle, window,
                            deadline)
-        return Fetch(req, keys_t, window)
+        return dataclasses.replace(msg, req=req)
 
     def fetch_shared(self, keys: Sequence[bytes], window: int, now: float, *,
                      deadline: float = math.inf) -> Fetch:

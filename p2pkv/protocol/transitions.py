@@ -46,6 +46,7 @@ from p2pkv.protocol.codes import (
     CAP_PACKED_V1,
     CAP_SHM_V1,
     CAP_TCP_DATA_V1,
+    CAP_TCP_STREAMS_V1,
     Code,
 )
 from p2pkv.protocol.compat import decide
@@ -110,7 +111,7 @@ __all__ = ["CALLS", "IMPLEMENTED", "TRANSITIONS", "Call", "Handler", "Rule", "al
 
 
 IMPLEMENTED: Final = frozenset({CAP_CHECKSUM_XXH3_64, CAP_SHM_V1, CAP_PACKED_V1,
-                                CAP_TCP_DATA_V1})
+                                CAP_TCP_DATA_V1, CAP_TCP_STREAMS_V1})
 """The capabilities whose rules this table holds (a session implements these by default)."""
 
 
@@ -374,7 +375,7 @@ def _on_fetch(m: Machine, msg: Fetch, now: float) -> Output:
     # A fetch that asks for the segment before an accepted proof is served over TCP.
     r.shared = bool(msg.shm) and m.shared_memory
     m.requests.record(msg.req, r)
-    return Output(events=(FetchRequested(msg.req, msg.keys, msg.window),))
+    return Output(events=(FetchRequested(msg.req, msg.keys, msg.window, msg.stream),))
 
 
 def _on_credit(m: Machine, msg: Credit, now: float) -> Output:

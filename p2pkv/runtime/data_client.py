@@ -35,7 +35,7 @@ from p2pkv.runtime.stats import RECEIVED, Counters
 from p2pkv.runtime.tuning import READ_BURST_BYTES
 from p2pkv.transport.datachannel import Scatter
 
-__all__ = ["DataReceiver", "StreamIn", "StreamOwner"]
+__all__ = ["DataReceiver", "StreamIn", "StreamOwner", "Striped"]
 
 log = logging.getLogger("p2pkv.node")
 
@@ -64,7 +64,8 @@ class DataReceiver:
     """What the data streams of this node's outbound connections share."""
 
     def __init__(self, reactor: Reactor, landing: Landing, segments: Sequence[int],
-                 counters: Counters, budget: proto.CreditBudget, *, enabled: bool) -> None:
+                 counters: Counters, budget: proto.CreditBudget, *, enabled: bool,
+                 streams: int = 1) -> None:
         self.reactor = reactor
         self.landing = landing
         self.segments = tuple(segments)
@@ -76,6 +77,8 @@ class DataReceiver:
         #: A connection on a stream has a larger budget (SPEC §18.3).
         self.budget = budget
         self.enabled = enabled
+        #: How many data streams to open to a peer that takes several (tcp-streams-v1).
+        self.streams = streams
 
     def stream(self, address: str, sock: socket.socket, owner: StreamOwner,
                detail: str) -> StreamIn:
@@ -119,6 +122,7 @@ class StreamIn:
     """One outbound connection's bound data stream, as its data path (IO thread only)."""
 
     kind = "stream"
+    lanes = 1
 
     def __init__(self, parts: DataReceiver, address: str, sock: socket.socket,
                  owner: StreamOwner, detail: str) -> None:
@@ -139,7 +143,7 @@ class StreamIn:
     # -- the data path -------------------------------------------------------------------
 
     def open_fetch(self, session: proto.Session, keys: tuple[bytes, ...], window: int,
-                   now: float, deadline: float) -> proto.Fetch:
+                   now: float, deadline: float, lane: int = 0) -> proto.Fetch:
         return session.fetch(keys, window, now, deadline=deadline)
 
     def land(self, arrived: proto.DataArrived) -> None:
@@ -383,3 +387,45 @@ class StreamIn:
         if sock is not None:
             self._parts.reactor.unregister(sock)
             sock.close()
+
+
+class Striped:
+    """Several bound data streams of one connection as its data path (``tcp-streams-v1``,
+    SPEC §18.6): a caller's fetch is striped over them, one protocol fetch per stream
+    (a lane), each naming its stream, so that each stream carries its fetch's blocks and
+    its ``done`` in order. Each stream lands what it carries (:class:`StreamIn`)."""
+
+    kind = "stream"
+
+    def __init__(self, streams: dict[int, StreamIn], budget: proto.CreditBudget,
+                 detail: str) -> None:
+        self._indices = sorted(streams)
+        self._streams = [streams[i] for i in self._indices]
+        self.lanes = len(self._streams)
+        #: The streams share one budget, as large as theirs together.
+        self.budget = budget
+        self.detail = detail
+
+    def open_fetch(self, session: proto.Session, keys: tuple[bytes, ...], window: int,
+                   now: float, deadline: float, lane: int = 0) -> proto.Fetch:
+        return session.fetch(keys, window, now, deadline=deadline,
+                             stream=self._indices[lane % self.lanes])
+
+    def land(self, arrived: proto.DataArrived) -> None:
+        raise AssertionError("each stream lands what it carries")  # pragma: no cover
+
+    def settled(self, session: proto.Session,
+                ev: proto.BlockArrived | proto.BlocksLocated) -> list[proto.Message]:
+        return []
+
+    def cancel(self, req: int) -> None:
+        for stream in self._streams:
+            stream.cancel(req)
+
+    def read_pending(self, now: float) -> None:
+        for stream in self._streams:
+            stream.read_pending(now)
+
+    def close(self) -> None:
+        for stream in self._streams:
+            stream.close()

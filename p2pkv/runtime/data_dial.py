@@ -42,12 +42,14 @@ class StreamDialer:
 
     ``bound(sock)`` is called with the bound socket (unregistered, non-blocking),
     ``gave_up()`` when the attempt is over without one; exactly one of them, once, after
-    :meth:`begin` returned True.
+    :meth:`begin` returned True. ``index``: which of the session's streams it binds (0:
+    the first, with the offer's ``token``; ``k``: ``more[k - 1]``, ``tcp-streams-v1``).
     """
 
     def __init__(self, reactor: Reactor, counters: Counters, address: str, *,
                  enabled: bool, bound: Callable[[socket.socket], None],
-                 gave_up: Callable[[], None]) -> None:
+                 gave_up: Callable[[], None], index: int = 0) -> None:
+        self.index = index
         self._reactor = reactor
         self._counters = counters
         self._address = address
@@ -89,9 +91,12 @@ class StreamDialer:
             return False
         self._sock = sock
         self._deadline = deadline
-        self._out = proto.preface(offer.token)
+        self._out = proto.preface(offer.token if self.index == 0
+                                  else offer.more[self.index - 1])
         self._state = _State.DIALING
         self.detail = f"data stream to {host}:{offer.port}"
+        if self.index:
+            self.detail = f"data stream {self.index} to {host}:{offer.port}"
         self._reactor.register(sock, self._on_event, writable=True)
         return True
 
@@ -162,7 +167,8 @@ class StreamDialer:
         self._sock = None
         self._state = _State.DONE
         self._counters.add(Count.DATA_STREAMS_OPENED)
-        log.info("%s: blocks move over the data stream", self._address)
+        log.info("%s: blocks move over the data stream%s", self._address,
+                 f" {self.index}" if self.index else "")
         self._bound(sock)
 
     def _give_up(self, why: str) -> None:

@@ -51,11 +51,12 @@ class StreamOwner(Protocol):
 
     closed: bool
 
-    def wants_stream(self) -> bool:
-        """Whether a stream may bind to it now (its session negotiated the stream)."""
+    def wants_stream(self, index: int) -> bool:
+        """Whether its stream ``index`` may bind now (its session negotiated the stream,
+        and that one is not bound yet)."""
 
-    def bind_stream(self, stream: BoundStream) -> None:
-        """Its stream arrived with the right token."""
+    def bind_stream(self, stream: BoundStream, index: int) -> None:
+        """Its stream ``index`` arrived with the right token."""
 
     def stream_lost(self, code: int, why: str) -> None:
         """Its bound stream ended or failed (``code``: the close reason): the session
@@ -65,6 +66,8 @@ class StreamOwner(Protocol):
 @dataclass(eq=False)
 class _Offer:
     expires: float
+    #: Which stream of its session the token binds (0: the first, ``tcp-streams-v1``).
+    index: int = 0
     owner: StreamOwner | None = None
 
 
@@ -98,23 +101,28 @@ class DataListener:
 
     # -- tokens --------------------------------------------------------------------------
 
-    def offer(self, cport: int, now: float) -> proto.DataOffer:
-        """A fresh token for a new session (``cport``: this node's ZeroMQ port), good
-        once until the deadline, and only once :meth:`own` named its session."""
-        token = secrets.token_bytes(DATA_TOKEN_LEN)
-        self._offers[token] = _Offer(now + self._timeout)
-        return proto.DataOffer(self.port, token, cport)
+    def offer(self, cport: int, now: float, streams: int = 1) -> proto.DataOffer:
+        """Fresh tokens for a new session's ``streams`` streams (``cport``: this node's
+        ZeroMQ port), each good once until the deadline, and only once :meth:`own`
+        named its session. Tokens beyond the first go to a peer only where
+        ``tcp-streams-v1`` is negotiated (the session drops them otherwise)."""
+        tokens = [secrets.token_bytes(DATA_TOKEN_LEN) for _ in range(streams)]
+        for index, token in enumerate(tokens):
+            self._offers[token] = _Offer(now + self._timeout, index)
+        return proto.DataOffer(self.port, tokens[0], cport, tuple(tokens[1:]))
 
     def own(self, offer: proto.DataOffer, owner: StreamOwner) -> None:
         """The session ``offer`` was made for."""
-        entry = self._offers.get(offer.token)
-        if entry is not None:
-            entry.owner = owner
+        for token in (offer.token, *offer.more):
+            entry = self._offers.get(token)
+            if entry is not None:
+                entry.owner = owner
 
     def revoke(self, offer: proto.DataOffer | None) -> None:
-        """The session ended before its stream came: the token is good for nothing."""
+        """The session ended: its tokens not used yet are good for nothing."""
         if offer is not None:
-            self._offers.pop(offer.token, None)
+            for token in (offer.token, *offer.more):
+                self._offers.pop(token, None)
 
     def pending(self) -> int:
         """Streams accepted and waiting for their preface (for tests and stats)."""
@@ -171,7 +179,8 @@ class DataListener:
         token = proto.token_of(bytes(p.data))
         offer = None if token is None else self._offers.pop(token, None)
         owner = None if offer is None else offer.owner
-        if offer is None or owner is None or now >= offer.expires or not owner.wants_stream():
+        if offer is None or owner is None or now >= offer.expires or \
+                not owner.wants_stream(offer.index):
             why = ("not a p2pkv data stream" if token is None
                    else "an unknown, used or expired token")
             self._drop_pending(p, why)
@@ -186,7 +195,7 @@ class DataListener:
                               f"the data stream failed as it was bound: {exc}")
             return
         self._counters.add(Count.DATA_STREAMS_BOUND)
-        owner.bind_stream(BoundStream(self._reactor, p.sock, owner))
+        owner.bind_stream(BoundStream(self._reactor, p.sock, owner), offer.index)
 
     def _drop_pending(self, p: _Pending, why: str) -> None:
         self._pending.pop(p.sock, None)

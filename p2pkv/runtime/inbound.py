@@ -136,6 +136,9 @@ class InboundConnection:
         #: accepted, for the fetches that ask for it.
         self.path: ServePath = FramesOut(parts.sender, rid, self.send)
         self._shared: SharedOut | None = None
+        #: Its bound data streams by index (several with tcp-streams-v1); the first one
+        #: bound is the connection's path.
+        self.streams: dict[int, StreamOut] = {}
         self._offer = session.data_offer  # tokens are minted with the session
         if parts.data is not None and self._offer is not None:
             parts.data.own(self._offer, self)
@@ -156,8 +159,9 @@ class InboundConnection:
             self.drop()
             return
         timeout = self._parts.send_timeout
-        for path in (self.path, self._shared):
-            if path is not None and (stalled := path.stalled_for(now)) >= timeout:
+        for path in {id(p): p for p in (self.path, self._shared, *self.streams.values())
+                     if p is not None}.values():
+            if (stalled := path.stalled_for(now)) >= timeout:
                 self._parts.counters.stalled(path.kind)
                 self.stream_lost(proto.Code.PEER_TIMEOUT,
                                  f"{_STALLS[path.kind]} for {stalled:.1f} s (send timeout "
@@ -223,10 +227,12 @@ class InboundConnection:
             self.send([self.session.fail(ev.req, proto.Code.UNAVAILABLE,
                                          "node draining: ask another holder")])
             return
-        # The fetch's path is bound now: every block of it and its done take it.
+        # The fetch's path is bound now: every block of it and its done take it (the
+        # stream it names, tcp-streams-v1, when that one is bound).
         shared = self._shared if self.session.shared_fetch(ev.req) else None
+        path = shared or self.streams.get(ev.stream) or self.path
         self._jobs[ev.req] = Sending(ev.req, tuple(ev.keys), [OUTCOME_FAILED] * len(ev.keys),
-                                     path=shared or self.path)
+                                     path=path)
 
     def _on_abort(self, ev: proto.AbortRequested) -> None:
         job = self._jobs.pop(ev.req, None)
@@ -246,19 +252,24 @@ class InboundConnection:
 
     # -- the data stream (StreamOwner) ---------------------------------------------------
 
-    def wants_stream(self) -> bool:
-        """Whether a stream may bind now: the welcome offered one (tcp-data-v1 was
-        negotiated), the session is ready, and no stream is bound yet."""
-        return (not self.closed and self.path.kind != "stream"
+    def wants_stream(self, index: int) -> bool:
+        """Whether stream ``index`` may bind now: the welcome offered it (tcp-data-v1
+        was negotiated; tcp-streams-v1 for more than one), the session is ready, and
+        that stream is not bound yet."""
+        offer = self.session.data_offer
+        return (not self.closed and index not in self.streams
                 and self.session.state is proto.State.READY
-                and self.session.data_offer is not None)
+                and offer is not None and index <= len(offer.more))
 
-    def bind_stream(self, stream: BoundStream) -> None:
-        """The peer's stream arrived with its token: fetches go out on it from now."""
+    def bind_stream(self, stream: BoundStream, index: int) -> None:
+        """The peer's stream ``index`` arrived with its token: fetches go out on it from
+        now (the first one bound, and any that names it)."""
         sender = self._parts.data_sender
         assert sender is not None  # a stream binds only where the node offers them
-        self.path = StreamOut(sender, stream)
-        log.info("peer %s bound its data stream", self.rid.hex())
+        out = self.streams[index] = StreamOut(sender, stream)
+        if self.path.kind != "stream":
+            self.path = out
+        log.info("peer %s bound its data stream %d", self.rid.hex(), index)
 
     def stream_lost(self, code: int, why: str) -> None:
         """The bound stream ended or failed: the session ends with it (blocks counted
@@ -300,7 +311,7 @@ class InboundConnection:
     def busy(self) -> bool:
         """Whether a fetch of this peer is still being served (or its path still has
         bytes queued)."""
-        return bool(self._jobs) or self.path.busy
+        return bool(self._jobs) or any(s.busy for s in self.streams.values())
 
     def can_send(self) -> bool:
         """Whether a job has blocks left that its credit and its path's room (the pin
@@ -354,6 +365,8 @@ class InboundConnection:
         self._jobs.clear()
         self._on_closed(self)
         self.path.close()  # unpins what it still holds (a stream's queue)
+        for stream in self.streams.values():
+            stream.close()
         if self._shared is not None:
             self._shared.close()  # unpins everything located for the peer
         if self._parts.data is not None:

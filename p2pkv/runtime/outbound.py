@@ -40,6 +40,7 @@ from p2pkv.errors import (
 from p2pkv.identity import IdentityExtension
 from p2pkv.reports import refusal_error, request_error
 from p2pkv.runtime.data_client import DataReceiver, StreamOwner
+from p2pkv.runtime.lanes import open_lanes, siblings
 from p2pkv.runtime.path_choice import PathChoice
 from p2pkv.runtime.paths import HANDLE_PATHS, FramesIn
 from p2pkv.runtime.public import FetchResult, KeyOutcome, PeerHandle, PeerOwner
@@ -213,29 +214,34 @@ class OutboundConnection:
             resolve(fut, FetchResult(keys, tuple(o or KeyOutcome.LANDED for o in outcomes),
                                      {}, 0, 0, 0.0))
             return
-        # One credit budget per peer, shared by all its fetches: it bounds the data
-        # queued towards this node, and so how long a lookup answer can wait behind it.
-        path, session = self._paths.path, self.session
-        window = path.budget.opening_window(self._credit_state(), len(wanted))
-        msg = opened(session, self.address,
-                     lambda: path.open_fetch(session, tuple(keys[i] for i in wanted), window,
-                                             now, deadline), "fetch", deadline)
-        self._fetches[msg.req] = Receiving(msg.req, keys, fut, destinations, now, outcomes,
-                                           wanted, ticket=ticket)
-        ticket.peer_id, ticket.req = self.peer_id, msg.req
-        self._send([msg])
+        session = self.session
+        lanes = open_lanes(session, self._paths.path, keys, wanted, self._credit_state(), now,
+                           deadline, lambda one: opened(session, self.address, one, "fetch",
+                                                        deadline))
+        group: list[Receiving] | None = [] if len(lanes) > 1 else None
+        errors: dict[int, str] = {}  # one for every part
+        for msg, part in lanes:
+            recv = Receiving(msg.req, keys, fut, destinations, now, outcomes, part, errors,
+                             ticket=ticket, group=group)
+            self._fetches[msg.req] = recv
+            if group is not None:
+                group.append(recv)
+        ticket.peer_id, ticket.reqs = self.peer_id, tuple(msg.req for msg, _ in lanes)
+        self._send([msg for msg, _ in lanes])
 
     def abort_fetch(self, ticket: FetchTicket) -> None:
         """The caller cancelled a fetch: tell the peer, give its credit to the others.
         ``ticket.stopped`` is set once the peer confirmed (or nothing can arrive)."""
-        recv = None if ticket.req is None else self._fetches.pop(ticket.req, None)
-        if self.closed or recv is None:
+        running = [r for r in (self._fetches.pop(req, None) for req in ticket.reqs)
+                   if r is not None]
+        if self.closed or not running:
             ticket.stopped.set()  # never sent, or already over
             return
         now = time.monotonic()
-        self._paths.path.cancel(recv.req)
-        self._waiting.aborting[recv.req] = ticket
-        self._send([self.session.abort(recv.req, now)])
+        for recv in running:
+            self._paths.path.cancel(recv.req)
+            self._waiting.aborting[recv.req] = ticket
+            self._send([self.session.abort(recv.req, now)])
         if not self.closed:
             self._refill_credit(now)
 
@@ -428,7 +434,9 @@ class OutboundConnection:
     def _on_fetch_finished(self, ev: proto.FetchFinished, now: float) -> None:
         recv = self._fetches.pop(ev.req, None)
         if recv is not None:
-            resolve(recv.future, self._parts.receiver.finish(recv, ev.outcomes, now))
+            result = self._parts.receiver.finish(recv, ev.outcomes, now)
+            if result is not None:  # a striped fetch is over once its every part is
+                resolve(recv.future, result)
             self._refill_credit(now)  # its budget goes to the others
 
     def _on_abort_acknowledged(self, ev: proto.AbortAcknowledged, now: float) -> None:
@@ -462,8 +470,15 @@ class OutboundConnection:
         self.close(ProtocolError(ev.code, ev.msg))
 
     def _fail_request(self, req: int, exc: P2PKVError) -> None:
-        if self._waiting.fail(req, exc) is not None:
+        recv = self._waiting.fail(req, exc)
+        if recv is not None:
             self._paths.path.cancel(req)  # nothing more of it lands
+            # A striped fetch fails as a whole: its other parts are aborted.
+            for other in siblings(recv):
+                if self._fetches.pop(other.req, None) is not None and not self.closed:
+                    self._paths.path.cancel(other.req)
+                    with contextlib.suppress(ProtocolError):
+                        self._send([self.session.abort(other.req, time.monotonic())])
             self._refill_credit(time.monotonic())  # its budget goes to the others
 
     # -- the end -------------------------------------------------------------------------

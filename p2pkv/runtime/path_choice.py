@@ -18,7 +18,7 @@ import socket
 from collections.abc import Callable
 
 from p2pkv import protocol as proto
-from p2pkv.runtime.data_client import DataReceiver, StreamOwner
+from p2pkv.runtime.data_client import DataReceiver, StreamIn, StreamOwner, Striped
 from p2pkv.runtime.data_dial import StreamDialer
 from p2pkv.runtime.paths import Arrived, FetchPath, FramesIn
 from p2pkv.runtime.reactor import Reactor
@@ -44,10 +44,15 @@ class PathChoice:
         self._data = data
         self._owner = owner
         self._ready = ready
+        self._reactor = reactor
+        self._counters = counters
+        #: How many data streams this node opens to a peer that takes several.
+        self._want = data.streams
         self.frames = frames
         self.shm: SharedIn = shm.link(address, fetch_of)
-        self._dialer = StreamDialer(reactor, counters, address, enabled=data.enabled,
-                                    bound=self._bound, gave_up=ready)
+        self._dialers = [self._dialer_for(0)]
+        self._dialing = 0
+        self._streams: dict[int, StreamIn] = {}
         self._stream: FetchPath | None = None
         #: The data path: frames until the attempts are over and a better one is up.
         self.path: FetchPath = frames
@@ -74,16 +79,44 @@ class PathChoice:
 
     def check(self, now: float) -> None:
         """A data port that does not answer by the deadline: stay on ZeroMQ."""
-        self._dialer.check(now)
+        for dialer in self._dialers:
+            dialer.check(now)
+
+    def _dialer_for(self, index: int) -> StreamDialer:
+        return StreamDialer(self._reactor, self._counters, self._address,
+                            enabled=self._data.enabled, index=index,
+                            bound=lambda sock: self._bound(sock, index),
+                            gave_up=self._one_done)
 
     def _open_stream(self, session: proto.Session, deadline: float) -> None:
-        if not self._dialer.begin(session, deadline):
+        """Dial the first stream, and the further ones both sides take (several with
+        ``tcp-streams-v1``: as many as this node wants and the offer has tokens for)."""
+        offer = session.data_offer
+        if proto.CAP_TCP_STREAMS_V1 in session.capabilities and offer is not None:
+            self._dialers += [self._dialer_for(k)
+                              for k in range(1, min(self._want, 1 + len(offer.more)))]
+        self._dialing = sum(1 for d in self._dialers if d.begin(session, deadline))
+        if not self._dialing:
             self._ready()
 
-    def _bound(self, sock: socket.socket) -> None:
-        self._stream = self._data.stream(self._address, sock, self._owner,
-                                         self._dialer.detail)
-        self._ready()
+    def _bound(self, sock: socket.socket, index: int) -> None:
+        self._streams[index] = self._data.stream(self._address, sock, self._owner,
+                                                 self._dialers[index].detail)
+        self._one_done()
+
+    def _one_done(self) -> None:
+        """One stream bound or given up: ready once none is still being bound."""
+        self._dialing -= 1
+        if self._dialing == 0:
+            streams = self._streams
+            if len(streams) > 1:
+                host = self._dialers[0].detail.rsplit(" to ", 1)[-1]
+                self._stream = Striped(streams, proto.CreditBudget(
+                    self._data.budget.window * len(streams)),
+                    f"{len(streams)} data streams to {host}")
+            elif streams:
+                self._stream = next(iter(streams.values()))
+            self._ready()
 
     # -- chosen --------------------------------------------------------------------------
 
@@ -98,10 +131,10 @@ class PathChoice:
         if self.path is self.shm:
             detail = self.shm.detail
         elif self.path is self._stream:
-            detail = "; ".join(d for d in (self._dialer.detail, why_not_shm) if d)
+            detail = "; ".join(d for d in (self._stream.detail, why_not_shm) if d)
         else:
             detail = "; ".join(d for d in (why_not_shm or self.shm.detail,
-                                           self._dialer.detail) if d)
+                                           self._dialers[0].detail) if d)
         self.path.detail = detail
         return detail
 
@@ -112,7 +145,8 @@ class PathChoice:
 
     def close(self) -> None:
         """The connection ended: every candidate lets go of what it holds."""
-        self._dialer.close()
-        for path in (self.path, self.shm, self._stream):
+        for dialer in self._dialers:
+            dialer.close()
+        for path in (self.path, self.shm, self._stream, *self._streams.values()):
             if path is not None:
                 path.close()

@@ -83,11 +83,14 @@ class FetchPath(Protocol):
     detail: str
     #: How much data the fetches of this connection may have in flight together.
     budget: proto.CreditBudget
+    #: Over how many lanes a caller's fetch is striped (several data streams: one
+    #: protocol fetch per stream; 1 for every other path).
+    lanes: int
 
     def open_fetch(self, session: proto.Session, keys: tuple[bytes, ...], window: int,
-                   now: float, deadline: float) -> proto.Fetch:
-        """Open a fetch in the session, asking for this path (``fetch`` or the shared
-        form); the caller sends the message."""
+                   now: float, deadline: float, lane: int = 0) -> proto.Fetch:
+        """Open a fetch in the session, asking for this path (``fetch``, the shared
+        form, or a fetch naming the stream of ``lane``); the caller sends it."""
 
     def land(self, arrived: proto.DataArrived) -> None:
         """Land the blocks of a message the session accepted (called from inside
@@ -143,6 +146,7 @@ class FramesIn:
     """Blocks in ZeroMQ frames on the connection's DEALER, plain or packed."""
 
     kind = "zmq"
+    lanes = 1
 
     def __init__(self, receiver: Receiver, sock: zmq.Socket[bytes],
                  fetch_of: Callable[[int], Receiving | None], budget: proto.CreditBudget,
@@ -156,7 +160,7 @@ class FramesIn:
         self.detail = ""
 
     def open_fetch(self, session: proto.Session, keys: tuple[bytes, ...], window: int,
-                   now: float, deadline: float) -> proto.Fetch:
+                   now: float, deadline: float, lane: int = 0) -> proto.Fetch:
         return session.fetch(keys, window, now, deadline=deadline)
 
     def land(self, arrived: proto.DataArrived) -> None:

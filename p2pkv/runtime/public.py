@@ -19,7 +19,9 @@ from p2pkv.protocol.codes import (
     CAP_PACKED_V1,
     CAP_SHM_V1,
     CAP_TCP_DATA_V1,
+    CAP_TCP_STREAMS_V1,
     MAX_KEY_HASH_ALGO_LEN,
+    MAX_STREAMS,
 )
 from p2pkv.store import StoreStats
 from p2pkv.transport import CurveKeys, validate_address
@@ -136,6 +138,11 @@ class NodeConfig:
     #: The port this node accepts data streams on (at the host of ``listen``); 0: an
     #: ephemeral port.
     data_port: int = 0
+    #: Data streams per peer (capability tcp-streams-v1, offered when above 1): this
+    #: node opens up to this many to each peer that accepts them, and accepts up to
+    #: this many from each peer; a fetch is striped over them. Clouds cap one TCP flow
+    #: well below the NIC; several streams get past that cap.
+    data_streams: int = 1
 
     def __post_init__(self) -> None:
         validate_address(self.listen, what="listen", option="listen")
@@ -174,6 +181,9 @@ class NodeConfig:
         if type(self.data_port) is not int or not 0 <= self.data_port <= 65535:
             raise ConfigError(f"data_port must be an int in [0, 65535], got "
                               f"{self.data_port!r}")
+        if type(self.data_streams) is not int or not 1 <= self.data_streams <= MAX_STREAMS:
+            raise ConfigError(f"data_streams must be an int in [1, {MAX_STREAMS}], got "
+                              f"{self.data_streams!r}")
 
     @property
     def capabilities(self) -> tuple[str, ...]:
@@ -185,6 +195,8 @@ class NodeConfig:
             caps.append(CAP_PACKED_V1)
         if self.offers_data_channel:
             caps.append(CAP_TCP_DATA_V1)
+            if self.data_streams > 1:
+                caps.append(CAP_TCP_STREAMS_V1)
         return tuple(caps)
 
     @property

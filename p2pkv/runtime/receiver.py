@@ -125,9 +125,10 @@ class Receiver:
                                 "block message carries more frames than announced")
         return landed
 
-    def finish(self, recv: Receiving, wire: Sequence[int], now: float) -> FetchResult:
+    def finish(self, recv: Receiving, wire: Sequence[int], now: float) -> FetchResult | None:
         """The result of a fetch the peer reported done: a key with no outcome yet gets
-        the peer's (missing, or failed with the reason)."""
+        the peer's (missing, or failed with the reason). A part of a striped fetch
+        (p2pkv.runtime.lanes) gives None until it is the last one done."""
         for pos, key_index in enumerate(recv.index_map):
             if recv.outcomes[key_index] is not None:
                 continue
@@ -139,7 +140,13 @@ class Receiver:
                 recv.errors.setdefault(key_index, "peer reported the block as sent but it "
                                        "never arrived" if code == OUTCOME_SENT
                                        else "peer failed to send the block")
+        parts = [recv] if recv.group is None else recv.group
+        if recv.group is not None:
+            recv.done = True
+            if not all(r.done for r in parts):
+                return None
         seconds = now - recv.started
         self._counters.fetch_finished(seconds)
         return FetchResult(recv.keys, tuple(o or KeyOutcome.FAILED for o in recv.outcomes),
-                           dict(recv.errors), recv.blocks, recv.nbytes, seconds)
+                           dict(recv.errors), sum(r.blocks for r in parts),
+                           sum(r.nbytes for r in parts), seconds)

@@ -55,7 +55,7 @@ class Server:
         """How many peers have a bound data stream (any thread, for stats)."""
         with self._lock:
             peers = list(self._inbound.values())
-        return sum(1 for i in peers if i.path.kind == "stream")
+        return sum(1 for i in peers if i.streams)
 
     # -- reading -------------------------------------------------------------------------
 

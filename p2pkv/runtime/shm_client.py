@@ -63,6 +63,7 @@ class SharedIn:
     """
 
     kind = "shm"
+    lanes = 1
 
     def __init__(self, parts: SharedReceiver, address: str,
                  fetch_of: Callable[[int], Receiving | None]) -> None:
@@ -126,7 +127,7 @@ class SharedIn:
     # -- the data path -------------------------------------------------------------------
 
     def open_fetch(self, session: proto.Session, keys: tuple[bytes, ...], window: int,
-                   now: float, deadline: float) -> proto.Fetch:
+                   now: float, deadline: float, lane: int = 0) -> proto.Fetch:
         return session.fetch_shared(keys, window, now, deadline=deadline)
 
     def land(self, arrived: proto.DataArrived) -> None:

@@ -35,15 +35,16 @@ class FetchTicket:
     connection or the node ended (nothing more can arrive at all).
     """
 
-    __slots__ = ("cancelled", "lock", "peer_id", "req", "stopped")
+    __slots__ = ("cancelled", "lock", "peer_id", "reqs", "stopped")
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.cancelled = False
         self.stopped = threading.Event()
-        #: Set by the IO thread once the fetch went out (its connection and request id).
+        #: Set by the IO thread once the fetch went out (its connection, and the request
+        #: ids it went out as: one per lane, see p2pkv.runtime.lanes).
         self.peer_id = 0
-        self.req: int | None = None
+        self.reqs: tuple[int, ...] = ()
 
     def cancel(self) -> None:
         """Waits for a landing in progress to finish; none starts after it returns."""
@@ -66,6 +67,11 @@ class Receiving:
     blocks: int = 0
     nbytes: int = 0
     ticket: FetchTicket | None = None
+    #: Every protocol fetch of the same caller's fetch, when it was striped over
+    #: several lanes (they share ``future``, ``outcomes`` and ``errors``).
+    group: list[Receiving] | None = None
+    #: Whether the peer reported this part done (a striped fetch's parts).
+    done: bool = False
 
 
 @dataclass(eq=False)
@@ -126,9 +132,10 @@ class Waiting:
                 fut.set_result(list(hits))
 
     def confirmed(self, req: int) -> None:
-        """The peer acknowledged the abort of ``req``: its caller stops waiting."""
+        """The peer acknowledged the abort of ``req``: its caller stops waiting once
+        every request its fetch went out as is confirmed."""
         ticket = self.aborting.pop(req, None)
-        if ticket is not None:
+        if ticket is not None and not any(t is ticket for t in self.aborting.values()):
             ticket.stopped.set()
 
     def fail(self, req: int, exc: BaseException) -> Receiving | None:

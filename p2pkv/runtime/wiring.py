@@ -134,7 +134,8 @@ def wire(config: NodeConfig, hello: proto.Hello, store: BlockStore, owner: PeerO
         new_session=lambda now: proto.Session(
             proto.Role.SERVER, hello, deadlines=deadlines, limits=limits, now=now,
             identity_policy=config.identity_policy, shm_offer=shm_sender.offer,
-            data_offer=None if listener is None else listener.offer(cport, now)),
+            data_offer=None if listener is None else listener.offer(
+                cport, now, config.data_streams)),
         max_peers=config.max_peers)
 
     # The fetching side: every way of landing settles through one Landing.
@@ -152,7 +153,7 @@ def wire(config: NodeConfig, hello: proto.Hello, store: BlockStore, owner: PeerO
                            enabled=config.shm),
         data=DataReceiver(reactor, landing, segments, counters,
                           proto.CreditBudget(proto.stream_window(window)),
-                          enabled=config.offers_data_channel),
+                          enabled=config.offers_data_channel, streams=config.data_streams),
         budget=proto.CreditBudget(window),
         counters=counters,
         curve=config.curve is not None, bytes_per_block=bpb),

@@ -84,8 +84,11 @@ def expected(wire: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     if wire["t"] in ("hello", "welcome"):
         fields.setdefault("shm", None)  # shm-v1 (section 16): no segment offered
         fields.setdefault("data", None)  # tcp-data-v1 (section 18): no stream offered
+        if isinstance(fields["data"], dict):  # tcp-streams-v1 (18.6): one stream
+            fields["data"] = {**fields["data"], "more": fields["data"].get("more", [])}
     if wire["t"] == "fetch":
         fields.setdefault("shm", False)  # shm-v1: absent = served with block messages
+        fields.setdefault("stream", 0)  # tcp-streams-v1: absent = the first stream
     fields.update(overrides)
     return {"type": wire["t"], "fields": jsonable(fields)}
 
@@ -757,6 +760,23 @@ def datachannel_vectors() -> dict[str, Any]:
     bad("welcome_data_not_a_map", {**w, "data": [40123]}, WRONG_TYPE)
     bad("hello_data_without_token", {**hello, "data": {"port": 1, "cport": 2}},
         MISSING_FIELD)
+
+    # tcp-streams-v1 (SPEC 18.6): further streams' tokens, and a fetch naming its stream.
+    more = [bytes([0xB0 + k]) * 16 for k in range(3)]
+    ws = greeting("welcome", "node-b", V2_RC, V2_FP, [49152] * 12, minor=2,
+                  caps=[CHECKSUM, "packed-v1", "tcp-data-v1", "tcp-streams-v1"],
+                  data={**offer, "more": more})
+    add("welcome_offers_four_streams", ws, expected(ws, limits=None, v=1))
+    fs = {"t": "fetch", "v": 1, "req": 9, "keys": [bytes(16)], "window": 4, "stream": 3}
+    add("fetch_on_stream_3", fs, expected(fs))
+    bad("welcome_data_more_not_an_array", {**ws, "data": {**offer, "more": more[0]}},
+        WRONG_TYPE)
+    bad("welcome_data_more_token_short", {**ws, "data": {**offer, "more": [more[0][:15]]}},
+        OUT_OF_BOUNDS)
+    bad("welcome_data_more_eight_tokens", {**ws, "data": {**offer, "more": more * 3}},
+        OUT_OF_BOUNDS)
+    bad("fetch_stream_8", {**fs, "stream": 8}, OUT_OF_BOUNDS)
+    bad("fetch_stream_negative", {**fs, "stream": -1}, OUT_OF_BOUNDS)
 
     # Stream bytes (SPEC 18.2, 18.3), written out by hand.
     magic = b"P2PKVDC1"
