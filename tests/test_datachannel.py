@@ -146,7 +146,10 @@ def test_a_peer_without_the_capability_gets_the_zeromq_path(off: str,
     assert (producer.stats().data_port is None) == (off == "producer")
 
 
-def test_curve_nodes_never_offer_a_data_stream(made: list[Any]) -> None:
+def test_curve_nodes_never_offer_a_plaintext_stream(made: list[Any]) -> None:
+    """Under CURVE a stream is never weaker than the connection: tcp-data-v1 is not
+    offered; the encrypted form is (tests/test_tls_stream.py), or nothing at all when
+    the data channel is off."""
     import zmq
 
     from p2pkv.transport import CurveKeys
@@ -155,10 +158,11 @@ def test_curve_nodes_never_offer_a_data_stream(made: list[Any]) -> None:
         pytest.skip("libzmq without CURVE")
     spub, ssec = zmq.curve_keypair()
     cpub, csec = zmq.curve_keypair()
-    producer = node(SEED_V2, curve=CurveKeys(spub, ssec))
+    producer = node(SEED_V2, curve=CurveKeys(spub, ssec), data_channel=False)
     consumer = node(SEED_V2, curve=CurveKeys(cpub, csec, spub))
     made += [producer, consumer]
-    assert proto.CAP_TCP_DATA_V1 not in producer.hello.caps
+    assert proto.CAP_TCP_DATA_V1 not in consumer.hello.caps
+    assert proto.CAP_TCP_DATA_TLS_V1 in consumer.hello.caps
     assert producer.stats().data_port is None
     keys = fill(producer, 6)
     peer = consumer.connect(producer.address)

@@ -318,6 +318,28 @@ def _other_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase
                          "curve_cpu_s_per_gb": res["b_cpu_s_per_gb"]}))
         except BenchError as exc:
             rows.append(error_row("CURVE encryption", "fetch GB/s", "(info)", exc))
+        # The encrypted data stream (tcp-data-tls-v1: TLS 1.3 beside CurveZMQ) against
+        # the plaintext one.
+        name = f"CURVE + TLS data stream, {seed.label}, vs plaintext stream"
+        try:
+            rounds = rounds_for(plan.bulk_bytes, seed_bytes)
+            res = bulk_pair("tls", rounds, seed_bytes,
+                            (node, f"{DATA_CHANNEL_PREFIX}{seed.name}"),
+                            (node, "seed-v2-curve-tls"), pids_a=node_pids, pids_b=node_pids)
+            ratio = ratio_of(res["b_gbps"], res["a_gbps"])
+            rows.append(Row(
+                name, "fetch GB/s", res["b_gbps"], res["a_gbps"], ratio,
+                ">= 0.6x plaintext stream", ratio is not None and ratio >= 0.6,
+                res["a_verified"] and res["b_verified"],
+                baseline_kind="p2pkv, plaintext data stream",
+                details={"rounds": rounds, "bytes_per_side": res["b_bytes"],
+                         "spread": spread(res),
+                         "plain_receiver_cpu_s_per_gb": res["a_rx_cpu_s_per_gb"],
+                         "tls_receiver_cpu_s_per_gb": res["b_rx_cpu_s_per_gb"],
+                         "plain_cpu_s_per_gb": res["a_cpu_s_per_gb"],
+                         "tls_cpu_s_per_gb": res["b_cpu_s_per_gb"]}))
+        except BenchError as exc:
+            rows.append(error_row(name, "fetch GB/s", ">= 0.6x plaintext stream", exc))
 
     # -- lookups, idle and during a bulk fetch from the same peer
     for during in (False, True):
@@ -443,6 +465,9 @@ def run_bench(*, quick: bool = False, json_path: str | None = None,
         client_nodes.append(node_spec("seed-v2-curve", seed, blocks[seed.name], curve={
             "public": cpub.decode(), "secret": csec.decode(), "server_key": spub.decode()},
             server="seed-v2-curve"))
+        client_nodes.append(node_spec("seed-v2-curve-tls", seed, blocks[seed.name], curve={
+            "public": cpub.decode(), "secret": csec.decode(), "server_key": spub.decode()},
+            data_channel=True, server="seed-v2-curve"))
     raw_sets = [{"name": c.name, "segments": list(c.segments), "blocks": blocks[c.name]}
                 for c in cases]
 

@@ -22,8 +22,10 @@ __all__ = [
     "CAP_CHECKSUM_XXH3_64",
     "CAP_PACKED_V1",
     "CAP_SHM_V1",
+    "CAP_TCP_DATA_TLS_V1",
     "CAP_TCP_DATA_V1",
     "CAP_TCP_STREAMS_V1",
+    "CERT_PIN_LEN",
     "DATA_TOKEN_LEN",
     "MAX_BLOCKS_PER_MESSAGE",
     "MAX_BLOCK_BYTES",
@@ -130,6 +132,12 @@ CAP_TCP_DATA_V1: Final = "tcp-data-v1"
 """Capability: the server's ``block`` and ``done`` messages travel on a plain TCP stream
 beside the ZeroMQ connection, bound to the session by a token (``welcome.data``,
 SPEC §18)."""
+CAP_TCP_DATA_TLS_V1: Final = "tcp-data-tls-v1"
+"""Capability: the data stream of ``tcp-data-v1`` inside TLS 1.3, its server certificate
+pinned by ``welcome.data.cert`` (offered beside CurveZMQ instead of ``tcp-data-v1``,
+SPEC §18.7)."""
+CERT_PIN_LEN: Final = 32
+"""Bytes of a certificate pin (``welcome.data.cert``): the SHA-256 of the DER certificate."""
 CAP_TCP_STREAMS_V1: Final = "tcp-streams-v1"
 """Capability (with ``tcp-data-v1``): several data streams per session, each bound by a
 token of its own (``welcome.data.more``); a ``fetch`` names the stream it goes on

@@ -30,6 +30,7 @@ from typing import Final
 
 from p2pkv.errors import ProtocolError
 from p2pkv.protocol.codes import (
+    CAP_TCP_DATA_TLS_V1,
     CAP_TCP_DATA_V1,
     DATA_TOKEN_LEN,
     MAX_BLOCKS_PER_MESSAGE,
@@ -128,10 +129,14 @@ def usable_offer(capabilities: Set[str], offer: DataOffer | None,
     and why not. A client that reached the server at another port than the server's
     own endpoint (``cport``) talks to it through a relay or a port forward, which a
     stream opened to the server's data port would bypass: it stays on ZeroMQ."""
-    if CAP_TCP_DATA_V1 not in capabilities:
-        return None, f"the peer does not offer {CAP_TCP_DATA_V1}"
+    tls = CAP_TCP_DATA_TLS_V1 in capabilities
+    if CAP_TCP_DATA_V1 not in capabilities and not tls:
+        return None, (f"the peer does not offer {CAP_TCP_DATA_V1} (nor "
+                      f"{CAP_TCP_DATA_TLS_V1} beside CurveZMQ)")
     if offer is None:
         return None, "the peer's welcome names no data stream"
+    if tls and offer.cert is None:
+        return None, "the peer's welcome pins no certificate for its encrypted stream"
     if offer.cport != dialed_port:
         return None, (f"the peer is reached through a relay (port {dialed_port}, its own "
                       f"endpoint is port {offer.cport}): a stream would bypass it")

@@ -91,6 +91,8 @@ def _e_greeting(msg: Greeting) -> dict[str, Any]:
                                 "cport": msg.data.cport}
         if msg.data.more:  # written only when set: one stream keeps its bytes
             data["more"] = list(msg.data.more)
+        if msg.data.cert is not None:  # likewise (tcp-data-tls-v1)
+            data["cert"] = msg.data.cert
         out["data"] = data
     return out
 

@@ -16,6 +16,7 @@ from p2pkv.errors import ProtocolError
 from p2pkv.identity import EXTENSION_FIELDS, IdentityExtension
 from p2pkv.keys import find_bad_key
 from p2pkv.protocol.codes import (
+    CERT_PIN_LEN,
     DATA_TOKEN_LEN,
     MAX_BLOCK_BYTES,
     MAX_CAP_LEN,
@@ -284,8 +285,14 @@ def data_offer(value: object) -> DataOffer | None:
             raise wrong("data.more[]", "bin", extra)
         if len(extra) != DATA_TOKEN_LEN:
             raise bounds("data.more[]", f"must be {DATA_TOKEN_LEN} bytes, got {len(extra)}")
+    cert = data.get("cert")
+    if cert is not None:
+        if type(cert) is not bytes:
+            raise wrong("data.cert", "bin", cert)
+        if len(cert) != CERT_PIN_LEN:
+            raise bounds("data.cert", f"must be {CERT_PIN_LEN} bytes, got {len(cert)}")
     return DataOffer(integer(data, "port", 1, 65535), token, integer(data, "cport", 1, 65535),
-                     tuple(more))
+                     tuple(more), cert)
 
 
 def nonce(m: dict[Any, Any]) -> bytes:

@@ -17,6 +17,7 @@ from typing import Final
 from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
     CAP_SHM_V1,
+    CAP_TCP_DATA_TLS_V1,
     CAP_TCP_DATA_V1,
     CAP_TCP_STREAMS_V1,
     MAX_KEYS,
@@ -177,8 +178,8 @@ class Machine:
         self.state = State.READY
         if CAP_SHM_V1 not in caps:
             self.offer = None  # a segment is offered only when shm-v1 was negotiated
-        if CAP_TCP_DATA_V1 not in caps:
-            self.data_offer = None  # and a data stream only when tcp-data-v1 was
+        if CAP_TCP_DATA_V1 not in caps and CAP_TCP_DATA_TLS_V1 not in caps:
+            self.data_offer = None  # and a data stream only when one of its forms was
         elif CAP_TCP_STREAMS_V1 not in caps and self.data_offer is not None \
                 and self.data_offer.more:
             # and further streams only when tcp-streams-v1 was too

@@ -147,6 +147,9 @@ class DataOffer:
     #: The tokens of the session's further streams (``tcp-streams-v1``, SPEC §18.6):
     #: stream ``k`` presents ``more[k - 1]``. Empty without the capability.
     more: tuple[bytes, ...] = field(default=(), repr=False)
+    #: The pin of the server's certificate (``tcp-data-tls-v1``, SPEC §18.7): the
+    #: SHA-256 of its DER form; the stream is TLS 1.3 with exactly that certificate.
+    cert: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)

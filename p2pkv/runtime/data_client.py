@@ -33,7 +33,7 @@ from p2pkv.runtime.reactor import Reactor
 from p2pkv.runtime.state import Receiving, writable
 from p2pkv.runtime.stats import RECEIVED, Counters
 from p2pkv.runtime.tuning import READ_BURST_BYTES
-from p2pkv.transport.datachannel import Scatter
+from p2pkv.transport.datachannel import RETRY, Scatter, pending, recvmsg_into
 
 __all__ = ["DataReceiver", "StreamIn", "StreamOwner", "Striped"]
 
@@ -195,15 +195,18 @@ class StreamIn:
     # -- reading -------------------------------------------------------------------------
 
     def _read(self, now: float) -> None:
-        # Bytes read ahead are always handled (the poller cannot know of them); the
-        # socket is read until a burst's worth came in, then the others get a turn.
+        # Bytes read ahead are always handled (the poller cannot know of them), and so
+        # are bytes a TLS stream decrypted already; the socket is read until a burst's
+        # worth came in, then the others get a turn.
         budget = READ_BURST_BYTES
+        sock = self._sock
         while not self._closed:
+            more = budget > 0 or (sock is not None and pending(sock) > 0)
             if self._incoming is None:
-                if self._next_header(now, may_read=budget > 0):
+                if self._next_header(now, may_read=more):
                     continue
                 return
-            if budget <= 0:
+            if not more:
                 return
             got = self._receive()
             if got is None:
@@ -235,7 +238,7 @@ class StreamIn:
         assert sock is not None
         try:
             got = sock.recv_into(memoryview(ahead)[self._a1:])
-        except (BlockingIOError, InterruptedError):
+        except RETRY:
             return False
         if got == 0:
             raise PeerGone(f"{self._address} closed the data stream")
@@ -301,8 +304,8 @@ class StreamIn:
         # The next header may follow only once the skipped bytes end in this call.
         iov = [scratch[:n], tail] if n == inc.skip else [scratch[:n]]
         try:
-            got = sock.recvmsg_into(iov)[0]
-        except (BlockingIOError, InterruptedError):
+            got = recvmsg_into(sock, iov)
+        except RETRY:
             return None
         if got == 0:
             raise PeerGone(f"{self._address} closed the data stream")

@@ -17,13 +17,15 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import ssl
 from collections.abc import Callable
 from enum import Enum
 
 from p2pkv import protocol as proto
 from p2pkv.runtime.reactor import Reactor
 from p2pkv.runtime.stats import Count, Counters
-from p2pkv.transport.datachannel import connect_error, dial, host_of, port_of
+from p2pkv.transport.datachannel import RETRY, connect_error, dial, host_of, port_of
+from p2pkv.transport.tls import client_context, pin_matches
 
 __all__ = ["StreamDialer"]
 
@@ -32,8 +34,10 @@ log = logging.getLogger("p2pkv.node")
 
 class _State(Enum):
     OFF = "off"
-    DIALING = "dialing"
-    AWAITING = "awaiting"
+    DIALING = "dialing"  # TCP connecting
+    SHAKING = "shaking"  # the TLS handshake (tcp-data-tls-v1)
+    SENDING = "sending"  # the preface
+    AWAITING = "awaiting"  # the answer
     DONE = "done"
 
 
@@ -61,13 +65,16 @@ class StreamDialer:
         self._deadline = 0.0
         self._out = b""
         self._answer = bytearray()
+        #: The certificate pin when the stream is TLS (tcp-data-tls-v1), else None.
+        self._pin: bytes | None = None
         #: The stream used, or why there is none.
         self.detail = ""
 
     @property
     def pending(self) -> bool:
         """Whether the connection still waits for the stream's verdict."""
-        return self._state in (_State.DIALING, _State.AWAITING)
+        return self._state in (_State.DIALING, _State.SHAKING, _State.SENDING,
+                               _State.AWAITING)
 
     def begin(self, session: proto.Session, deadline: float) -> bool:
         """Right after the handshake: True while a stream is being opened (``bound`` or
@@ -93,10 +100,12 @@ class StreamDialer:
         self._deadline = deadline
         self._out = proto.preface(offer.token if self.index == 0
                                   else offer.more[self.index - 1])
+        if proto.CAP_TCP_DATA_TLS_V1 in session.capabilities:
+            self._pin = offer.cert
         self._state = _State.DIALING
-        self.detail = f"data stream to {host}:{offer.port}"
-        if self.index:
-            self.detail = f"data stream {self.index} to {host}:{offer.port}"
+        which = f"data stream {self.index}" if self.index else "data stream"
+        tls = ", TLS 1.3, its certificate pinned" if self._pin is not None else ""
+        self.detail = f"{which} to {host}:{offer.port}{tls}"
         self._reactor.register(sock, self._on_event, writable=True)
         return True
 
@@ -112,9 +121,14 @@ class StreamDialer:
 
     def _on_event(self, now: float) -> None:
         try:
-            if self._state is _State.DIALING:
+            state = self._state
+            if state is _State.DIALING:
+                self._connected()
+            elif state is _State.SHAKING:
+                self._handshake()
+            elif state is _State.SENDING:
                 self._send_preface()
-            elif self._state is _State.AWAITING:
+            elif state is _State.AWAITING:
                 self._read_answer()
         except Exception as exc:
             # A bug must cost the stream, never the node (or its IO thread).
@@ -122,16 +136,56 @@ class StreamDialer:
             if self.pending:
                 self._give_up(f"internal error while binding the data stream: {exc!r}")
 
-    def _send_preface(self) -> None:
+    def _connected(self) -> None:
+        """The TCP connection is up (or failed): the TLS handshake, else the preface."""
         sock = self._sock
         assert sock is not None
         err = connect_error(sock)
         if err:
             self._give_up(f"cannot open the data stream: {errno.errorcode.get(err, err)}")
             return
+        if self._pin is None:
+            self._state = _State.SENDING
+            self._send_preface()
+            return
+        self._reactor.unregister(sock)
+        self._sock = client_context().wrap_socket(sock, server_side=False,
+                                                  do_handshake_on_connect=False)
+        self._reactor.register(self._sock, self._on_event, writable=True)
+        self._state = _State.SHAKING
+        self._handshake()
+
+    def _handshake(self) -> None:
+        """TLS 1.3 with the server, which must present the certificate the welcome
+        pinned (else a man in the middle, or another server, answers: no stream)."""
+        sock = self._sock
+        assert isinstance(sock, ssl.SSLSocket) and self._pin is not None
+        try:
+            sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._reactor.watch_writable(sock, False)
+            return
+        except ssl.SSLWantWriteError:
+            self._reactor.watch_writable(sock, True)
+            return
+        except OSError as exc:
+            self._give_up(f"the data stream's TLS handshake failed: {exc}")
+            return
+        if not pin_matches(sock, self._pin):
+            self._counters.add(Count.DATA_PINS_REFUSED)
+            self._give_up("the data port's certificate is not the one the welcome pinned "
+                          "(another server, or a man in the middle, answered)")
+            return
+        self._state = _State.SENDING
+        self._reactor.watch_writable(sock, True)
+        self._send_preface()
+
+    def _send_preface(self) -> None:
+        sock = self._sock
+        assert sock is not None
         try:
             sent = sock.send(self._out)
-        except (BlockingIOError, InterruptedError):
+        except RETRY:
             return
         except OSError as exc:
             self._give_up(f"cannot open the data stream: {exc}")
@@ -148,7 +202,7 @@ class StreamDialer:
         want = len(proto.ACCEPTED) - len(self._answer)
         try:
             got = sock.recv(want)
-        except (BlockingIOError, InterruptedError):
+        except RETRY:
             return
         except OSError as exc:
             self._give_up(f"the data stream failed before it was bound: {exc}")

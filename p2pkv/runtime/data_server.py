@@ -23,6 +23,7 @@ import contextlib
 import logging
 import secrets
 import socket
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Protocol
@@ -34,7 +35,8 @@ from p2pkv.runtime.sender import pin_next_batch
 from p2pkv.runtime.state import Sending
 from p2pkv.runtime.stats import SENT, Count, Counters
 from p2pkv.store import BlockReader, BlockStore
-from p2pkv.transport.datachannel import Gather, tune
+from p2pkv.transport.datachannel import RETRY, Gather, tune
+from p2pkv.transport.tls import ServerTLS
 
 __all__ = ["BoundStream", "DataListener", "DataSender", "StreamOut", "StreamOwner"]
 
@@ -76,18 +78,24 @@ class _Pending:
     sock: socket.socket
     deadline: float
     data: bytearray
+    #: Whether its TLS handshake is over (always, for a plain stream).
+    shaken: bool = True
 
 
 class DataListener:
     """The node's data port (one listening socket) and the tokens it honours.
 
     ``timeout``: how long a token waits for its stream, and a new stream for its
-    preface (the handshake deadline). At most ``max_pending`` streams may be waiting for
-    their preface at once; more are closed at once.
+    preface (the handshake deadline, its TLS handshake included). At most
+    ``max_pending`` streams may be waiting for their preface at once; more are closed at
+    once. ``tls``: the node's TLS identity when its streams are encrypted
+    (``tcp-data-tls-v1``, SPEC §18.7): every stream is then TLS 1.3 before its preface,
+    and every offer pins the certificate.
     """
 
     def __init__(self, reactor: Reactor, sock: socket.socket, counters: Counters, *,
-                 timeout: float, max_pending: int) -> None:
+                 timeout: float, max_pending: int, tls: ServerTLS | None = None) -> None:
+        self._tls = tls
         self._reactor = reactor
         self._sock = sock
         self._counters = counters
@@ -109,7 +117,8 @@ class DataListener:
         tokens = [secrets.token_bytes(DATA_TOKEN_LEN) for _ in range(streams)]
         for index, token in enumerate(tokens):
             self._offers[token] = _Offer(now + self._timeout, index)
-        return proto.DataOffer(self.port, tokens[0], cport, tuple(tokens[1:]))
+        return proto.DataOffer(self.port, tokens[0], cport, tuple(tokens[1:]),
+                               None if self._tls is None else self._tls.pin)
 
     def own(self, offer: proto.DataOffer, owner: StreamOwner) -> None:
         """The session ``offer`` was made for."""
@@ -134,7 +143,7 @@ class DataListener:
         for _ in range(_ACCEPTS_PER_TURN):
             try:
                 sock, _ = self._sock.accept()
-            except (BlockingIOError, InterruptedError):
+            except RETRY:
                 return
             except OSError as exc:  # out of descriptors, for instance: try next turn
                 log.warning("data port: accept failed: %s", exc)
@@ -144,10 +153,14 @@ class DataListener:
                 continue
             try:
                 tune(sock)
+                if self._tls is not None:
+                    sock = self._tls.context.wrap_socket(sock, server_side=True,
+                                                         do_handshake_on_connect=False)
             except OSError:
                 sock.close()
                 continue
-            pending = _Pending(sock, now + self._timeout, bytearray())
+            pending = _Pending(sock, now + self._timeout, bytearray(),
+                               shaken=self._tls is None)
             self._pending[sock] = pending
             self._reactor.register(sock, self._preface_reader(pending))
 
@@ -163,10 +176,29 @@ class DataListener:
             if p.sock in self._pending:
                 self._drop_pending(p, "internal error")
 
+    def _handshake(self, p: _Pending) -> bool:
+        """Go on with a TLS stream's handshake; True once it is over."""
+        try:
+            p.sock.do_handshake()  # type: ignore[attr-defined]
+        except ssl.SSLWantReadError:
+            self._reactor.watch_writable(p.sock, False)
+            return False
+        except ssl.SSLWantWriteError:
+            self._reactor.watch_writable(p.sock, True)
+            return False
+        except OSError as exc:  # not TLS, or not TLS 1.3: like a bad preface
+            self._drop_pending(p, f"no TLS 1.3 handshake: {exc}")
+            return False
+        p.shaken = True
+        self._reactor.watch_writable(p.sock, False)
+        return True
+
     def _bind(self, p: _Pending, now: float) -> None:
+        if not p.shaken and not self._handshake(p):
+            return
         try:
             chunk = p.sock.recv(proto.PREFACE_BYTES - len(p.data))
-        except (BlockingIOError, InterruptedError):
+        except RETRY:
             return
         except OSError:
             chunk = b""
@@ -323,7 +355,7 @@ class BoundStream:
     def _read_or_write(self) -> None:
         try:
             data = self._sock.recv(1)
-        except (BlockingIOError, InterruptedError):
+        except RETRY:
             self.flush()
             return
         except OSError as exc:

@@ -18,6 +18,7 @@ from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
     CAP_PACKED_V1,
     CAP_SHM_V1,
+    CAP_TCP_DATA_TLS_V1,
     CAP_TCP_DATA_V1,
     CAP_TCP_STREAMS_V1,
     MAX_KEY_HASH_ALGO_LEN,
@@ -131,9 +132,11 @@ class NodeConfig:
     #: Capability packed-v1: blocks whose segments are all small travel as one payload
     #: frame per message between peers that both offer it (False: never offer it).
     packed_blocks: bool = True
-    #: Capability tcp-data-v1: block bytes travel on a plain TCP stream beside the
-    #: ZeroMQ connection, bound to the session by a token, between peers that both
-    #: offer it. Never offered under CURVE (the stream is not encrypted).
+    #: The data channel: block bytes travel on a TCP stream beside the ZeroMQ
+    #: connection, bound to the session by a token, between peers that both offer it:
+    #: plain (capability tcp-data-v1), or under CURVE inside TLS 1.3 with a certificate
+    #: pinned by the encrypted welcome (tcp-data-tls-v1), never weaker than the
+    #: connection it sits beside.
     data_channel: bool = True
     #: The port this node accepts data streams on (at the host of ``listen``); 0: an
     #: ephemeral port.
@@ -194,16 +197,22 @@ class NodeConfig:
         if self.packed_blocks:
             caps.append(CAP_PACKED_V1)
         if self.offers_data_channel:
-            caps.append(CAP_TCP_DATA_V1)
+            caps.append(CAP_TCP_DATA_TLS_V1 if self.encrypts_data_stream else CAP_TCP_DATA_V1)
             if self.data_streams > 1:
                 caps.append(CAP_TCP_STREAMS_V1)
         return tuple(caps)
 
     @property
     def offers_data_channel(self) -> bool:
-        """Whether this node offers ``tcp-data-v1``: asked for, and not under CURVE (a
-        data stream is never weaker than the ZeroMQ connection it sits beside)."""
-        return self.data_channel and self.curve is None
+        """Whether this node offers a data stream (in one of its two forms)."""
+        return self.data_channel
+
+    @property
+    def encrypts_data_stream(self) -> bool:
+        """Whether its data streams are TLS (``tcp-data-tls-v1``): under CURVE, whose
+        connections a plain stream would be weaker than; plain ``tcp-data-v1`` is then
+        never offered."""
+        return self.curve is not None
 
 
 class PeerOwner(Protocol):
@@ -313,6 +322,9 @@ class NodeStats:
     data_streams_refused: int = 0
     #: Connections that negotiated tcp-data-v1 but stayed on ZeroMQ.
     data_fallbacks: int = 0
+    #: Encrypted data streams (tcp-data-tls-v1) this node would not open because the
+    #: data port's certificate was not the one the welcome pinned (also fallbacks).
+    data_pins_refused: int = 0
     #: What each data path moved, by kind: "zmq" (frames), "packed" (packed-v1),
     #: "shm" (shm-v1) and "stream" (tcp-data-v1); every kind is present.
     paths: dict[str, PathStats] = field(default_factory=dict)

@@ -51,6 +51,7 @@ class Count(Enum):
     DATA_STREAMS_REFUSED = "data_streams_refused"
     DATA_STREAMS_OPENED = "data_streams_opened"
     DATA_FALLBACKS = "data_fallbacks"
+    DATA_PINS_REFUSED = "data_pins_refused"
 
 
 class ShmFallback(Enum):

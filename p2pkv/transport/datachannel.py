@@ -14,6 +14,7 @@ import collections
 import contextlib
 import errno
 import socket
+import ssl
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -21,6 +22,7 @@ from p2pkv.errors import ConfigError
 
 __all__ = [
     "IOV_MAX",
+    "RETRY",
     "SOCKET_BUFFER",
     "Gather",
     "Scatter",
@@ -28,7 +30,10 @@ __all__ = [
     "dial",
     "host_of",
     "listen",
+    "pending",
     "port_of",
+    "recvmsg_into",
+    "sendmsg",
     "tune",
 ]
 
@@ -37,7 +42,66 @@ IOV_MAX: Final = 1000
 SOCKET_BUFFER: Final = 4 << 20
 """SO_SNDBUF / SO_RCVBUF of every data stream (the kernel-ceiling benchmark's too)."""
 
-_RETRY: Final = (BlockingIOError, InterruptedError)
+RETRY: Final = (BlockingIOError, InterruptedError, ssl.SSLWantReadError,
+                ssl.SSLWantWriteError)
+"""What a non-blocking stream raises when it cannot move bytes now (TLS included)."""
+_RETRY: Final = RETRY
+
+_TLS_WRITE: Final = 256 << 10
+"""Bytes one TLS write takes at most: a write that must be retried is retried with the
+same bytes (OpenSSL's rule), so each is a fixed slice of the buffer."""
+
+
+def pending(sock: socket.socket) -> int:
+    """Bytes a TLS stream holds decrypted already (the poller cannot see them); 0 for a
+    plain stream."""
+    return sock.pending() if isinstance(sock, ssl.SSLSocket) else 0
+
+
+def sendmsg(sock: socket.socket, iov: Sequence[memoryview]) -> int:
+    """Write ``iov`` in order as far as the socket takes it: one ``sendmsg`` on a plain
+    stream; TLS records one buffer after the other on a TLS stream (whose sockets have
+    no ``sendmsg``). Raises :data:`RETRY` when nothing could be written."""
+    if not isinstance(sock, ssl.SSLSocket):
+        return sock.sendmsg(iov, (), socket.MSG_NOSIGNAL)
+    sent = 0
+    for view in iov:
+        while view.nbytes:
+            part = view[:_TLS_WRITE]
+            try:
+                n = sock.send(part)
+            except RETRY:
+                if sent:
+                    return sent
+                raise
+            sent += n
+            if n < part.nbytes:
+                return sent
+            view = view[n:]
+    return sent
+
+
+def recvmsg_into(sock: socket.socket, iov: Sequence[memoryview]) -> int:
+    """Fill ``iov`` in order with what the socket holds: one ``recvmsg_into`` on a plain
+    stream; on a TLS stream, TLS records decrypted straight into the buffers one after
+    the other (no copy either way). 0: the peer closed the stream. Raises :data:`RETRY`
+    when nothing is there now."""
+    if not isinstance(sock, ssl.SSLSocket):
+        return sock.recvmsg_into(iov)[0]
+    got = 0
+    for view in iov:
+        while view.nbytes:
+            try:
+                n = sock.recv_into(view)
+            except RETRY:
+                if got:
+                    return got
+                raise
+            if n == 0:
+                return got
+            got += n
+            view = view[n:]
+    return got
 
 
 def host_of(address: str) -> str:
@@ -142,7 +206,7 @@ class Gather:
                 if len(iov) >= IOV_MAX:
                     break
             try:
-                sent = self._sock.sendmsg(iov, (), socket.MSG_NOSIGNAL)
+                sent = sendmsg(self._sock, iov)
             except _RETRY:
                 return False
             self.queued_bytes -= sent
@@ -221,7 +285,7 @@ class Scatter:
         if tail is not None and self._at + len(iov) >= len(views):
             iov.append(tail)
         try:
-            got = sock.recvmsg_into(iov)[0]
+            got = recvmsg_into(sock, iov)
         except _RETRY:
             return None
         rest = self.total - self.filled

@@ -84,8 +84,9 @@ def expected(wire: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     if wire["t"] in ("hello", "welcome"):
         fields.setdefault("shm", None)  # shm-v1 (section 16): no segment offered
         fields.setdefault("data", None)  # tcp-data-v1 (section 18): no stream offered
-        if isinstance(fields["data"], dict):  # tcp-streams-v1 (18.6): one stream
-            fields["data"] = {**fields["data"], "more": fields["data"].get("more", [])}
+        if isinstance(fields["data"], dict):  # 18.6: one stream; 18.7: no pin
+            fields["data"] = {**fields["data"], "more": fields["data"].get("more", []),
+                              "cert": fields["data"].get("cert")}
     if wire["t"] == "fetch":
         fields.setdefault("shm", False)  # shm-v1: absent = served with block messages
         fields.setdefault("stream", 0)  # tcp-streams-v1: absent = the first stream
@@ -775,6 +776,13 @@ def datachannel_vectors() -> dict[str, Any]:
         OUT_OF_BOUNDS)
     bad("welcome_data_more_eight_tokens", {**ws, "data": {**offer, "more": more * 3}},
         OUT_OF_BOUNDS)
+    # tcp-data-tls-v1 (SPEC 18.7): the certificate pin.
+    pin = bytes(range(0xC0, 0xE0))
+    wt = greeting("welcome", "node-b", V2_RC, V2_FP, [49152] * 12, minor=2,
+                  caps=[CHECKSUM, "packed-v1", "tcp-data-tls-v1"], data={**offer, "cert": pin})
+    add("welcome_offers_tls_stream", wt, expected(wt, limits=None, v=1))
+    bad("welcome_data_cert_short", {**wt, "data": {**offer, "cert": pin[:31]}}, OUT_OF_BOUNDS)
+    bad("welcome_data_cert_str", {**wt, "data": {**offer, "cert": "a" * 32}}, WRONG_TYPE)
     bad("fetch_stream_8", {**fs, "stream": 8}, OUT_OF_BOUNDS)
     bad("fetch_stream_negative", {**fs, "stream": -1}, OUT_OF_BOUNDS)
 
