@@ -151,6 +151,19 @@ _DECLINED: Final = frozenset({proto.Code.OUT_OF_BOUNDS, proto.Code.TOO_MANY_IN_F
 """Codes of a request the peer turned down; the connection stays up."""
 
 
+def timeout_error(address: str, ev: proto.RequestTimedOut, blocks: int | None) -> PeerTimeout:
+    """The error of a request its session timed out: its caller's deadline for the whole
+    request (``ev.overall``; ``blocks``: a fetch's keys, None for a lookup) or its
+    progress deadline."""
+    if not ev.overall:
+        return PeerTimeout(f"{address} made no progress on request {ev.req} ({ev.kind}) "
+                           "within its deadline")
+    if blocks is not None:
+        return PeerTimeout(f"fetch of {blocks} blocks from {address} did not finish within "
+                           "its deadline")
+    return PeerTimeout(f"{ev.kind} on {address} not answered within its deadline")
+
+
 def request_error(address: str, ev: proto.RequestFailed) -> P2PKVError:
     """The typed error for a request the session failed, chosen by its code."""
     text = f"{address}: request {ev.req} failed: {ev.msg} [{proto.code_name(ev.code)}]"

@@ -218,8 +218,9 @@ OPTIONS: tuple[Option, ...] = (
            "same-host shared memory (shm-v1): the pool lives in /dev/shm and blocks are "
            "copied from same-host peers' pools"),
     Option("data_channel", _bool, True,
-           "offer the data channel (tcp-data-v1): block bytes on a plain TCP stream beside "
-           "the ZeroMQ connection, bound to the session by a token (never under CURVE)"),
+           "offer the data channel: block bytes on a TCP stream beside the ZeroMQ "
+           "connection, bound to the session by a token (tcp-data-v1; under CURVE inside "
+           "TLS 1.3 with a pinned certificate, tcp-data-tls-v1)"),
     Option("data_streams", _int(1, 8), 1,
            "data streams per peer (tcp-streams-v1): this node opens up to N to each "
            "peer and accepts up to N from each; a fetch is striped over them"),

@@ -39,6 +39,7 @@ from p2pkv.bench.data import (
 from p2pkv.bench.node_roles import chunk_keys
 from p2pkv.bench.pairs import bulk_pair, latency_pair, log, rounds_for, spread
 from p2pkv.bench.report import Row, error_row, machine_info, ratio_of, report
+from p2pkv.bench.stream_rows import data_channel_rows, multi_stream_rows
 from p2pkv.bench.worker import Worker
 from p2pkv.layout import Geometry
 
@@ -78,8 +79,8 @@ def node_spec(node_id: str, case: BulkCase, blocks: int, **extra: Any) -> dict[s
 def _bench_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase],
                 blocks: dict[str, int], curve_ok: bool) -> list[Row]:
     rows = _bulk_rows(plan, workers, cases, blocks)
-    rows += _data_channel_rows(plan, workers, cases, blocks)
-    rows += _multi_stream_rows(plan, workers, cases, blocks)
+    rows += data_channel_rows(plan.bulk_bytes, workers, cases, blocks)
+    rows += multi_stream_rows(plan.bulk_bytes, workers, cases, blocks)
     rows += _shm_rows(plan, workers, blocks)
     rows += _other_rows(plan, workers, cases, blocks, curve_ok)
     return rows
@@ -163,83 +164,6 @@ def _kernel_row(plan: Plan, workers: dict[str, Worker], case: BulkCase,
                         "node_verified": res["b_verified"],
                         "node_cpu_s_per_gb": res["b_cpu_s_per_gb"],
                         "kernel_cpu_s_per_gb": res["a_cpu_s_per_gb"]})
-
-
-def _data_channel_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase],
-                       blocks: dict[str, int]) -> list[Row]:
-    """The data channel (tcp-data-v1: plain TCP beside ZeroMQ, sendmsg from the pool,
-    recvmsg_into the slots, checksums on) against the kernel's ceiling, every layout;
-    then, for the seed V1 layout, the same with checksums off (what the checksum costs
-    on this path)."""
-    rows: list[Row] = []
-    kernel, node = workers["kernel-client"], workers["node-client"]
-    kernel_pids = (workers["kernel-server"].pid, kernel.pid)
-    node_pids = (workers["node-server"].pid, node.pid)
-    runs = [(case, f"{DATA_CHANNEL_PREFIX}{case.name}", True) for case in cases]
-    runs += [(c, f"{DATA_CHANNEL_PREFIX}nosum-{c.name}", False) for c in cases
-             if c.name == NOSUM_CASE]
-    for case, client_id, checksums in runs:
-        nbytes = blocks[case.name] * case.bytes_per_block
-        rounds = rounds_for(plan.bulk_bytes, nbytes)
-        target_ratio = KERNEL_TARGETS.get(case.name, 0.9)
-        off = "" if checksums else ", checksums off"
-        name = f"bulk {case.label} on the data channel{off} vs kernel"
-        target = f">= {target_ratio:.1f}x kernel" if checksums else "(info)"
-        try:
-            res = bulk_pair(name, rounds, nbytes, (kernel, case.name), (node, client_id),
-                            pids_a=kernel_pids, pids_b=node_pids)
-        except BenchError as exc:
-            rows.append(error_row(name, "fetch GB/s", target, exc))
-            continue
-        ratio = ratio_of(res["b_gbps"], res["a_gbps"])
-        rows.append(Row(
-            name, "fetch GB/s", res["b_gbps"], res["a_gbps"], ratio, target,
-            (ratio is not None and ratio >= target_ratio) if checksums else None,
-            res["a_verified"] and res["b_verified"], baseline_kind=KERNEL_KIND,
-            details={"rounds": rounds, "bytes_per_side": res["b_bytes"],
-                     "data_path": "tcp-data (tcp-data-v1)", "checksums": checksums,
-                     "value": "median of rounds", "spread": spread(res),
-                     "node_round_gbps": res["b_round_gbps"],
-                     "kernel_round_gbps": res["a_round_gbps"],
-                     "kernel_verified": res["a_verified"],
-                     "node_verified": res["b_verified"],
-                     "node_cpu_s_per_gb": res["b_cpu_s_per_gb"],
-                     "node_receiver_cpu_s_per_gb": res["b_rx_cpu_s_per_gb"],
-                     "kernel_cpu_s_per_gb": res["a_cpu_s_per_gb"],
-                     "kernel_receiver_cpu_s_per_gb": res["a_rx_cpu_s_per_gb"]}))
-    return rows
-
-
-def _multi_stream_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase],
-                       blocks: dict[str, int]) -> list[Row]:
-    """Several data streams per peer (tcp-streams-v1) against one, on loopback, where no
-    flow is capped: N streams must be no slower than one (a capped link, where they are
-    faster, is ``tests/test_streams.py``'s)."""
-    node = workers["node-client"]
-    pids = (workers["node-server"].pid, node.pid)
-    rows: list[Row] = []
-    for case in [c for c in cases if c.name == NOSUM_CASE]:
-        nbytes = blocks[case.name] * case.bytes_per_block
-        rounds = rounds_for(plan.bulk_bytes, nbytes)
-        name = f"bulk {case.label} on {MULTI_STREAMS} data streams vs 1"
-        try:
-            res = bulk_pair(name, rounds, nbytes, (node, f"{DATA_CHANNEL_PREFIX}{case.name}"),
-                            (node, f"{MULTI_PREFIX}{case.name}"), pids_a=pids, pids_b=pids)
-        except BenchError as exc:
-            rows.append(error_row(name, "fetch GB/s", ">= 1.0x one stream", exc))
-            continue
-        ratio = ratio_of(res["b_gbps"], res["a_gbps"])
-        rows.append(Row(
-            name, "fetch GB/s", res["b_gbps"], res["a_gbps"], ratio, ">= 1.0x one stream",
-            ratio is not None and ratio >= 1.0, res["a_verified"] and res["b_verified"],
-            baseline_kind="p2pkv on one data stream",
-            details={"rounds": rounds, "bytes_per_side": res["b_bytes"],
-                     "streams": MULTI_STREAMS, "value": "median of rounds",
-                     "spread": spread(res), "streams_round_gbps": res["b_round_gbps"],
-                     "one_stream_round_gbps": res["a_round_gbps"],
-                     "node_receiver_cpu_s_per_gb": res["b_rx_cpu_s_per_gb"],
-                     "one_stream_receiver_cpu_s_per_gb": res["a_rx_cpu_s_per_gb"]}))
-    return rows
 
 
 def _shm_rows(plan: Plan, workers: dict[str, Worker], blocks: dict[str, int]) -> list[Row]:

@@ -60,6 +60,10 @@ def open_lanes(session: proto.Session, path: FetchPath, keys: Sequence[bytes],
     return out
 
 
-def siblings(recv: Receiving) -> list[Receiving]:
-    """The other parts of ``recv``'s caller's fetch (none when it was not striped)."""
-    return [] if recv.group is None else [r for r in recv.group if r is not recv]
+def siblings(recv: Receiving, running: dict[int, Receiving]) -> list[Receiving]:
+    """The other parts of ``recv``'s caller's fetch that are still ``running``, taken
+    out of it (none when it was not striped): its caller is told once, for all."""
+    if recv.group is None:
+        return []
+    return [r for r in recv.group
+            if r is not recv and running.pop(r.req, None) is not None]

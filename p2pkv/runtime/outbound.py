@@ -38,7 +38,7 @@ from p2pkv.errors import (
     ProtocolError,
 )
 from p2pkv.identity import IdentityExtension
-from p2pkv.reports import refusal_error, request_error
+from p2pkv.reports import refusal_error, request_error, timeout_error
 from p2pkv.runtime.data_client import DataReceiver, StreamOwner
 from p2pkv.runtime.lanes import open_lanes, siblings
 from p2pkv.runtime.path_choice import PathChoice
@@ -447,15 +447,8 @@ class OutboundConnection:
 
     def _on_request_timed_out(self, ev: proto.RequestTimedOut, now: float) -> None:
         recv = self._fetches.get(ev.req)
-        if not ev.overall:
-            why = (f"{self.address} made no progress on request {ev.req} ({ev.kind}) "
-                   "within its deadline")
-        elif recv is not None:
-            why = (f"fetch of {len(recv.keys)} blocks from {self.address} did not finish "
-                   "within its deadline")
-        else:
-            why = f"{ev.kind} on {self.address} not answered within its deadline"
-        self._fail_request(ev.req, PeerTimeout(why))
+        self._fail_request(ev.req, timeout_error(self.address, ev,
+                                                 None if recv is None else len(recv.keys)))
 
     def _on_peer_closed(self, ev: proto.PeerClosed, now: float) -> None:
         if ev.code == proto.Code.TIMEOUT:
@@ -474,11 +467,10 @@ class OutboundConnection:
         if recv is not None:
             self._paths.path.cancel(req)  # nothing more of it lands
             # A striped fetch fails as a whole: its other parts are aborted.
-            for other in siblings(recv):
-                if self._fetches.pop(other.req, None) is not None and not self.closed:
-                    self._paths.path.cancel(other.req)
-                    with contextlib.suppress(ProtocolError):
-                        self._send([self.session.abort(other.req, time.monotonic())])
+            for other in siblings(recv, self._fetches):
+                self._paths.path.cancel(other.req)
+                with contextlib.suppress(ProtocolError):
+                    self._send([self.session.abort(other.req, time.monotonic())])
             self._refill_credit(time.monotonic())  # its budget goes to the others
 
     # -- the end -------------------------------------------------------------------------
