@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Sequence
+from typing import Final
 
 from p2pkv.errors import ConfigError, ProtocolError
 from p2pkv.identity import IDENTITY_POLICIES
@@ -102,6 +103,9 @@ def _check_keys(keys: Sequence[bytes], limit: int) -> tuple[bytes, ...]:
                                f"accepts at most {limit} keys per request; split the "
                                "request", allowed=limit, requested=len(out))
     return check_keys(out, MAX_KEY_LEN)
+
+
+_INT: Final = frozenset({int})
 
 
 def _refused(broken: Broken | None, what: str) -> None:
@@ -380,7 +384,7 @@ class Session(SessionView):
         sums_t = (None,) * n if sums is None else tuple(sums)
         if len(sums_t) != n:
             raise ValueError(f"block: {n} block(s) need {n} sums, got {len(sums_t)}")
-        if not all(type(i) is int for i in idx_t):
+        if not set(map(type, idx_t)) <= _INT:  # what the peer's codec checks of its own
             raise ValueError(f"block: indices must be ints, got {idx_t!r}"[:200])
         msg = Block(req, idx_t, sums_t, tuple(payload), bool(packed))
         # The same rules as a block from the peer (p2pkv.protocol.rules).

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -88,8 +88,7 @@ class Sending:
     path: ServePath | None = None
 
 
-@contextlib.contextmanager
-def writable(recv: Receiving | None, current: Receiving | None) -> Iterator[bool]:
+class writable:  # lower case: it reads as a call, ``with writable(...) as ok``
     """Whether the buffers of fetch ``recv`` may be written now, holding its ticket's
     lock for as long as they are (every data path lands through this).
 
@@ -97,17 +96,25 @@ def writable(recv: Receiving | None, current: Receiving | None) -> Iterator[bool
     that request id, looked up now) is no longer ``recv`` (it finished, timed out or was
     aborted), or when its caller cancelled it: from the moment :meth:`FetchTicket.cancel`
     returns, no byte more reaches its buffers, since a landing in progress holds the
-    lock that cancel waits for.
+    lock that cancel waits for. (A class, not a generator: it runs for every message.)
     """
-    if recv is None or current is not recv:
-        yield False
-        return
-    ticket = recv.ticket
-    if ticket is None:
-        yield True
-        return
-    with ticket.lock:
-        yield not ticket.cancelled
+
+    __slots__ = ("_ok", "_ticket")
+
+    def __init__(self, recv: Receiving | None, current: Receiving | None) -> None:
+        self._ok = recv is not None and current is recv
+        self._ticket = recv.ticket if self._ok and recv is not None else None
+
+    def __enter__(self) -> bool:
+        ticket = self._ticket
+        if ticket is None:
+            return self._ok
+        ticket.lock.acquire()
+        return not ticket.cancelled
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ticket is not None:
+            self._ticket.lock.release()
 
 
 class Waiting:
