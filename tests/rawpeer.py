@@ -536,6 +536,34 @@ class GoodPeer:
         assert rounds >= min_rounds, f"the well-behaved peer ran only {rounds} round(s)"
 
 
+def answer_pings_until_bye(raw: RawPeer, timeout: float) -> tuple[proto.Bye | None, int]:
+    """Read the ZeroMQ side, answering every ping, until a ``bye`` (and how many pings
+    were answered), or None after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    pongs = 0
+    while time.monotonic() < deadline:
+        frames = raw.recv(0.05)
+        if frames is None:
+            continue
+        msg = proto.decode(frames, raw.segments)
+        if type(msg) is proto.Ping:
+            raw.send_msg(proto.Pong(msg.nonce))
+            pongs += 1
+        elif type(msg) is proto.Bye:
+            return msg, pongs
+    return None, pongs
+
+
+def ipv6_loopback() -> bool:
+    """Whether ``::1`` can be bound here."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float, step: float = 0.005) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -29,11 +29,11 @@ import pytest
 from nodeproc import content, fill, keys_for
 from nodeproc import pooled_node as node
 from procs import NodeProcess
-from rawpeer import FakeServer, RawPeer, ThrottlingProxy, wait_until
+from rawpeer import FakeServer, RawPeer, ThrottlingProxy, answer_pings_until_bye, wait_until
 
 from p2pkv import protocol as proto
 from p2pkv.errors import P2PKVError, PeerGone, PeerTimeout, ProtocolError
-from p2pkv.node import KeyOutcome, Node
+from p2pkv.node import KeyOutcome, Node, PeerHandle
 from p2pkv.transport import datachannel as dc
 from p2pkv.transport.datachannel import Gather, Scatter
 
@@ -435,24 +435,6 @@ def test_a_consumer_whose_stream_dies_leaves_no_pin(how: str, made: list[Any]) -
     stream.close()
 
 
-def answer_pings_until_bye(raw: RawPeer, timeout: float) -> tuple[proto.Bye | None, int]:
-    """Read the ZeroMQ side, answering every ping, until a ``bye`` (and how many pings
-    were answered), or None after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    pongs = 0
-    while time.monotonic() < deadline:
-        frames = raw.recv(0.05)
-        if frames is None:
-            continue
-        msg = proto.decode(frames, raw.segments)
-        if type(msg) is proto.Ping:
-            raw.send_msg(proto.Pong(msg.nonce))
-            pongs += 1
-        elif type(msg) is proto.Bye:
-            return msg, pongs
-    return None, pongs
-
-
 def test_a_reader_that_stalls_but_answers_pings_is_cut_at_its_send_deadline(
         made: list[Any]) -> None:
     """A consumer that stops reading its stream but keeps its session alive: the stream
@@ -604,6 +586,17 @@ class _StreamServer:
             self.listener.getsockname()[1], self.token, dc.port_of(self.fake.address)))
         self.address = self.fake.address
 
+    @classmethod
+    def connected(cls, consumer: Node, on_fetch: Any, made: list[Any]) -> PeerHandle:
+        """``consumer`` connected to a new one, its data stream bound."""
+        server = cls(consumer, on_fetch)
+        made.append(server)
+        fut = consumer.connect_async(server.address, timeout=10)
+        server.accept()
+        peer = fut.result(10)
+        assert peer.data_path == "tcp-data"
+        return peer
+
     def accept(self) -> None:
         conn, _ = self.listener.accept()
         conn.settimeout(10)
@@ -649,12 +642,7 @@ def test_a_server_that_breaks_the_stream_fails_the_fetch(fault: str,
         else:
             stream.sendall(_frame({**block, "idx": [0, 9999]}) + b"\1" * (2 * bpb))
 
-    server = _StreamServer(consumer, on_fetch)
-    made.append(server)
-    fut = consumer.connect_async(server.address, timeout=10)
-    server.accept()
-    peer = fut.result(10)
-    assert peer.data_path == "tcp-data"
+    peer = _StreamServer.connected(consumer, on_fetch, made)
     keys = keys_for(4)
     with pytest.raises(P2PKVError):
         consumer.fetch(peer, keys, timeout=10)
@@ -687,12 +675,7 @@ def test_pk_on_the_stream_changes_nothing_but_needs_packed_v1(packed: bool,
                                "sums": sums, "pk": True}) + b"".join(blocks))
         stream.sendall(_frame({"t": "done", "v": 1, "req": msg.req, "outcomes": [0, 0]}))
 
-    server = _StreamServer(consumer, on_fetch)
-    made.append(server)
-    fut = consumer.connect_async(server.address, timeout=10)
-    server.accept()
-    peer = fut.result(10)
-    assert peer.data_path == "tcp-data"
+    peer = _StreamServer.connected(consumer, on_fetch, made)
     assert ("packed-v1" in peer.capabilities) is packed
     if packed:
         result = consumer.fetch(peer, keys, timeout=10)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from nodeproc import content, fill
 from nodeproc import pooled_node as node
-from rawpeer import RawPeer, wait_until
+from rawpeer import RawPeer, answer_pings_until_bye, wait_until
 
 from p2pkv import protocol as proto
 from p2pkv.node import KeyOutcome, Node
@@ -93,14 +93,8 @@ def test_a_frames_reader_that_stalls_but_pings_is_cut_at_its_send_deadline(
     assert stats.peers_in == 0
 
 
-def test_a_shared_memory_reader_that_never_releases_is_cut_at_its_send_deadline(
-        made: list[Any]) -> None:
-    """A same-host consumer that maps the pool and answers pings but never releases a
-    located block: the node ends its session at ``send_timeout``, the ``bye`` says why,
-    and every pin is released."""
-    producer = node({**SEED_V2, "pool": 64}, shm=True, send_timeout=1.0, **HEARTBEAT)
-    made.append(producer)
-    keys = fill(producer, 16)
+def attached(producer: Node, made: list[Any]) -> RawPeer:
+    """A raw client of ``producer`` that proved it maps the producer's pool."""
     raw = RawPeer(producer.address)
     made.append(raw)
     welcome = raw.handshake(producer)
@@ -109,18 +103,20 @@ def test_a_shared_memory_reader_that_never_releases_is_cut_at_its_send_deadline(
     raw.send_msg(proto.Attach(mapping.nonce))
     mapping.close()
     assert raw.expect(proto.Attached).ok
+    return raw
+
+
+def test_a_shared_memory_reader_that_never_releases_is_cut_at_its_send_deadline(
+        made: list[Any]) -> None:
+    """A same-host consumer that maps the pool and answers pings but never releases a
+    located block: the node ends its session at ``send_timeout``, the ``bye`` says why,
+    and every pin is released."""
+    producer = node({**SEED_V2, "pool": 64}, shm=True, send_timeout=1.0, **HEARTBEAT)
+    made.append(producer)
+    keys = fill(producer, 16)
+    raw = attached(producer, made)
     raw.send_msg(proto.Fetch(1, tuple(keys), 16, shm=True))
-    bye = None
-    deadline = time.monotonic() + 20
-    while bye is None and time.monotonic() < deadline:
-        frames = raw.recv(0.05)
-        if frames is None:
-            continue
-        msg = proto.decode(frames, raw.segments)
-        if type(msg) is proto.Ping:
-            raw.send_msg(proto.Pong(msg.nonce))
-        elif type(msg) is proto.Bye:
-            bye = msg
+    bye, _ = answer_pings_until_bye(raw, timeout=20)
     assert bye is not None, "the reader that never released was never cut"
     assert bye.code == proto.Code.PEER_TIMEOUT and "released none" in bye.msg, bye
     assert wait_until(lambda: producer.store.stats().pinned == 0, timeout=5)
@@ -134,14 +130,7 @@ def test_a_shared_memory_reader_that_releases_is_never_cut(made: list[Any]) -> N
     producer: Node = node({**SEED_V2, "pool": 64}, shm=True, send_timeout=0.5, **HEARTBEAT)
     made.append(producer)
     keys = fill(producer, 12)
-    raw = RawPeer(producer.address)
-    made.append(raw)
-    welcome = raw.handshake(producer)
-    assert welcome.shm is not None
-    mapping = MappedSegment(welcome.shm.name, welcome.shm.size, welcome.geo.seg)
-    raw.send_msg(proto.Attach(mapping.nonce))
-    mapping.close()
-    assert raw.expect(proto.Attached).ok
+    raw = attached(producer, made)
     raw.send_msg(proto.Fetch(1, tuple(keys), 2, shm=True))
     started = time.monotonic()
     done = None

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from nodeproc import content, fill
 from nodeproc import pooled_node as node
-from rawpeer import ThrottlingProxy, wait_until
+from rawpeer import ThrottlingProxy, ipv6_loopback, wait_until
 
 from p2pkv import protocol as proto
 from p2pkv.errors import P2PKVError
@@ -31,15 +31,6 @@ from p2pkv.node import KeyOutcome, Node
 pytestmark = pytest.mark.timeout(120)
 
 SEED_V1 = {"layout": "v1", "geometry": "seed"}  # 576 KiB blocks
-
-
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
 
 
 def server_streams(producer: Node) -> list[int]:
@@ -86,7 +77,7 @@ def test_a_side_that_takes_one_stream_gets_one(who: str, made: list[Any]) -> Non
     assert server_streams(producer) == [0]
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="needs ::1")
+@pytest.mark.skipif(not ipv6_loopback(), reason="needs ::1")
 def test_four_streams_beat_a_per_flow_cap_three_and_a_half_times(made: list[Any]) -> None:
     rate = 4e6  # bytes/s, every flow
     producer = node({**SEED_V1, "pool": 40}, data_streams=4)
@@ -97,27 +88,34 @@ def test_four_streams_beat_a_per_flow_cap_three_and_a_half_times(made: list[Any]
     assert dport is not None
     for port in (zport, dport):
         made.append(ThrottlingProxy(f"tcp://127.0.0.1:{port}", rate, listen=("::1", port)))
-    seconds = {}
+    peers = {}
     for streams in (1, 4):
         consumer = node({**SEED_V1, "pool": 40}, data_streams=streams)
         made.append(consumer)
-        peer = consumer.connect(f"tcp://[::1]:{zport}")
-        assert peer.data_path == "tcp-data", peer.data_path_detail
-        assert ("4 data streams" in peer.data_path_detail) is (streams == 4)
-        started = time.monotonic()
-        result = consumer.fetch(peer, keys, timeout=60)
-        seconds[streams] = time.monotonic() - started
-        assert result.outcomes == (KeyOutcome.LANDED,) * len(keys)
-        bpb = consumer.layout.bytes_per_block
-        assert all(consumer.get(k) == content(k, bpb) for k in keys)
-        consumer.close()
+        peers[streams] = (consumer, consumer.connect(f"tcp://[::1]:{zport}"))
+        assert peers[streams][1].data_path == "tcp-data", peers[streams][1].data_path_detail
+        assert ("4 data streams" in peers[streams][1].data_path_detail) is (streams == 4)
+    # The cap is a ceiling: a round can only be slowed by a busy machine, never sped
+    # up, so each side's best of two (interleaved) rounds is what the cap allows.
+    seconds = {1: float("inf"), 4: float("inf")}
+    bpb = producer.layout.bytes_per_block
+    for _ in range(2):
+        for streams, (consumer, peer) in peers.items():
+            for k in keys:
+                consumer.store.discard(k)
+            started = time.monotonic()
+            result = consumer.fetch(peer, keys, timeout=60)
+            seconds[streams] = min(seconds[streams], time.monotonic() - started)
+            assert result.outcomes == (KeyOutcome.LANDED,) * len(keys)
+            assert all(consumer.get(k) == content(k, bpb) for k in keys)
     speedup = seconds[1] / seconds[4]
     print(f"per-flow cap {rate / 1e6:g} MB/s: one stream {seconds[1]:.2f} s, four "
           f"{seconds[4]:.2f} s, {speedup:.2f}x")
     assert speedup >= 3.5, seconds
 
 
-def test_a_cancelled_striped_fetch_stops_on_every_stream(made: list[Any]) -> None:
+def striped_fetch_under_way(made: list[Any]) -> tuple[Node, Node, Any, list[bytes], Any]:
+    """A 256-block fetch over four streams, its first blocks landed."""
     producer = node({**SEED_V1, "pool": 300}, data_streams=4)
     consumer = node({**SEED_V1, "pool": 300}, data_streams=4)
     made += [producer, consumer]
@@ -125,6 +123,11 @@ def test_a_cancelled_striped_fetch_stops_on_every_stream(made: list[Any]) -> Non
     peer = consumer.connect(producer.address)
     fut = consumer.fetch_async(peer, keys)
     assert wait_until(lambda: consumer.store.stats().used > 8 or fut.done(), timeout=10)
+    return producer, consumer, peer, keys, fut
+
+
+def test_a_cancelled_striped_fetch_stops_on_every_stream(made: list[Any]) -> None:
+    producer, consumer, peer, keys, fut = striped_fetch_under_way(made)
     stopped = consumer.abort(fut, timeout=10)
     assert stopped or fut.done()
     # Every part was confirmed (the ticket waits for all of them); nothing is half
@@ -138,13 +141,7 @@ def test_a_cancelled_striped_fetch_stops_on_every_stream(made: list[Any]) -> Non
 
 
 def test_a_striped_fetch_that_loses_a_stream_fails_as_a_whole(made: list[Any]) -> None:
-    producer = node({**SEED_V1, "pool": 300}, data_streams=4)
-    consumer = node({**SEED_V1, "pool": 300}, data_streams=4)
-    made += [producer, consumer]
-    keys = fill(producer, 256)
-    peer = consumer.connect(producer.address)
-    fut = consumer.fetch_async(peer, keys)
-    assert wait_until(lambda: consumer.store.stats().used > 8 or fut.done(), timeout=10)
+    producer, consumer, _peer, _keys, fut = striped_fetch_under_way(made)
     # The producer's side of stream 2 goes away: the session ends with it.
     (inbound,) = producer._server._inbound.values()
     inbound.streams[2].stream._sock.shutdown(socket.SHUT_RDWR)

@@ -21,7 +21,7 @@ import pytest
 import zmq
 from nodeproc import content, fill
 from nodeproc import pooled_node as node
-from rawpeer import ThrottlingProxy, wait_until
+from rawpeer import ThrottlingProxy, ipv6_loopback, wait_until
 
 from p2pkv import protocol as proto
 from p2pkv.node import KeyOutcome, Node
@@ -118,16 +118,7 @@ class TlsMitm:
         self.sock.close()
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="needs ::1")
+@pytest.mark.skipif(not ipv6_loopback(), reason="needs ::1")
 def test_a_man_in_the_middle_of_the_data_port_is_refused_and_learns_nothing(
         made: list[Any]) -> None:
     producer, consumer = curve_pair(made)

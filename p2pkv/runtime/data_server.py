@@ -219,15 +219,18 @@ class DataListener:
             return
         self._pending.pop(p.sock, None)
         self._reactor.unregister(p.sock)
+        # Bound before the answer goes: a fetch the client sends once it read the answer
+        # finds its stream here (the IO thread queues nothing on it before this returns).
+        stream = BoundStream(self._reactor, p.sock, owner)
+        owner.bind_stream(stream, offer.index)
         try:
             p.sock.sendall(proto.ACCEPTED)  # 8 bytes into an empty socket buffer
         except OSError as exc:
-            p.sock.close()
+            stream.close()
             owner.stream_lost(proto.Code.NORMAL_CLOSE,
                               f"the data stream failed as it was bound: {exc}")
             return
         self._counters.add(Count.DATA_STREAMS_BOUND)
-        owner.bind_stream(BoundStream(self._reactor, p.sock, owner), offer.index)
 
     def _drop_pending(self, p: _Pending, why: str) -> None:
         self._pending.pop(p.sock, None)
