@@ -17,16 +17,18 @@ kind          serving half                    fetching half
               until released (``shm-v1``)
 ``stream``    ``StreamOut``: gathered onto    ``StreamIn``: scattered from the stream
               the peer's bound data stream    straight into destinations
-              (``tcp-data-v1``)
+              (``tcp-data-v1``, or TLS:       (``Striped``: several streams, a
+              ``tcp-data-tls-v1``)            fetch striped over them)
 ============  ==============================  =======================================
 
 A connection asks its path, never which path it is on. The fetching half is chosen when
-the connection becomes ready (:class:`~p2pkv.runtime.outbound.OutboundConnection`):
-shared memory once the proof was accepted, else the data stream once bound, else
-frames. The serving half of a fetch is chosen when the fetch arrives (its
+the connection becomes ready (:class:`~p2pkv.runtime.path_choice.PathChoice`): shared
+memory once the proof was accepted, else the data streams once bound, else frames. The
+serving half of a fetch is chosen when the fetch arrives (its
 :attr:`~p2pkv.runtime.state.Sending.path`): shared memory when the fetch asked for it
-after an accepted proof, else the connection's path (the stream once bound; packed
-frames when ``packed-v1`` was negotiated and the layout packs; frames).
+after an accepted proof, else the stream it names when that one is bound
+(``tcp-streams-v1``), else the connection's path (its first bound stream; packed frames
+when ``packed-v1`` was negotiated and the layout packs; frames).
 
 Each half owns what differs between the ways: the credit budget (a stream gets a larger
 one, SPEC §18.3), how a fetch opens, sending and landing, what a landing sends back, a
