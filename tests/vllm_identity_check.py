@@ -110,6 +110,7 @@ def check(tier_class: Any) -> None:
         "negative timeout": {"lookup_timeout": -1},
         "load policy not a flag": {"load_policy": "yes"},
         "zero speedup": {"load_min_speedup": 0},
+        "nine data streams": {"data_streams": 9},
         "listen taken": {"listen": f"tcp://127.0.0.1:{taken.getsockname()[1]}"},
     }
     for name, params in bad.items():

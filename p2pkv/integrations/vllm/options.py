@@ -35,7 +35,8 @@ TIER_OPTIONS: tuple[str, ...] = (
     "handshake_timeout", "lookup_timeout", "fetch_timeout", "heartbeat_timeout",
     "curve_secret_key", "curve_authorized", "curve_server_key", "reconnect_interval",
     "identity_policy", "kv_memory_layout", "model_revision", "model_overrides",
-    "directory", "directory_ttl", "advertise", "shm", "identity_timeout", "drain_timeout",
+    "directory", "directory_ttl", "advertise", "shm", "data_streams", "identity_timeout",
+    "drain_timeout",
     "refused_retry_interval", "drain_grace", "load_policy", "load_min_tokens",
     "load_min_speedup", "load_probe_interval", "load_probe_chunks", "load_probe_budget",
 )
