@@ -69,6 +69,9 @@ class StreamDialer:
         self._pin: bytes | None = None
         #: The stream used, or why there is none.
         self.detail = ""
+        #: Where the stream goes, and how (``HOST:PORT`` and, for TLS, the pin), once
+        #: :meth:`begin` dialed it.
+        self.target = ""
 
     @property
     def pending(self) -> bool:
@@ -105,7 +108,8 @@ class StreamDialer:
         self._state = _State.DIALING
         which = f"data stream {self.index}" if self.index else "data stream"
         tls = ", TLS 1.3, its certificate pinned" if self._pin is not None else ""
-        self.detail = f"{which} to {host}:{offer.port}{tls}"
+        self.target = f"{host}:{offer.port}{tls}"
+        self.detail = f"{which} to {self.target}"
         self._reactor.register(sock, self._on_event, writable=True)
         return True
 

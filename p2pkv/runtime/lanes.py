@@ -20,7 +20,7 @@ from p2pkv import protocol as proto
 from p2pkv.runtime.paths import FetchPath
 from p2pkv.runtime.state import Receiving
 
-__all__ = ["open_lanes", "parts_of", "siblings"]
+__all__ = ["open_lanes", "parts_of", "take_others"]
 
 
 def parts_of(wanted: Sequence[int], lanes: int) -> list[list[int]]:
@@ -60,7 +60,7 @@ def open_lanes(session: proto.Session, path: FetchPath, keys: Sequence[bytes],
     return out
 
 
-def siblings(recv: Receiving, running: dict[int, Receiving]) -> list[Receiving]:
+def take_others(recv: Receiving, running: dict[int, Receiving]) -> list[Receiving]:
     """The other parts of ``recv``'s caller's fetch that are still ``running``, taken
     out of it (none when it was not striped): its caller is told once, for all."""
     if recv.group is None:

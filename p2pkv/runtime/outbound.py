@@ -40,7 +40,7 @@ from p2pkv.errors import (
 from p2pkv.identity import IdentityExtension
 from p2pkv.reports import refusal_error, request_error, timeout_error
 from p2pkv.runtime.data_client import DataReceiver, StreamOwner
-from p2pkv.runtime.lanes import open_lanes, siblings
+from p2pkv.runtime.lanes import open_lanes, take_others
 from p2pkv.runtime.path_choice import PathChoice
 from p2pkv.runtime.paths import HANDLE_PATHS, FramesIn
 from p2pkv.runtime.public import FetchResult, KeyOutcome, PeerHandle, PeerOwner
@@ -467,7 +467,7 @@ class OutboundConnection:
         if recv is not None:
             self._paths.path.cancel(req)  # nothing more of it lands
             # A striped fetch fails as a whole: its other parts are aborted.
-            for other in siblings(recv, self._fetches):
+            for other in take_others(recv, self._fetches):
                 self._paths.path.cancel(other.req)
                 with contextlib.suppress(ProtocolError):
                     self._send([self.session.abort(other.req, time.monotonic())])

@@ -110,10 +110,10 @@ class PathChoice:
         if self._dialing == 0:
             streams = self._streams
             if len(streams) > 1:
-                host = self._dialers[0].detail.rsplit(" to ", 1)[-1]
+                target = self._dialers[min(streams)].target
                 self._stream = Striped(streams, proto.CreditBudget(
                     self._data.budget.window * len(streams)),
-                    f"{len(streams)} data streams to {host}")
+                    f"{len(streams)} data streams to {target}")
             elif streams:
                 self._stream = next(iter(streams.values()))
             self._ready()

@@ -45,7 +45,6 @@ SOCKET_BUFFER: Final = 4 << 20
 RETRY: Final = (BlockingIOError, InterruptedError, ssl.SSLWantReadError,
                 ssl.SSLWantWriteError)
 """What a non-blocking stream raises when it cannot move bytes now (TLS included)."""
-_RETRY: Final = RETRY
 
 _TLS_WRITE: Final = 256 << 10
 """Bytes one TLS write takes at most: a write that must be retried is retried with the
@@ -207,7 +206,7 @@ class Gather:
                     break
             try:
                 sent = sendmsg(self._sock, iov)
-            except _RETRY:
+            except RETRY:
                 return False
             self.queued_bytes -= sent
             self.written_bytes += sent
@@ -286,7 +285,7 @@ class Scatter:
             iov.append(tail)
         try:
             got = recvmsg_into(sock, iov)
-        except _RETRY:
+        except RETRY:
             return None
         rest = self.total - self.filled
         self.spilled = max(0, got - rest)
