@@ -202,6 +202,28 @@ def test_a_hello_that_carries_data_is_read_and_its_data_ignored(server: Node) ->
         raw.close()
 
 
+def test_an_error_naming_a_running_fetch_ends_it_and_nothing_else(server: Node) -> None:
+    """§4.15: an ``error`` for a request ends that request. A client that says so of a
+    fetch being served gets no more of its blocks, and its session goes on: the node
+    answers the next ping and lookup, counts no violation, and pins nothing for it."""
+    raw = RawPeer(server.address)
+    try:
+        raw.handshake(server)
+        keys = tuple(keys_for(4))
+        raw.send_msg(proto.Fetch(1, keys, 1))  # a window of one block: the rest waits
+        assert raw.expect(proto.Block).req == 1
+        raw.send_msg(proto.Error(1, Code.UNAVAILABLE, "the client gave up on it"))
+        raw.send_msg(proto.Credit(1, 3))  # late: the request is over, not a violation
+        raw.send_msg(proto.Ping(7))
+        assert raw.expect(proto.Pong).nonce == 7
+        raw.send_msg(proto.Lookup(2, keys))
+        assert raw.expect(proto.Hits).hits == (True,) * 4
+        assert server.stats().protocol_violations == 0
+        assert server.store.stats().pinned == 0
+    finally:
+        raw.close()
+
+
 def test_shm_v1_messages_without_the_capability(server: Node) -> None:
     """§16.5: release naming a never-opened request is UNKNOWN_REQUEST 208 (not 205), a
     fetch with shm true is served with blocks, a release for it is ignored, an attach

@@ -234,6 +234,13 @@ class InboundConnection:
         self._jobs[ev.req] = Sending(ev.req, tuple(ev.keys), [OUTCOME_FAILED] * len(ev.keys),
                                      path=path)
 
+    def _on_request_failed(self, ev: proto.RequestFailed) -> None:
+        """The session ended one of the peer's requests (its ``error`` naming it): a job
+        of it goes, and what its path still pins for it is released."""
+        job = self._jobs.pop(ev.req, None)
+        if job is not None and job.path is not None:
+            job.path.abort(ev.req)
+
     def _on_abort(self, ev: proto.AbortRequested) -> None:
         job = self._jobs.pop(ev.req, None)
         if job is not None and job.path is not None:
@@ -399,6 +406,7 @@ _AFTER_REPLIES: Final[dict[type[proto.Event], _Handler]] = {
     proto.LookupRequested: InboundConnection._on_lookup,
     proto.FetchRequested: InboundConnection._on_fetch,
     proto.AbortRequested: InboundConnection._on_abort,
+    proto.RequestFailed: InboundConnection._on_request_failed,
     proto.AttachRequested: InboundConnection._on_attach,
     proto.BlocksReleased: InboundConnection._on_released,
     proto.PeerClosed: InboundConnection._on_peer_closed,
