@@ -178,6 +178,17 @@ class BlockPool:
             return list(cached)
         return list(self._views_of(slot))
 
+    def slot_views(self, slot: int) -> tuple[memoryview, ...]:
+        """:meth:`segment_views` as the pool's own tuple, not a fresh list: the store's
+        per-block path (tens of thousands of small blocks per second) takes it as is."""
+        cache = self._slot_views
+        if cache is None or not 0 <= slot < self.num_blocks:
+            return tuple(self.segment_views(slot))  # IndexError for a bad slot
+        cached = cache[slot]
+        if cached is None:
+            cached = cache[slot] = self._views_of(slot)
+        return cached
+
     def _views_of(self, slot: int) -> tuple[memoryview, ...]:
         return tuple(view[slot * size : (slot + 1) * size]
                      for view, size in zip(self._region_views, self.segment_sizes, strict=True))

@@ -55,7 +55,7 @@ from p2pkv.checksum import BytesLike, block_checksum
 from p2pkv.errors import P2PKVError, StoreFullError
 from p2pkv.keys import MAX_KEY_LEN, check_keys, keys_well_formed
 from p2pkv.pool import BlockPool, MemoryKind
-from p2pkv.store_handles import BlockReader, BlockWriter, Entry
+from p2pkv.store_handles import BlockReader, BlockWriter
 
 __all__ = [
     "BlockReader",
@@ -73,6 +73,8 @@ __all__ = [
 #: ``listener(key, visible)``: ``visible`` is True when ``key`` was committed, False when
 #: it was evicted or discarded. See :meth:`BlockStore.add_listener`.
 StoreListener: TypeAlias = Callable[[bytes, bool], None]
+
+_U64_END = 1 << 64
 
 
 class StoreError(P2PKVError):
@@ -132,12 +134,21 @@ class BlockStore:
     def __init__(self, pool: BlockPool) -> None:
         self._pool = pool
         self._lock = threading.Lock()
-        # Committed, visible blocks; iteration order is LRU (oldest first).
-        self._entries: OrderedDict[bytes, Entry] = OrderedDict()
+        # Committed, visible blocks -> their slot; iteration order is LRU (oldest first).
+        self._entries: OrderedDict[bytes, int] = OrderedDict()
+        # What the store knows of each slot, in flat per-slot lists rather than an object
+        # per block: a stream of small blocks commits tens of thousands a second, and an
+        # object per stored block makes the interpreter's full garbage collections
+        # (which walk every live object) both more frequent and longer.
+        #: Readers pinning the slot's block.
+        self._readers: list[int] = [0] * pool.num_blocks
+        #: xxh3-64 of the block committed in the slot, once known (computed at most once:
+        #: a stored block is immutable, and it is sent to many peers).
+        self._sums: list[int | None] = [None] * pool.num_blocks
         # Keys whose write is in progress -> their slot.
         self._writing: dict[bytes, int] = {}
-        # Discarded blocks still pinned by readers, by slot (eviction skips pinned ones).
-        self._discarded: dict[int, Entry] = {}
+        # Slots of discarded blocks still pinned by readers (eviction skips pinned ones).
+        self._discarded: set[int] = set()
         # Popped from the end: slot 0 is handed out first.
         self._free: list[int] = list(reversed(range(pool.num_blocks)))
         self._hits = 0
@@ -192,7 +203,9 @@ class BlockStore:
 
     def stats(self) -> StoreStats:
         with self._lock:
-            read_pinned = sum(1 for e in self._entries.values() if e.readers) + len(self._discarded)
+            readers = self._readers
+            read_pinned = (sum(1 for slot in self._entries.values() if readers[slot])
+                           + len(self._discarded))
             return StoreStats(
                 capacity=self._pool.num_blocks,
                 used=self._pool.num_blocks - len(self._free),
@@ -247,7 +260,7 @@ class BlockStore:
                 return None
             slot = self._take_slot_locked()
             self._writing[key] = slot
-        return BlockWriter(self, key, slot, self._pool.segment_views(slot))
+        return BlockWriter(self, key, slot, self._pool.slot_views(slot))
 
     def begin_write_many(
         self, keys: Sequence[bytes]
@@ -275,7 +288,7 @@ class BlockStore:
                     except StoreFullError as exc:
                         full = exc
                     taken.append(full or slot)
-        views = self._pool.segment_views
+        views = self._pool.slot_views
         return [BlockWriter(self, key, t, views(t)) if type(t) is int else t  # type: ignore[misc]
                 for key, t in zip(keys, taken, strict=True)]
 
@@ -289,17 +302,14 @@ class BlockStore:
         """
         if len(writers) != len(expected_checksums):
             raise ValueError(f"{len(writers)} writers, {len(expected_checksums)} checksums")
-        actual: list[int | None] = []
         for writer, want in zip(writers, expected_checksums, strict=True):
-            if want is not None and (type(want) is not int or not 0 <= want < 2**64):
+            if want is not None and (type(want) is not int or not 0 <= want < _U64_END):
                 raise ValueError(f"expected_checksum must be a u64, got {want!r}")
-            if writer.done:
+            if writer._done:
                 raise StoreError(f"write of block {writer.key.hex()} is already finished")
-            if want is None:
-                actual.append(None)
-                continue
-            # Hashing outside the lock is safe: each slot belongs to its writer.
-            actual.append(block_checksum(writer.views))
+        # Hashing outside the lock is safe: each slot belongs to its writer.
+        actual = [None if want is None else block_checksum(writer.views)
+                  for writer, want in zip(writers, expected_checksums, strict=True)]
         out: list[ChecksumMismatch | None] = []
         with self._lock:
             for writer, want, got in zip(writers, expected_checksums, actual, strict=True):
@@ -311,7 +321,8 @@ class BlockStore:
                     self._checksum_failures += 1
                     out.append(ChecksumMismatch(writer.key, want, got))
                     continue
-                self._entries[writer.key] = Entry(writer.slot, got)
+                self._entries[writer.key] = writer.slot
+                self._sums[writer.slot] = got
                 out.append(None)
                 if self._listeners:
                     self._notify_locked(writer.key, True)
@@ -320,13 +331,14 @@ class BlockStore:
     def _take_slot_locked(self) -> int:
         if self._free:
             return self._free.pop()
-        for victim, entry in self._entries.items():
-            if entry.readers == 0:
+        readers = self._readers
+        for victim, slot in self._entries.items():
+            if readers[slot] == 0:
                 del self._entries[victim]
                 self._evictions += 1
                 if self._listeners:
                     self._notify_locked(victim, False)
-                return entry.slot
+                return slot
         raise StoreFullError(
             f"all {self._pool.num_blocks} slots are pinned "
             f"({len(self._writing)} being written, the rest held by readers)"
@@ -378,20 +390,20 @@ class BlockStore:
         """:meth:`acquire_read` for each key, under one lock (the sender's batches)."""
         if not keys_well_formed(keys, MAX_KEY_LEN):
             check_keys(keys, MAX_KEY_LEN, what="block store keys")
-        pinned: list[tuple[bytes, Entry] | None] = []
+        pinned: list[int | None] = []
         with self._lock:
-            entries = self._entries
+            entries, readers = self._entries, self._readers
             for key in keys:
-                entry = entries.get(key)
-                if entry is None:
+                slot = entries.get(key)
+                if slot is None:
                     pinned.append(None)
                     continue
-                entry.readers += 1
+                readers[slot] += 1
                 entries.move_to_end(key)
-                pinned.append((key, entry))
-        views = self._pool.segment_views
-        return [None if p is None else BlockReader(self, p[0], p[1], views(p[1].slot))
-                for p in pinned]
+                pinned.append(slot)
+        views = self._pool.slot_views
+        return [None if slot is None else BlockReader(self, key, slot, views(slot))
+                for key, slot in zip(keys, pinned, strict=True)]
 
     def release_many(self, readers: Iterable[BlockReader]) -> None:
         """:meth:`BlockReader.release` for each reader, under one lock."""
@@ -403,11 +415,20 @@ class BlockStore:
         if reader._released:
             return
         reader._released = True
-        entry = reader._entry
-        entry.readers -= 1
-        if entry.readers == 0 and entry.discarded:
-            del self._discarded[entry.slot]
-            self._free.append(entry.slot)
+        slot = reader.slot
+        self._readers[slot] -= 1
+        if self._readers[slot] == 0 and slot in self._discarded:
+            self._discarded.remove(slot)
+            self._free.append(slot)
+
+    def _checksum_of(self, slot: int, views: Sequence[memoryview]) -> int:
+        """:func:`block_checksum` of the pinned block in ``slot``, computed once."""
+        value = self._sums[slot]
+        if value is None:
+            # Safe without the lock: the pin keeps the bytes still and the slot taken,
+            # and two readers racing here store the same value.
+            value = self._sums[slot] = block_checksum(views)
+        return value
 
     def get(self, key: bytes) -> bytes | None:
         """A copy of the block's bytes (segments concatenated), or None if absent.
@@ -439,16 +460,15 @@ class BlockStore:
         """
         _check_key(key)
         with self._lock:
-            entry = self._entries.pop(key, None)
-            if entry is None:
+            slot = self._entries.pop(key, None)
+            if slot is None:
                 return False
             if self._listeners:
                 self._notify_locked(key, False)
-            if entry.readers:
-                entry.discarded = True
-                self._discarded[entry.slot] = entry
+            if self._readers[slot]:
+                self._discarded.add(slot)
             else:
-                self._free.append(entry.slot)
+                self._free.append(slot)
             return True
 
 

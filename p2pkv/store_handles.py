@@ -4,9 +4,8 @@ A :class:`BlockWriter` is exclusive access to a slot being filled (invisible to 
 until it commits); a :class:`BlockReader` is one pin on a committed block (its slot is
 neither evicted nor reused until every reader has released it). Both alias the slot's
 memory with one ``memoryview`` per segment, and both finish through the store that made
-them: this module holds what a handle is, the store holds the bookkeeping and the lock.
-:class:`Entry` is the store's record of one committed block, shared with its readers
-(the pin count, the checksum computed once).
+them: this module holds what a handle is, the store holds the bookkeeping (per slot: the
+pin count, the checksum computed once) and the lock.
 
 Handles are created only by the store; see :mod:`p2pkv.store` for the lifecycle and
 the threading rules.
@@ -14,29 +13,14 @@ the threading rules.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
-
-from p2pkv.checksum import block_checksum
 
 if TYPE_CHECKING:
     from p2pkv.store import BlockStore
 
-__all__ = ["BlockReader", "BlockWriter", "Entry"]
-
-
-class Entry:
-    """The store's record of one committed block."""
-
-    __slots__ = ("checksum", "discarded", "readers", "slot")
-
-    def __init__(self, slot: int, checksum: int | None) -> None:
-        self.slot = slot
-        self.readers = 0
-        self.discarded = False
-        # xxh3-64 of the committed bytes, computed at most once: a stored block
-        # is immutable, and it is sent to many peers.
-        self.checksum = checksum
+__all__ = ["BlockReader", "BlockWriter"]
 
 
 class BlockWriter:
@@ -49,7 +33,8 @@ class BlockWriter:
 
     __slots__ = ("_done", "_store", "key", "slot", "views")
 
-    def __init__(self, store: BlockStore, key: bytes, slot: int, views: list[memoryview]) -> None:
+    def __init__(self, store: BlockStore, key: bytes, slot: int,
+                 views: Sequence[memoryview]) -> None:
         self._store = store
         self._done = False
         self.key = key
@@ -100,33 +85,23 @@ class BlockReader:
     sees a ``zmq`` send tracker finish).
     """
 
-    __slots__ = ("_entry", "_released", "_store", "key", "views")
+    __slots__ = ("_released", "_store", "key", "slot", "views")
 
     def __init__(
-        self, store: BlockStore, key: bytes, entry: Entry, views: list[memoryview]
+        self, store: BlockStore, key: bytes, slot: int, views: Sequence[memoryview]
     ) -> None:
         self._store = store
-        self._entry = entry
         self._released = False
         self.key = key
+        #: The pool slot it pins.
+        self.slot = slot
         #: One memoryview per segment, aliasing the pool slot. Do not write.
         self.views = views
 
     @property
-    def slot(self) -> int:
-        return self._entry.slot
-
-    @property
     def checksum(self) -> int:
         """:func:`block_checksum` of the block, computed once per stored block."""
-        entry = self._entry
-        value = entry.checksum
-        if value is None:
-            # Safe without the lock: the pin keeps the bytes still, and two
-            # readers racing here store the same value.
-            value = block_checksum(self.views)
-            entry.checksum = value
-        return value
+        return self._store._checksum_of(self.slot, self.views)
 
     def release(self) -> None:
         self._store.release_many((self,))

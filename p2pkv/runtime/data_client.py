@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -32,7 +33,7 @@ from p2pkv.runtime.landing import Landed, Landing
 from p2pkv.runtime.reactor import Reactor
 from p2pkv.runtime.state import Receiving, writable
 from p2pkv.runtime.stats import RECEIVED, Counters
-from p2pkv.runtime.tuning import READ_BURST_BYTES
+from p2pkv.runtime.tuning import READ_BURST_BYTES, WAKE_BYTES
 from p2pkv.transport.datachannel import RETRY, Scatter, pending, recvmsg_into
 
 __all__ = ["DataReceiver", "StreamIn", "StreamOwner", "Striped"]
@@ -135,6 +136,7 @@ class StreamIn:
         self._a0 = self._a1 = 0
         self._incoming: _Incoming | None = None
         self._scratch: bytearray | None = None
+        self._lowat = 1
         self.budget = parts.budget
         #: How blocks move on this connection.
         self.detail = detail
@@ -205,13 +207,38 @@ class StreamIn:
             if self._incoming is None:
                 if self._next_header(now, may_read=more):
                     continue
-                return
+                break
             if not more:
-                return
+                break
             got = self._receive()
             if got is None:
-                return
+                break
             budget -= got
+        if not self._closed:
+            self._wake_at(self._expected())
+
+    def _expected(self) -> int:
+        """Bytes of the current message's payload still to come (the peer sends them
+        whole: a sender that stalls is cut by its own deadline, which ends the stream)."""
+        inc = self._incoming
+        if inc is None:
+            return 1
+        if inc.scatter is None:
+            return max(inc.skip, 1)
+        return max(inc.scatter.total - inc.scatter.filled, 1)
+
+    def _wake_at(self, nbytes: int) -> None:
+        """Let the poller wake this stream only once ``nbytes`` (at most
+        :data:`~p2pkv.runtime.tuning.WAKE_BYTES`) are there to read (``SO_RCVLOWAT``): a
+        receiver faster than its sender otherwise wakes for every few kilobytes, and pays
+        the loop's per-receive work each time. Only bytes promised by the message under
+        way are waited for, so the wait always ends."""
+        want = min(nbytes, WAKE_BYTES)
+        sock = self._sock
+        if want == self._lowat or sock is None or isinstance(sock, ssl.SSLSocket):
+            return
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+        self._lowat = want
 
     def _next_header(self, now: float, *, may_read: bool) -> bool:
         """Deliver the next frame 0 if it is all here (True), else read more when

@@ -19,6 +19,7 @@ __all__ = [
     "READ_BURST_BYTES",
     "REAP_TICK_MS",
     "WAIT_GRACE",
+    "WAKE_BYTES",
     "ZERO_COPY_MIN",
 ]
 
@@ -33,6 +34,10 @@ DEADLINE_CHECK_S: Final = 0.005
 
 READ_BURST_BYTES: Final = 4 << 20
 """Block bytes received per connection per loop turn before commands get a turn."""
+
+WAKE_BYTES: Final = 2 << 20
+"""A data stream in the middle of a message wakes the IO thread once this many of the
+message's bytes are there (``SO_RCVLOWAT``), or all that is left of it."""
 
 WAIT_GRACE: Final = 1.0
 """Grace added to a blocking helper's wait beyond the IO thread's own deadline, so the
