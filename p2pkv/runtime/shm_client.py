@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from p2pkv import protocol as proto
 from p2pkv.checksum import copy_with_checksum
 from p2pkv.errors import ProtocolError
-from p2pkv.runtime.landing import Landing
+from p2pkv.runtime.landing import Landed, Landing
 from p2pkv.runtime.state import Receiving, writable
 from p2pkv.runtime.stats import RECEIVED, Counters, ShmFallback
 from p2pkv.shm import MappedSegment, ShmUnavailable
@@ -159,13 +159,18 @@ class SharedIn:
             if slot >= slots:
                 raise ProtocolError(proto.Code.OUT_OF_BOUNDS, f"located slot {slot} is "
                                     f"outside the peer's {slots}-slot pool")
+        if recv is None:
+            return
         landing = self._parts.landing
-        landed = 0
+        index_map = recv.index_map
+        wanted = [n for n, idx in enumerate(ev.idx) if idx < len(index_map)]
         with landing.guard():
-            for n, idx in enumerate(ev.idx):
-                if recv is None or idx >= len(recv.index_map):
-                    continue
-                block = landing.open(recv, recv.index_map[idx], ev.sums[n])
+            # The message's slots are taken in one store call, copied (and hashed on the
+            # way) one after the other, and committed in one store call.
+            blocks = landing.open_many(recv, [index_map[ev.idx[n]] for n in wanted],
+                                       [ev.sums[n] for n in wanted])
+            copied: list[Landed] = []
+            for n, block in zip(wanted, blocks, strict=True):
                 if block is None:
                     continue
                 sources = mapping.sources(ev.slots[n])
@@ -174,5 +179,6 @@ class SharedIn:
                         dst[:] = src
                 else:
                     block.actual = copy_with_checksum(block.views, sources)
-                landed += landing.settle(recv, block)
+                copied.append(block)
+            landed = landing.settle_many(recv, copied)
         self._parts.counters.moved(self.kind, RECEIVED, landed, landed * self._parts.bpb)
