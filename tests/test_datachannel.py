@@ -17,9 +17,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import signal
 import socket
 import struct
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -783,6 +785,36 @@ def test_scatter_fills_buffers_in_order_and_spills_the_rest() -> None:
             assert b.recv(4) == b"NEXT"
         else:
             assert bytes(tail[:4]) == b"NEXT"
+
+
+def test_scatter_over_many_buffers_lands_every_byte_in_order() -> None:
+    """Buffers of many sizes (some empty), bytes read ahead put across several of them,
+    receives of random limits: every byte lands where it belongs, and what follows the
+    last buffer goes to the tail."""
+    rng = random.Random(5)
+    sizes = [rng.choice((0, 1, 7, 4096, 16384, 50_000)) for _ in range(60)]
+    bufs = [bytearray(n) for n in sizes]
+    data = os.urandom(sum(sizes))
+    a, b = socket.socketpair()
+    with a, b:
+        b.setblocking(False)
+        scatter = Scatter([memoryview(x) for x in bufs])
+        assert scatter.total == len(data)
+        ahead = 30_000
+        assert scatter.put(memoryview(data)[:ahead]) == ahead
+        sender = threading.Thread(target=a.sendall, args=(data[ahead:] + b"NEXT",))
+        sender.start()
+        tail = bytearray(16)
+        deadline = time.monotonic() + 10
+        while not scatter.done and time.monotonic() < deadline:
+            before = scatter.filled
+            got = scatter.receive(b, memoryview(tail), limit=rng.choice((1, 5000, 70_000)))
+            assert got is None or got > 0
+            assert scatter.filled >= before
+        sender.join(10)
+        assert scatter.done and not sender.is_alive()
+        assert b"".join(bytes(x) for x in bufs) == data
+        assert bytes(tail[:scatter.spilled]) == b"NEXT"[:scatter.spilled]
 
 
 def test_stream_frames_and_prefaces_are_checked() -> None:

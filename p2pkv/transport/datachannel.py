@@ -10,9 +10,11 @@ The kernel copies each byte once on each side; these classes only keep the place
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import errno
+import itertools
 import socket
 import ssl
 from collections.abc import Callable, Sequence
@@ -252,36 +254,49 @@ class Scatter:
     ``tail`` (optional) is a buffer offered after the last one, so that the bytes that
     follow (the next message's header) arrive with the same call; :attr:`spilled` says
     how many went there.
+
+    The buffers' end offsets are summed once, so a receive finds its buffers and moves
+    past them by bisection and slicing: a message of 512 blocks of 16 KiB costs no
+    Python step per buffer per receive.
     """
 
-    __slots__ = ("_at", "_views", "filled", "spilled", "total")
+    __slots__ = ("_at", "_ends", "_views", "filled", "spilled", "total")
 
     def __init__(self, views: Sequence[memoryview]) -> None:
-        self._views = [v for v in views if v.nbytes]
-        self._at = 0
-        self.total = sum(v.nbytes for v in self._views)
         self.filled = 0
         self.spilled = 0
+        self._place(views)
+
+    def _place(self, views: Sequence[memoryview]) -> None:
+        self._views = [v for v in views if v.nbytes]
+        #: Stream offset (from the start of this scatter) at which each buffer ends.
+        self._ends = list(itertools.accumulate((v.nbytes for v in self._views),
+                                               initial=self.filled))[1:]
+        self._at = 0  # the first buffer not filled yet
+        self.total = self._ends[-1] if self._ends else self.filled
 
     @property
     def done(self) -> bool:
         return self.filled >= self.total
+
+    def _first(self) -> memoryview:
+        """What is left of the first buffer not filled yet."""
+        at = self._at
+        view = self._views[at]
+        start = self._ends[at] - view.nbytes
+        return view[self.filled - start:] if self.filled > start else view
 
     def receive(self, sock: socket.socket, tail: memoryview | None = None,
                 limit: int = 1 << 62) -> int | None:
         """One ``recvmsg_into`` of at most about ``limit`` bytes (whole buffers, at least
         one): bytes received (0: the peer closed the stream), None when nothing is there
         now. OSError when the stream failed."""
-        views = self._views
-        iov: list[memoryview] = []
-        room = 0
-        end = min(len(views), self._at + IOV_MAX)
-        for i in range(self._at, end):
-            iov.append(views[i])
-            room += views[i].nbytes
-            if room >= limit:
-                break
-        if tail is not None and self._at + len(iov) >= len(views):
+        at, ends = self._at, self._ends
+        # The last buffer taken is the first one that reaches ``limit`` bytes.
+        last = min(bisect.bisect_left(ends, self.filled + limit, at), len(ends) - 1,
+                   at + IOV_MAX - 1)
+        iov = [self._first(), *self._views[at + 1:last + 1]] if at < len(ends) else []
+        if tail is not None and last == len(ends) - 1:
             iov.append(tail)
         try:
             got = recvmsg_into(sock, iov)
@@ -294,37 +309,16 @@ class Scatter:
 
     def _advance(self, n: int) -> None:
         self.filled += n
-        views = self._views
-        while n:
-            view = views[self._at]
-            if n >= view.nbytes:
-                n -= view.nbytes
-                self._at += 1
-            else:
-                views[self._at] = view[n:]
-                n = 0
+        self._at = bisect.bisect_right(self._ends, self.filled, self._at)
 
     def put(self, data: memoryview) -> int:
         """Copy already-received bytes (read ahead with an earlier header) into the next
         buffers; how many were taken."""
         taken = 0
-        views = self._views
-        while taken < data.nbytes and self._at < len(views):
-            view = views[self._at]
+        while taken < data.nbytes and not self.done:
+            view = self._first()
             n = min(view.nbytes, data.nbytes - taken)
             view[:n] = data[taken:taken + n]
             taken += n
-            if n == view.nbytes:
-                self._at += 1
-            else:
-                views[self._at] = view[n:]
-        self.filled += taken
+            self._advance(n)
         return taken
-
-    def retarget(self, views: Sequence[memoryview]) -> None:
-        """Send the rest of the bytes into ``views`` instead (they must hold exactly
-        the bytes still expected): a cancelled fetch's bytes go to scratch."""
-        self._views = [v for v in views if v.nbytes]
-        self._at = 0
-        assert sum(v.nbytes for v in self._views) == self.total - self.filled
-        self.total = self.filled + sum(v.nbytes for v in self._views)
