@@ -421,13 +421,20 @@ class BlockStore:
             self._discarded.remove(slot)
             self._free.append(slot)
 
-    def _checksum_of(self, slot: int, views: Sequence[memoryview]) -> int:
-        """:func:`block_checksum` of the pinned block in ``slot``, computed once."""
+    def _checksum_of(self, reader: BlockReader) -> int:
+        """:func:`block_checksum` of the block ``reader`` pins, computed once."""
+        if reader._released:
+            raise StoreError(f"reader of block {reader.key.hex()} was released")
+        slot = reader.slot
         value = self._sums[slot]
         if value is None:
             # Safe without the lock: the pin keeps the bytes still and the slot taken,
             # and two readers racing here store the same value.
-            value = self._sums[slot] = block_checksum(views)
+            value = block_checksum(reader.views)
+            with self._lock:
+                # Released meanwhile (another thread): the slot may be another block's.
+                if not reader._released:
+                    self._sums[slot] = value
         return value
 
     def get(self, key: bytes) -> bytes | None:

@@ -100,8 +100,10 @@ class BlockReader:
 
     @property
     def checksum(self) -> int:
-        """:func:`block_checksum` of the block, computed once per stored block."""
-        return self._store._checksum_of(self.slot, self.views)
+        """:func:`block_checksum` of the block, computed once per stored block.
+        :class:`~p2pkv.store.StoreError` once released: the slot may hold another block
+        by then, whose checksum this must never become."""
+        return self._store._checksum_of(self)
 
     def release(self) -> None:
         self._store.release_many((self,))

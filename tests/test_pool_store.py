@@ -172,6 +172,27 @@ def test_reader_checksum_matches_the_bytes() -> None:
         assert reader.checksum == block_checksum(reader.views)
 
 
+def test_a_slot_reused_after_its_reader_let_go_gets_the_new_blocks_checksum() -> None:
+    """The checksum is kept per slot: a block discarded while pinned keeps its slot (and
+    its checksum) until the reader releases; the next block in that slot is checked and
+    served with its own, and a released reader cannot write its old one back."""
+    store = make_store(1, V1)
+    store.put(b"old", payload(b"old"))
+    reader = store.acquire_read(b"old")
+    assert reader is not None
+    assert store.discard(b"old")
+    with pytest.raises(StoreFullError):  # the only slot is still pinned
+        store.put(b"new", payload(b"new"))
+    assert reader.checksum == block_checksum([payload(b"old")])
+    reader.release()
+    with pytest.raises(StoreError, match="released"):
+        _ = reader.checksum
+    assert store.put(b"new", payload(b"new"))  # unverified: nothing hashed on commit
+    assert store.checksum(b"new") == block_checksum([payload(b"new")])
+    assert store.get(b"new") == payload(b"new")
+    assert store.stats().used == 1
+
+
 def test_store_errors_belong_to_the_package_hierarchy() -> None:
     assert StoreFullError is errors.StoreFullError
     assert issubclass(ChecksumMismatch, errors.P2PKVError)
