@@ -72,6 +72,9 @@ KERNEL_KIND = "kernel TCP: sendmsg gather from the pool, recvmsg_into scatter in
 """The ceiling baseline (``p2pkv.bench.kernel_roles``)."""
 KERNEL_TARGETS: dict[str, float] = {"small-16k": 0.6}
 """The node's target against the kernel's ceiling per case (others: 0.9)."""
+KERNEL_CPU_TARGETS: dict[str, float] = {"small-16k": 2.0}
+"""The data stream's receiver CPU per GB at most this many times the kernel ceiling's
+receiver, per case (others: 1.3)."""
 DATA_CHANNEL_PREFIX = "dc-"
 """Client node ids of the data-channel rows: this prefix and the case's name."""
 NOSUM_CASE = "seed-v1"

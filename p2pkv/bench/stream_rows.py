@@ -5,9 +5,11 @@ ceiling for every layout (``tcp-data-v1``), and several streams against one
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from p2pkv.bench.data import (
     DATA_CHANNEL_PREFIX,
+    KERNEL_CPU_TARGETS,
     KERNEL_KIND,
     KERNEL_TARGETS,
     MULTI_PREFIX,
@@ -28,8 +30,10 @@ def data_channel_rows(bulk_bytes: int, workers: dict[str, Worker],
     """The data channel (tcp-data-v1: plain TCP beside ZeroMQ, sendmsg from the pool,
     recvmsg_into the slots, checksums on) against the kernel's ceiling, every layout;
     then, for the seed V1 layout, the same with checksums off (what the checksum costs
-    on this path)."""
+    on this path); then the receiver's CPU per GB against the ceiling's receiver, every
+    layout, measured in the same rounds."""
     rows: list[Row] = []
+    cpu_rows: list[Row] = []
     kernel, node = workers["kernel-client"], workers["node-client"]
     kernel_pids = (workers["kernel-server"].pid, kernel.pid)
     node_pids = (workers["node-server"].pid, node.pid)
@@ -65,7 +69,25 @@ def data_channel_rows(bulk_bytes: int, workers: dict[str, Worker],
                      "node_receiver_cpu_s_per_gb": res["b_rx_cpu_s_per_gb"],
                      "kernel_cpu_s_per_gb": res["a_cpu_s_per_gb"],
                      "kernel_receiver_cpu_s_per_gb": res["a_rx_cpu_s_per_gb"]}))
-    return rows
+        if checksums:
+            cpu_rows.append(_receiver_cpu_row(case, res))
+    return rows + cpu_rows
+
+
+def _receiver_cpu_row(case: BulkCase, res: dict[str, Any]) -> Row:
+    """The data stream's receiver CPU per GB against the kernel ceiling's receiver."""
+    limit = KERNEL_CPU_TARGETS.get(case.name, 1.3)
+    node_rx, kernel_rx = res["b_rx_cpu_s_per_gb"], res["a_rx_cpu_s_per_gb"]
+    ratio = ratio_of(node_rx, kernel_rx)
+    return Row(
+        f"receiver CPU on the data channel, {case.label}, vs kernel", "CPU s per GB",
+        node_rx, kernel_rx, ratio, f"<= {limit:.1f}x kernel",
+        ratio is not None and ratio <= limit, res["a_verified"] and res["b_verified"],
+        baseline_kind=KERNEL_KIND,
+        details={"note": "all threads of the fetching process, over the timed rounds; "
+                         "checksums on (the kernel ceiling hashes nothing)",
+                 "node_sender_and_receiver": res["b_cpu_s_per_gb"],
+                 "kernel_sender_and_receiver": res["a_cpu_s_per_gb"]})
 
 
 def multi_stream_rows(bulk_bytes: int, workers: dict[str, Worker],
