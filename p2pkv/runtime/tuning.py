@@ -35,7 +35,7 @@ DEADLINE_CHECK_S: Final = 0.005
 READ_BURST_BYTES: Final = 4 << 20
 """Block bytes received per connection per loop turn before commands get a turn."""
 
-WAKE_BYTES: Final = 1 << 20
+WAKE_BYTES: Final = 2 << 20
 """A data stream in the middle of a message wakes the IO thread once this many of the
 message's bytes are there (``SO_RCVLOWAT``), or all that is left of it."""
 
