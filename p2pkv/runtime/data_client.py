@@ -47,8 +47,8 @@ header of a full 1024-block message is ~12 KiB)."""
 
 _RECEIVE_CHUNK: Final = WAKE_BYTES
 """Bytes one ``recvmsg_into`` takes at most, unless a block is larger: as many as a
-stream waits for before it wakes (2 MiB, this machine's L2: each block is hashed right
-after it landed, from cache)."""
+stream waits for before it wakes (2 MiB, about one core's L2 cache: each block is hashed
+right after it landed, from cache)."""
 
 
 @dataclass(eq=False)
