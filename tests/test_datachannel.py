@@ -763,6 +763,37 @@ def test_gather_writes_in_order_and_reports_each_unit_once() -> None:
         assert done[-1] == 9 and not gather
 
 
+def test_gather_over_many_buffers_and_units_with_partial_writes() -> None:
+    """Many units of many buffers (some empty, some a whole unit of nothing) through a
+    small socket buffer: every write that stops inside a buffer resumes there, every
+    byte goes out once and in order, and each unit is reported once, in order, only after
+    its last byte was written."""
+    rng = random.Random(11)
+    units = [[os.urandom(rng.choice((0, 1, 9, 4096, 16384, 70_000)))
+              for _ in range(rng.choice((0, 1, 5, 40)))] for _ in range(30)]
+    a, b = socket.socketpair()
+    with a, b:
+        a.setblocking(False)
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 13)
+        gather = Gather(a)
+        done: list[tuple[int, int]] = []
+        total = 0
+        for i, parts in enumerate(units):
+            total += sum(map(len, parts))
+            gather.push([memoryview(p) for p in parts],
+                        lambda i=i, end=total: done.append((i, end)))
+        received = bytearray()
+        b.settimeout(5)
+        while not gather.flush():
+            assert all(end <= gather.written_bytes for _, end in done)
+            received += b.recv(rng.choice((1, 1000, 1 << 20)))
+        while len(received) < total:
+            received += b.recv(1 << 20)
+        assert bytes(received) == b"".join(p for parts in units for p in parts)
+        assert [i for i, _ in done] == list(range(len(units)))
+        assert gather.queued_bytes == 0 and gather.written_bytes == total
+
+
 def test_scatter_fills_buffers_in_order_and_spills_the_rest() -> None:
     a, b = socket.socketpair()
     with a, b:
