@@ -214,9 +214,10 @@ class Node:
               timeout: float | None = None) -> FetchResult:
         """Fetch blocks from ``peer`` into the local store; per-key outcome in the result.
 
-        Keys already held locally are not fetched again (reported as stored).
-        ``timeout=0``: only those; anything to fetch from the peer is PeerTimeout at
-        once, nothing is sent.
+        Keys already held locally are not fetched again (reported as stored); a key
+        named more than once is fetched once, and each of its positions gets its
+        outcome. ``timeout=0``: only those; anything to fetch from the peer is
+        PeerTimeout at once, nothing is sent.
         """
         t = _seconds(timeout, self.config.fetch_timeout)
         return self._wait(self.fetch_async(peer, keys, timeout=t), t)

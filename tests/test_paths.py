@@ -67,6 +67,29 @@ def test_each_path_moves_the_same_bytes_and_counts_them_under_its_kind(
     assert producer.stats().blocks_sent == consumer.stats().blocks_received == n
 
 
+@pytest.mark.parametrize("kind", list(PAIRS))
+def test_a_key_repeated_in_a_fetch_lands_every_time_and_moves_once(
+        kind: str, made: list[Any]) -> None:
+    """A fetch into the store that names a key more than once (a caller's list of
+    blocks, not deduplicated) gets that key as landed at every position, on every path,
+    and its block moves once (one slot holds it)."""
+    spec, config = PAIRS[kind]
+    producer = node(spec, **config)
+    consumer = node(spec, **config)
+    made += [producer, consumer]
+    keys = fill(producer, 4)
+    peer = consumer.connect(producer.address)
+    assert peer.data_path == HANDLE[kind], peer.data_path_detail
+    asked = [keys[0], keys[1], keys[0], keys[2], keys[1], keys[0]]
+    result = consumer.fetch(peer, asked)
+    assert result.outcomes == (KeyOutcome.LANDED,) * len(asked), result.errors
+    assert result.errors == {}
+    bpb = consumer.layout.bytes_per_block
+    assert result.blocks == 3 and result.nbytes == 3 * bpb
+    assert all(consumer.get(k) == content(k, bpb) for k in keys[:3])
+    assert producer.stats().blocks_sent == 3
+
+
 def test_a_frames_reader_that_stalls_but_pings_is_cut_at_its_send_deadline(
         made: list[Any]) -> None:
     """A consumer that stops reading its DEALER but keeps sending pings: its session

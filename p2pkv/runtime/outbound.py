@@ -94,19 +94,29 @@ def opened(session: proto.Session, address: str, open_request: Callable[[], M], 
 
 
 def wanted_keys(store: BlockStore, keys: Sequence[bytes], into_store: bool
-                ) -> tuple[list[KeyOutcome | None], list[int]]:
-    """A new fetch's outcomes so far and the indices of the keys to ask for: those not
-    held locally when it fills the store, all of them when it fills caller buffers."""
+                ) -> tuple[list[KeyOutcome | None], list[int], list[tuple[int, int]]]:
+    """A new fetch's outcomes so far, the indices of the keys to ask for, and its
+    repeated keys. Into caller buffers: every key is asked for (each has a buffer of its
+    own). Into the store: the keys not held locally, each once; a key repeated in the
+    fetch is ``(index, index of its first occurrence)``, and takes that one's outcome
+    when the fetch ends (one block, one slot: asking twice would only find the second
+    copy's slot taken by the first)."""
     outcomes: list[KeyOutcome | None] = [None] * len(keys)
     if not into_store:
-        return outcomes, list(range(len(keys)))
+        return outcomes, list(range(len(keys))), []
     wanted: list[int] = []
+    first: dict[bytes, int] = {}
+    repeats: list[tuple[int, int]] = []
     for i, present in enumerate(store.lookup(list(keys))):
         if present:
             outcomes[i] = KeyOutcome.LANDED
-        else:
+            continue
+        seen = first.setdefault(keys[i], i)
+        if seen == i:
             wanted.append(i)
-    return outcomes, wanted
+        else:
+            repeats.append((i, seen))
+    return outcomes, wanted, repeats
 
 
 @dataclass(frozen=True, eq=False)
@@ -209,7 +219,7 @@ class OutboundConnection:
         """Fetch the blocks of ``keys`` not held locally (into the store), or all of them
         (into ``destinations``)."""
         now = time.monotonic()
-        outcomes, wanted = wanted_keys(self._parts.store, keys, destinations is None)
+        outcomes, wanted, repeats = wanted_keys(self._parts.store, keys, destinations is None)
         if not wanted:
             resolve(fut, FetchResult(keys, tuple(o or KeyOutcome.LANDED for o in outcomes),
                                      {}, 0, 0, 0.0))
@@ -222,7 +232,7 @@ class OutboundConnection:
         errors: dict[int, str] = {}  # one for every part
         for msg, part in lanes:
             recv = Receiving(msg.req, keys, fut, destinations, now, outcomes, part, errors,
-                             ticket=ticket, group=group)
+                             ticket=ticket, group=group, repeats=repeats)
             self._fetches[msg.req] = recv
             if group is not None:
                 group.append(recv)

@@ -145,6 +145,10 @@ class Receiver:
             recv.done = True
             if not all(r.done for r in parts):
                 return None
+        for again, first in recv.repeats:
+            recv.outcomes[again] = recv.outcomes[first]
+            if first in recv.errors:
+                recv.errors[again] = recv.errors[first]
         seconds = now - recv.started
         self._counters.fetch_finished(seconds)
         return FetchResult(recv.keys, tuple(o or KeyOutcome.FAILED for o in recv.outcomes),

@@ -72,6 +72,9 @@ class Receiving:
     group: list[Receiving] | None = None
     #: Whether the peer reported this part done (a striped fetch's parts).
     done: bool = False
+    #: Keys repeated in the caller's fetch (into the store): ``(index, index of its first
+    #: occurrence)``; asked for once, each repeat takes the first one's outcome at the end.
+    repeats: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
