@@ -15,6 +15,7 @@ socket pairs.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -689,6 +690,34 @@ def test_pk_on_the_stream_changes_nothing_but_needs_packed_v1(packed: bool,
     assert excinfo.value.code == proto.Code.UNEXPECTED and "packed" in str(excinfo.value)
     assert consumer.stats().protocol_violations == 1
     assert consumer.store.stats().stored == 0
+
+
+def test_a_message_that_trickles_in_with_pauses_lands_whole(made: list[Any]) -> None:
+    """The stream waits for whole chunks of the message under way (``SO_RCVLOWAT``), never
+    for more than the message still owes: a sender that pauses with less than a chunk
+    on the wire, and again a few bytes before the end, still gets its blocks landed."""
+    consumer = node(SEED_V2)
+    made.append(consumer)
+    bpb = consumer.layout.bytes_per_block
+    keys = keys_for(6)  # 3.4 MiB in one message: more than one chunk
+    blocks = [content(k, bpb) for k in keys]
+    payload = b"".join(blocks)
+
+    def on_fetch(stream: socket.socket, msg: proto.Fetch) -> None:
+        sums = [proto.block_checksum([b]) for b in blocks]
+        head = _frame({"t": "block", "v": 1, "req": msg.req, "idx": list(range(6)),
+                       "sums": sums})
+        cuts = [0, 1, 100_000, len(payload) - 7, len(payload)]
+        stream.sendall(head)
+        for start, end in itertools.pairwise(cuts):
+            stream.sendall(payload[start:end])
+            time.sleep(0.15)
+        stream.sendall(_frame({"t": "done", "v": 1, "req": msg.req, "outcomes": [0] * 6}))
+
+    peer = _StreamServer.connected(consumer, on_fetch, made)
+    result = consumer.fetch(peer, keys, timeout=10)
+    assert result.outcomes == (KeyOutcome.LANDED,) * 6, result.errors
+    assert [consumer.get(k) for k in keys] == blocks
 
 
 # ---------------------------------------------------------------------- the table
