@@ -168,22 +168,16 @@ class BlockPool:
         typed tensors see. They stay valid as long as the pool exists, but the
         bytes belong to whoever holds the slot in the store.
         """
-        if not 0 <= slot < self.num_blocks:
-            raise IndexError(f"slot {slot} out of range [0, {self.num_blocks})")
-        cache = self._slot_views
-        if cache is not None:
-            cached = cache[slot]
-            if cached is None:
-                cached = cache[slot] = self._views_of(slot)
-            return list(cached)
-        return list(self._views_of(slot))
+        return list(self.slot_views(slot))
 
     def slot_views(self, slot: int) -> tuple[memoryview, ...]:
         """:meth:`segment_views` as the pool's own tuple, not a fresh list: the store's
         per-block path (tens of thousands of small blocks per second) takes it as is."""
+        if not 0 <= slot < self.num_blocks:
+            raise IndexError(f"slot {slot} out of range [0, {self.num_blocks})")
         cache = self._slot_views
-        if cache is None or not 0 <= slot < self.num_blocks:
-            return tuple(self.segment_views(slot))  # IndexError for a bad slot
+        if cache is None:
+            return self._views_of(slot)
         cached = cache[slot]
         if cached is None:
             cached = cache[slot] = self._views_of(slot)

@@ -19,7 +19,7 @@ from nodeproc import pooled_node as node
 from rawpeer import RawPeer, answer_pings_until_bye, wait_until
 
 from p2pkv import protocol as proto
-from p2pkv.node import KeyOutcome, Node
+from p2pkv.node import KeyOutcome, Node, PeerHandle
 from p2pkv.runtime.paths import KINDS
 from p2pkv.runtime.public import PathStats
 from p2pkv.shm import MappedSegment
@@ -40,16 +40,24 @@ PAIRS = {
 HANDLE = {"zmq": "tcp", "packed": "tcp", "shm": "shm", "stream": "tcp-data"}
 
 
-@pytest.mark.parametrize("kind", list(PAIRS))
-def test_each_path_moves_the_same_bytes_and_counts_them_under_its_kind(
-        kind: str, made: list[Any]) -> None:
+def _pair_on(kind: str, blocks: int, made: list[Any]
+             ) -> tuple[Node, Node, PeerHandle, list[bytes]]:
+    """A producer holding ``blocks`` blocks and a consumer connected to it, on path
+    ``kind``: (producer, consumer, the consumer's peer handle, the keys)."""
     spec, config = PAIRS[kind]
     producer = node(spec, **config)
     consumer = node(spec, **config)
     made += [producer, consumer]
-    keys = fill(producer, 12)
+    keys = fill(producer, blocks)
     peer = consumer.connect(producer.address)
     assert peer.data_path == HANDLE[kind], peer.data_path_detail
+    return producer, consumer, peer, keys
+
+
+@pytest.mark.parametrize("kind", list(PAIRS))
+def test_each_path_moves_the_same_bytes_and_counts_them_under_its_kind(
+        kind: str, made: list[Any]) -> None:
+    producer, consumer, peer, keys = _pair_on(kind, 12, made)
     result = consumer.fetch(peer, keys)
     assert result.outcomes == (KeyOutcome.LANDED,) * len(keys)
     bpb = consumer.layout.bytes_per_block
@@ -73,13 +81,7 @@ def test_a_key_repeated_in_a_fetch_lands_every_time_and_moves_once(
     """A fetch into the store that names a key more than once (a caller's list of
     blocks, not deduplicated) gets that key as landed at every position, on every path,
     and its block moves once (one slot holds it)."""
-    spec, config = PAIRS[kind]
-    producer = node(spec, **config)
-    consumer = node(spec, **config)
-    made += [producer, consumer]
-    keys = fill(producer, 4)
-    peer = consumer.connect(producer.address)
-    assert peer.data_path == HANDLE[kind], peer.data_path_detail
+    producer, consumer, peer, keys = _pair_on(kind, 4, made)
     asked = [keys[0], keys[1], keys[0], keys[2], keys[1], keys[0]]
     result = consumer.fetch(peer, asked)
     assert result.outcomes == (KeyOutcome.LANDED,) * len(asked), result.errors

@@ -215,11 +215,7 @@ class Landing:
         return n
 
     def _mark_landed(self, recv: Receiving, key_index: int) -> int:
-        recv.outcomes[key_index] = KeyOutcome.LANDED
-        recv.blocks += 1
-        recv.nbytes += self._bpb
-        self._landed += 1
-        return 1
+        return self._mark_all_landed(recv, (key_index,))
 
     def _corrupt(self, recv: Receiving, key_index: int, mismatch: ChecksumMismatch) -> None:
         self._counters.add(Count.CHECKSUM_FAILURES)
