@@ -219,11 +219,15 @@ OPTIONS: tuple[Option, ...] = (
            "copied from same-host peers' pools"),
     Option("data_channel", _bool, True,
            "offer the data channel: block bytes on a TCP stream beside the ZeroMQ "
-           "connection, bound to the session by a token (tcp-data-v1; under CURVE inside "
-           "TLS 1.3 with a pinned certificate, tcp-data-tls-v1)"),
+           "connection, bound to the session by a token (tcp-data-v1; under CURVE "
+           "encrypted, see --data-encryption)"),
     Option("data_streams", _int(1, 8), 1,
            "data streams per peer (tcp-streams-v1): this node opens up to N to each "
            "peer and accepts up to N from each; a fetch is striped over them"),
+    Option("data_encryption", _choice("sealed", "tls"), "sealed",
+           "how data streams are encrypted under CURVE: sealed (AES-256-GCM records "
+           "keyed from the CURVE session, tcp-data-aead-v1, with TLS 1.3 for peers that "
+           "only speak that) or tls (TLS 1.3 only, tcp-data-tls-v1)"),
     Option("data_port", _int(0, 65535), 0,
            "port the data channel listens on, at the host of --listen (0: ephemeral)"),
     Option("metrics_port", _int(0, 65535), None, "serve Prometheus metrics on this port"),
@@ -497,7 +501,7 @@ def node_config(settings: Settings, *, listen: str | None = None) -> Any:
             heartbeat_interval=interval, curve=curve,
             identity_policy=v["identity_policy"], shm=v["shm"],
             data_channel=v["data_channel"], data_port=v["data_port"],
-            data_streams=v["data_streams"],
+            data_streams=v["data_streams"], data_encryption=v["data_encryption"],
         )
     except ConfigError as exc:
         if exc.option == "listen" and not exc.named:

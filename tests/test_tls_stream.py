@@ -37,6 +37,9 @@ SEED_V1 = {"layout": "v1", "geometry": "seed"}
 
 
 def curve_pair(made: list[Any], **config: Any) -> tuple[Node, Node]:
+    """Two CURVE nodes whose streams are TLS (``data_encryption`` "tls"; the default
+    "sealed" prefers tcp-data-aead-v1, tests/test_sealed_stream.py)."""
+    config.setdefault("data_encryption", "tls")
     spub, ssec = zmq.curve_keypair()
     cpub, csec = zmq.curve_keypair()
     producer = node({**SEED_V1, "pool": 80}, curve=CurveKeys(spub, ssec), **config)
@@ -49,6 +52,7 @@ def test_curve_nodes_move_blocks_on_a_pinned_tls_stream(made: list[Any]) -> None
     producer, consumer = curve_pair(made)
     assert proto.CAP_TCP_DATA_TLS_V1 in producer.hello.caps
     assert proto.CAP_TCP_DATA_V1 not in producer.hello.caps  # never a plaintext stream
+    assert proto.CAP_TCP_DATA_AEAD_V1 not in producer.hello.caps
     keys = fill(producer, 24)
     peer = consumer.connect(producer.address)
     assert peer.data_path == "tcp-data", peer.data_path_detail

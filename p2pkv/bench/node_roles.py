@@ -46,7 +46,8 @@ def make_node(spec: dict[str, Any], *, pool_blocks: int, checksums: bool = True,
     cfg = NodeConfig(checksums=checksums, curve=curve, fetch_timeout=120.0,
                      shm=bool(spec.get("shm", False)),
                      data_channel=bool(spec.get("data_channel", False)),
-                     data_streams=int(spec.get("data_streams", 1)))
+                     data_streams=int(spec.get("data_streams", 1)),
+                     data_encryption=str(spec.get("data_encryption", "sealed")))
     return Node(rc, layout, pool_blocks=pool_blocks, config=cfg)
 
 

@@ -21,6 +21,7 @@ from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
     CAP_PACKED_V1,
     CAP_SHM_V1,
+    CAP_TCP_DATA_AEAD_V1,
     CAP_TCP_DATA_TLS_V1,
     CAP_TCP_DATA_V1,
     CAP_TCP_STREAMS_V1,
@@ -40,6 +41,7 @@ from p2pkv.protocol.datachannel import (
     frame_prefix,
     preface,
     stream_batch_limit,
+    stream_form,
     stream_window,
     token_of,
     usable_offer,
@@ -114,6 +116,13 @@ from p2pkv.protocol.messages import (
     Welcome,
 )
 from p2pkv.protocol.requests import KeyLimitExceeded, LocalProtocolError
+from p2pkv.protocol.seal import (
+    SEALED_MAGIC,
+    SEALED_PREFACE_BYTES,
+    check_sealed_preface,
+    sealed_preface,
+    sealed_token_of,
+)
 from p2pkv.protocol.session import Session
 from p2pkv.protocol.transitions import IMPLEMENTED, TRANSITIONS
 
@@ -123,6 +132,7 @@ __all__ = [
     "CAP_CHECKSUM_XXH3_64",
     "CAP_PACKED_V1",
     "CAP_SHM_V1",
+    "CAP_TCP_DATA_AEAD_V1",
     "CAP_TCP_DATA_TLS_V1",
     "CAP_TCP_DATA_V1",
     "CAP_TCP_STREAMS_V1",
@@ -133,6 +143,8 @@ __all__ = [
     "PREFACE_BYTES",
     "PROTOCOL_MAJOR",
     "PROTOCOL_MINOR",
+    "SEALED_MAGIC",
+    "SEALED_PREFACE_BYTES",
     "SHARING_TRANSITIONS",
     "STREAM_BATCH_BYTES",
     "STREAM_MAGIC",
@@ -205,6 +217,7 @@ __all__ = [
     "Welcome",
     "batch_limit",
     "block_checksum",
+    "check_sealed_preface",
     "code_name",
     "decide",
     "decode",
@@ -218,8 +231,11 @@ __all__ = [
     "next_batch",
     "preface",
     "restate",
+    "sealed_preface",
+    "sealed_token_of",
     "segments_for",
     "stream_batch_limit",
+    "stream_form",
     "stream_window",
     "token_of",
     "usable_offer",

@@ -22,10 +22,12 @@ __all__ = [
     "CAP_CHECKSUM_XXH3_64",
     "CAP_PACKED_V1",
     "CAP_SHM_V1",
+    "CAP_TCP_DATA_AEAD_V1",
     "CAP_TCP_DATA_TLS_V1",
     "CAP_TCP_DATA_V1",
     "CAP_TCP_STREAMS_V1",
     "CERT_PIN_LEN",
+    "DATA_KEY_LEN",
     "DATA_TOKEN_LEN",
     "MAX_BLOCKS_PER_MESSAGE",
     "MAX_BLOCK_BYTES",
@@ -136,6 +138,13 @@ CAP_TCP_DATA_TLS_V1: Final = "tcp-data-tls-v1"
 """Capability: the data stream of ``tcp-data-v1`` inside TLS 1.3, its server certificate
 pinned by ``welcome.data.cert`` (offered beside CurveZMQ instead of ``tcp-data-v1``,
 SPEC §18.7)."""
+CAP_TCP_DATA_AEAD_V1: Final = "tcp-data-aead-v1"
+"""Capability: the data stream of ``tcp-data-v1`` sealed in AES-256-GCM records under
+keys derived from ``welcome.data.key``, which only the two ends of the CurveZMQ session
+know (offered beside CurveZMQ; preferred to ``tcp-data-tls-v1`` when both are
+negotiated; SPEC §18.8)."""
+DATA_KEY_LEN: Final = 32
+"""Bytes of a session's stream secret (``welcome.data.key``, ``tcp-data-aead-v1``)."""
 CERT_PIN_LEN: Final = 32
 """Bytes of a certificate pin (``welcome.data.cert``): the SHA-256 of the DER certificate."""
 CAP_TCP_STREAMS_V1: Final = "tcp-streams-v1"

@@ -24,14 +24,17 @@ The sockets are :mod:`p2pkv.transport.datachannel`'s; the node's use of them is
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Set
 from typing import Final
 
 from p2pkv.errors import ProtocolError
 from p2pkv.protocol.codes import (
+    CAP_TCP_DATA_AEAD_V1,
     CAP_TCP_DATA_TLS_V1,
     CAP_TCP_DATA_V1,
+    CAP_TCP_STREAMS_V1,
     DATA_TOKEN_LEN,
     MAX_BLOCKS_PER_MESSAGE,
     MAX_HEAD_BYTES,
@@ -48,8 +51,10 @@ __all__ = [
     "STREAM_MAGIC",
     "frame_length",
     "frame_prefix",
+    "kept_offer",
     "preface",
     "stream_batch_limit",
+    "stream_form",
     "stream_window",
     "token_of",
     "usable_offer",
@@ -98,6 +103,9 @@ def token_of(data: bytes) -> bytes | None:
     return bytes(token) if magic == STREAM_MAGIC else None
 
 
+_FORMS: Final = frozenset({CAP_TCP_DATA_V1, CAP_TCP_DATA_TLS_V1, CAP_TCP_DATA_AEAD_V1})
+
+
 def frame_prefix(head: bytes) -> bytes:
     """The length prefix of frame 0 ``head`` on the stream."""
     return FRAME_PREFIX.pack(len(head))
@@ -123,20 +131,50 @@ def stream_batch_limit(bytes_per_block: int, segments: int,
                       batch_bytes // bytes_per_block))
 
 
+def kept_offer(capabilities: Set[str], offer: DataOffer | None) -> DataOffer | None:
+    """What a session keeps of a ``welcome``'s ``data``: nothing unless one of the
+    stream's forms was negotiated, and of its parts only those of negotiated
+    capabilities (``more``: tcp-streams-v1; ``cert``: tcp-data-tls-v1; ``key``:
+    tcp-data-aead-v1). The rest is ignored (§18.1, §18.6–§18.8)."""
+    if offer is None or not capabilities & _FORMS:
+        return None
+    more = offer.more if CAP_TCP_STREAMS_V1 in capabilities else ()
+    cert = offer.cert if CAP_TCP_DATA_TLS_V1 in capabilities else None
+    key = offer.key if CAP_TCP_DATA_AEAD_V1 in capabilities else None
+    if (more, cert, key) == (offer.more, offer.cert, offer.key):
+        return offer
+    return dataclasses.replace(offer, more=more, cert=cert, key=key)
+
+
+def stream_form(capabilities: Set[str], offer: DataOffer | None) -> str | None:
+    """How a session's streams are protected: ``"sealed"`` (tcp-data-aead-v1 with a
+    ``key``: preferred), ``"tls"`` (tcp-data-tls-v1 with a ``cert``), ``"plain"``
+    (tcp-data-v1), or None (no usable form)."""
+    if offer is None:
+        return None
+    if CAP_TCP_DATA_AEAD_V1 in capabilities and offer.key is not None:
+        return "sealed"
+    if CAP_TCP_DATA_TLS_V1 in capabilities and offer.cert is not None:
+        return "tls"
+    if CAP_TCP_DATA_V1 in capabilities:
+        return "plain"
+    return None
+
+
 def usable_offer(capabilities: Set[str], offer: DataOffer | None,
                  dialed_port: int) -> tuple[DataOffer | None, str]:
     """The client's view of the server's offer: the offer to open a stream to, or None
     and why not. A client that reached the server at another port than the server's
     own endpoint (``cport``) talks to it through a relay or a port forward, which a
     stream opened to the server's data port would bypass: it stays on ZeroMQ."""
-    tls = CAP_TCP_DATA_TLS_V1 in capabilities
-    if CAP_TCP_DATA_V1 not in capabilities and not tls:
+    if not capabilities & _FORMS:
         return None, (f"the peer does not offer {CAP_TCP_DATA_V1} (nor "
-                      f"{CAP_TCP_DATA_TLS_V1} beside CurveZMQ)")
+                      f"{CAP_TCP_DATA_AEAD_V1} or {CAP_TCP_DATA_TLS_V1} beside CurveZMQ)")
     if offer is None:
         return None, "the peer's welcome names no data stream"
-    if tls and offer.cert is None:
-        return None, "the peer's welcome pins no certificate for its encrypted stream"
+    if stream_form(capabilities, offer) is None:
+        return None, ("the peer's welcome carries neither the key nor the certificate "
+                      "pin of its encrypted stream")
     if offer.cport != dialed_port:
         return None, (f"the peer is reached through a relay (port {dialed_port}, its own "
                       f"endpoint is port {offer.cport}): a stream would bypass it")

@@ -93,6 +93,8 @@ def _e_greeting(msg: Greeting) -> dict[str, Any]:
             data["more"] = list(msg.data.more)
         if msg.data.cert is not None:  # likewise (tcp-data-tls-v1)
             data["cert"] = msg.data.cert
+        if msg.data.key is not None:  # likewise (tcp-data-aead-v1)
+            data["key"] = msg.data.key
         out["data"] = data
     return out
 

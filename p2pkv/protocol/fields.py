@@ -17,6 +17,7 @@ from p2pkv.identity import EXTENSION_FIELDS, IdentityExtension
 from p2pkv.keys import find_bad_key
 from p2pkv.protocol.codes import (
     CERT_PIN_LEN,
+    DATA_KEY_LEN,
     DATA_TOKEN_LEN,
     MAX_BLOCK_BYTES,
     MAX_CAP_LEN,
@@ -291,8 +292,14 @@ def data_offer(value: object) -> DataOffer | None:
             raise wrong("data.cert", "bin", cert)
         if len(cert) != CERT_PIN_LEN:
             raise bounds("data.cert", f"must be {CERT_PIN_LEN} bytes, got {len(cert)}")
+    key = data.get("key")
+    if key is not None:
+        if type(key) is not bytes:
+            raise wrong("data.key", "bin", key)
+        if len(key) != DATA_KEY_LEN:
+            raise bounds("data.key", f"must be {DATA_KEY_LEN} bytes, got {len(key)}")
     return DataOffer(integer(data, "port", 1, 65535), token, integer(data, "cport", 1, 65535),
-                     tuple(more), cert)
+                     tuple(more), cert, key)
 
 
 def nonce(m: dict[Any, Any]) -> bytes:

@@ -10,19 +10,16 @@ violation.
 
 from __future__ import annotations
 
-import dataclasses
 from enum import Enum
 from typing import Final
 
 from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
     CAP_SHM_V1,
-    CAP_TCP_DATA_TLS_V1,
-    CAP_TCP_DATA_V1,
-    CAP_TCP_STREAMS_V1,
     MAX_KEYS,
     Code,
 )
+from p2pkv.protocol.datachannel import kept_offer
 from p2pkv.protocol.events import NOTHING, Event, HandshakeRefused, Output, ProtocolViolated
 from p2pkv.protocol.limits import Deadlines, Limits
 from p2pkv.protocol.messages import (
@@ -178,12 +175,8 @@ class Machine:
         self.state = State.READY
         if CAP_SHM_V1 not in caps:
             self.offer = None  # a segment is offered only when shm-v1 was negotiated
-        if CAP_TCP_DATA_V1 not in caps and CAP_TCP_DATA_TLS_V1 not in caps:
-            self.data_offer = None  # and a data stream only when one of its forms was
-        elif CAP_TCP_STREAMS_V1 not in caps and self.data_offer is not None \
-                and self.data_offer.more:
-            # and further streams only when tcp-streams-v1 was too
-            self.data_offer = dataclasses.replace(self.data_offer, more=())
+        # and a data stream only when one of its forms was (§18)
+        self.data_offer = kept_offer(caps, self.data_offer)
 
     def late_or_unknown(self, req: int, tag: str) -> Output:
         if self.requests.finished(req):

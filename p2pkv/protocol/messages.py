@@ -150,6 +150,10 @@ class DataOffer:
     #: The pin of the server's certificate (``tcp-data-tls-v1``, SPEC §18.7): the
     #: SHA-256 of its DER form; the stream is TLS 1.3 with exactly that certificate.
     cert: bytes | None = None
+    #: The session's stream secret (``tcp-data-aead-v1``, SPEC §18.8): 32 random bytes
+    #: from which each stream's record keys are derived. Only the two ends of the
+    #: (encrypted) session know it.
+    key: bytes | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,12 +45,14 @@ from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
     CAP_PACKED_V1,
     CAP_SHM_V1,
+    CAP_TCP_DATA_AEAD_V1,
     CAP_TCP_DATA_TLS_V1,
     CAP_TCP_DATA_V1,
     CAP_TCP_STREAMS_V1,
     Code,
 )
 from p2pkv.protocol.compat import decide
+from p2pkv.protocol.datachannel import kept_offer
 from p2pkv.protocol.events import (
     NOTHING,
     AbortAcknowledged,
@@ -112,7 +114,8 @@ __all__ = ["CALLS", "IMPLEMENTED", "TRANSITIONS", "Call", "Handler", "Rule", "al
 
 
 IMPLEMENTED: Final = frozenset({CAP_CHECKSUM_XXH3_64, CAP_SHM_V1, CAP_PACKED_V1,
-                                CAP_TCP_DATA_V1, CAP_TCP_DATA_TLS_V1, CAP_TCP_STREAMS_V1})
+                                CAP_TCP_DATA_V1, CAP_TCP_DATA_TLS_V1, CAP_TCP_DATA_AEAD_V1,
+                                CAP_TCP_STREAMS_V1})
 """The capabilities whose rules this table holds (a session implements these by default)."""
 
 
@@ -228,11 +231,7 @@ def _on_welcome(m: Machine, msg: Welcome, now: float) -> Output:
     m.accept(msg, decision.capabilities)
     if CAP_SHM_V1 in m.caps:
         m.offer = msg.shm  # ignored unless shm-v1 was negotiated (§4.1)
-    if CAP_TCP_DATA_V1 in m.caps or CAP_TCP_DATA_TLS_V1 in m.caps:
-        m.data_offer = msg.data  # ignored unless a data stream was negotiated (§18.1)
-        if m.data_offer is not None and CAP_TCP_STREAMS_V1 not in m.caps and \
-                m.data_offer.more:
-            m.data_offer = dataclasses.replace(m.data_offer, more=())  # §18.6: ignored
+    m.data_offer = kept_offer(m.caps, msg.data)  # ignored where not negotiated (§18)
     return Output(events=(HandshakeAccepted(msg, decision.capabilities, decision.warnings),))
 
 

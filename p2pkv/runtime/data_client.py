@@ -35,6 +35,7 @@ from p2pkv.runtime.state import Receiving, writable
 from p2pkv.runtime.stats import RECEIVED, Counters
 from p2pkv.runtime.tuning import READ_BURST_BYTES, WAKE_BYTES
 from p2pkv.transport.datachannel import RETRY, Scatter, pending, recvmsg_into
+from p2pkv.transport.sealed import SealedSocket
 
 __all__ = ["DataReceiver", "StreamIn", "StreamOwner", "Striped"]
 
@@ -235,9 +236,13 @@ class StreamIn:
         receiver faster than its sender otherwise wakes for every few kilobytes, and pays
         the loop's per-receive work each time. Only bytes promised by the message under
         way are waited for, so the wait always ends."""
-        want = min(nbytes, WAKE_BYTES)
         sock = self._sock
-        if want == self._lowat or sock is None or isinstance(sock, ssl.SSLSocket):
+        if sock is None or isinstance(sock, ssl.SSLSocket):
+            return
+        if isinstance(sock, SealedSocket):  # its bytes come in records
+            nbytes = sock.promised(nbytes)
+        want = min(nbytes, WAKE_BYTES)
+        if want == self._lowat:
             return
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
         self._lowat = want

@@ -22,9 +22,11 @@ from collections.abc import Callable
 from enum import Enum
 
 from p2pkv import protocol as proto
+from p2pkv.protocol.seal import ANSWER_RECORD_BYTES, RecordKeys, SealError, open_record
 from p2pkv.runtime.reactor import Reactor
 from p2pkv.runtime.stats import Count, Counters
 from p2pkv.transport.datachannel import RETRY, connect_error, dial, host_of, port_of
+from p2pkv.transport.sealed import SealedSocket
 from p2pkv.transport.tls import client_context, pin_matches
 
 __all__ = ["StreamDialer"]
@@ -67,6 +69,8 @@ class StreamDialer:
         self._answer = bytearray()
         #: The certificate pin when the stream is TLS (tcp-data-tls-v1), else None.
         self._pin: bytes | None = None
+        #: The keys of the server's records when the stream is sealed (tcp-data-aead-v1).
+        self._opener: RecordKeys | None = None
         #: The stream used, or why there is none.
         self.detail = ""
         #: Where the stream goes, and how (``HOST:PORT`` and, for TLS, the pin), once
@@ -101,14 +105,22 @@ class StreamDialer:
             return False
         self._sock = sock
         self._deadline = deadline
-        self._out = proto.preface(offer.token if self.index == 0
-                                  else offer.more[self.index - 1])
-        if proto.CAP_TCP_DATA_TLS_V1 in session.capabilities:
-            self._pin = offer.cert
+        token = offer.token if self.index == 0 else offer.more[self.index - 1]
+        form = proto.stream_form(session.capabilities, offer)
+        how = ""
+        if form == "sealed":
+            assert offer.key is not None
+            self._out = proto.sealed_preface(offer.key, token)
+            self._opener = RecordKeys(offer.key, token, "server")
+            how = ", sealed (AES-256-GCM, keys from the CURVE session)"
+        else:
+            self._out = proto.preface(token)
+            if form == "tls":
+                self._pin = offer.cert
+                how = ", TLS 1.3, its certificate pinned"
         self._state = _State.DIALING
         which = f"data stream {self.index}" if self.index else "data stream"
-        tls = ", TLS 1.3, its certificate pinned" if self._pin is not None else ""
-        self.target = f"{host}:{offer.port}{tls}"
+        self.target = f"{host}:{offer.port}{how}"
         self.detail = f"{which} to {self.target}"
         self._reactor.register(sock, self._on_event, writable=True)
         return True
@@ -203,7 +215,8 @@ class StreamDialer:
         sock = self._sock
         assert sock is not None
         # Exactly the answer's bytes: what follows it is the stream's, read by StreamIn.
-        want = len(proto.ACCEPTED) - len(self._answer)
+        size = len(proto.ACCEPTED) if self._opener is None else ANSWER_RECORD_BYTES
+        want = size - len(self._answer)
         try:
             got = sock.recv(want)
         except RETRY:
@@ -216,13 +229,23 @@ class StreamDialer:
                           "refused)")
             return
         self._answer += got
-        if len(self._answer) < len(proto.ACCEPTED):
+        if len(self._answer) < size:
             return
-        if bytes(self._answer) != proto.ACCEPTED:
-            self._give_up("the data port answered something else than p2pkv")
+        answer = bytes(self._answer)
+        if self._opener is not None:
+            try:
+                answer = open_record(self._opener, answer)
+            except SealError:
+                answer = b""  # not sealed by the session's server: a stranger answered
+        if answer != proto.ACCEPTED:
+            self._give_up("the data port answered something else than p2pkv" +
+                          ("" if self._opener is None else
+                           " (an answer not sealed with the session's keys)"))
             return
         self._reactor.unregister(sock)
         self._sock = None
+        if self._opener is not None:
+            sock = SealedSocket(sock, opener=self._opener)
         self._state = _State.DONE
         self._counters.add(Count.DATA_STREAMS_OPENED)
         log.info("%s: blocks move over the data stream%s", self._address,

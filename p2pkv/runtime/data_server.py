@@ -29,13 +29,15 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 from p2pkv import protocol as proto
-from p2pkv.protocol.codes import DATA_TOKEN_LEN, OUTCOME_SENT
+from p2pkv.protocol.codes import DATA_KEY_LEN, DATA_TOKEN_LEN, OUTCOME_SENT
+from p2pkv.protocol.seal import RecordKeys
 from p2pkv.runtime.reactor import Reactor
 from p2pkv.runtime.sender import pin_next_batch
 from p2pkv.runtime.state import Sending
 from p2pkv.runtime.stats import SENT, Count, Counters
 from p2pkv.store import BlockReader, BlockStore
 from p2pkv.transport.datachannel import RETRY, Gather, tune
+from p2pkv.transport.sealed import SealedSocket
 from p2pkv.transport.tls import ServerTLS
 
 __all__ = ["BoundStream", "DataListener", "DataSender", "StreamOut", "StreamOwner"]
@@ -46,6 +48,8 @@ _QUEUE_MESSAGES: Final = 2
 """Stream messages queued ahead of the kernel per peer: enough to keep its socket
 buffer full, few enough that pins are short and a new fetch's first blocks go out soon."""
 _ACCEPTS_PER_TURN: Final = 64
+_TLS_HANDSHAKE: Final = b"\x16"
+"""The first byte of a TLS stream (a handshake record)."""
 
 
 class StreamOwner(Protocol):
@@ -56,6 +60,10 @@ class StreamOwner(Protocol):
     def wants_stream(self, index: int) -> bool:
         """Whether its stream ``index`` may bind now (its session negotiated the stream,
         and that one is not bound yet)."""
+
+    def stream_form(self) -> str | None:
+        """How its session's streams are protected (``"plain"``, ``"tls"``,
+        ``"sealed"``: :func:`p2pkv.protocol.stream_form`), None without a stream."""
 
     def bind_stream(self, stream: BoundStream, index: int) -> None:
         """Its stream ``index`` arrived with the right token."""
@@ -71,6 +79,8 @@ class _Offer:
     #: Which stream of its session the token binds (0: the first, ``tcp-streams-v1``).
     index: int = 0
     owner: StreamOwner | None = None
+    #: The session's stream secret (``tcp-data-aead-v1``), when this node seals streams.
+    key: bytes | None = None
 
 
 @dataclass(eq=False)
@@ -80,6 +90,9 @@ class _Pending:
     data: bytearray
     #: Whether its TLS handshake is over (always, for a plain stream).
     shaken: bool = True
+    #: Whether it is TLS; None while its first byte, which says so, has not come yet
+    #: (a node that serves TLS streams and others on one port).
+    tls: bool | None = False
 
 
 class DataListener:
@@ -88,14 +101,18 @@ class DataListener:
     ``timeout``: how long a token waits for its stream, and a new stream for its
     preface (the handshake deadline, its TLS handshake included). At most
     ``max_pending`` streams may be waiting for their preface at once; more are closed at
-    once. ``tls``: the node's TLS identity when its streams are encrypted
-    (``tcp-data-tls-v1``, SPEC §18.7): every stream is then TLS 1.3 before its preface,
-    and every offer pins the certificate.
+    once. ``tls``: the node's TLS identity when it serves TLS streams
+    (``tcp-data-tls-v1``, SPEC §18.7): every offer pins the certificate, and a stream
+    whose first byte opens a TLS handshake is TLS 1.3 before its preface. ``sealed``:
+    whether it serves sealed streams (``tcp-data-aead-v1``, SPEC §18.8): every offer
+    carries a fresh stream secret, and a sealed preface must verify under it.
     """
 
     def __init__(self, reactor: Reactor, sock: socket.socket, counters: Counters, *,
-                 timeout: float, max_pending: int, tls: ServerTLS | None = None) -> None:
+                 timeout: float, max_pending: int, tls: ServerTLS | None = None,
+                 sealed: bool = False) -> None:
         self._tls = tls
+        self._sealed = sealed
         self._reactor = reactor
         self._sock = sock
         self._counters = counters
@@ -115,10 +132,11 @@ class DataListener:
         named its session. Tokens beyond the first go to a peer only where
         ``tcp-streams-v1`` is negotiated (the session drops them otherwise)."""
         tokens = [secrets.token_bytes(DATA_TOKEN_LEN) for _ in range(streams)]
+        key = secrets.token_bytes(DATA_KEY_LEN) if self._sealed else None
         for index, token in enumerate(tokens):
-            self._offers[token] = _Offer(now + self._timeout, index)
+            self._offers[token] = _Offer(now + self._timeout, index, key=key)
         return proto.DataOffer(self.port, tokens[0], cport, tuple(tokens[1:]),
-                               None if self._tls is None else self._tls.pin)
+                               None if self._tls is None else self._tls.pin, key)
 
     def own(self, offer: proto.DataOffer, owner: StreamOwner) -> None:
         """The session ``offer`` was made for."""
@@ -153,14 +171,11 @@ class DataListener:
                 continue
             try:
                 tune(sock)
-                if self._tls is not None:
-                    sock = self._tls.context.wrap_socket(sock, server_side=True,
-                                                         do_handshake_on_connect=False)
             except OSError:
                 sock.close()
                 continue
             pending = _Pending(sock, now + self._timeout, bytearray(),
-                               shaken=self._tls is None)
+                               tls=None if self._tls is not None else False)
             self._pending[sock] = pending
             self._reactor.register(sock, self._preface_reader(pending))
 
@@ -193,44 +208,109 @@ class DataListener:
         self._reactor.watch_writable(p.sock, False)
         return True
 
+    def _start_tls(self, p: _Pending) -> bool:
+        """A port that serves TLS and other streams: the first byte says which (a TLS
+        handshake record is 0x16, a preface begins with ``P``). True once decided."""
+        assert self._tls is not None
+        try:
+            first = p.sock.recv(1, socket.MSG_PEEK)
+        except RETRY:
+            return False
+        except OSError:
+            first = b""
+        if not first:
+            self._drop_pending(p, "closed before its preface")
+            return False
+        p.tls = first == _TLS_HANDSHAKE
+        if p.tls:
+            del self._pending[p.sock]
+            self._reactor.unregister(p.sock)
+            try:
+                p.sock = self._tls.context.wrap_socket(p.sock, server_side=True,
+                                                       do_handshake_on_connect=False)
+            except OSError as exc:
+                self._refuse(p.sock, f"no TLS 1.3 handshake: {exc}")
+                return False
+            p.shaken = False
+            self._pending[p.sock] = p
+            self._reactor.register(p.sock, self._preface_reader(p))
+        return True
+
     def _bind(self, p: _Pending, now: float) -> None:
+        if p.tls is None and not self._start_tls(p):
+            return
         if not p.shaken and not self._handshake(p):
             return
-        try:
-            chunk = p.sock.recv(proto.PREFACE_BYTES - len(p.data))
-        except RETRY:
+        while True:
+            # The magic first: it says how long the preface is (a sealed one has a tag).
+            magic = len(proto.STREAM_MAGIC)
+            want = magic if len(p.data) < magic else (
+                proto.SEALED_PREFACE_BYTES if p.data.startswith(proto.SEALED_MAGIC)
+                else proto.PREFACE_BYTES)
+            if len(p.data) >= want:
+                break
+            try:
+                chunk = p.sock.recv(want - len(p.data))
+            except RETRY:
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._drop_pending(p, "closed before its preface")
+                return
+            p.data += chunk
+        data = bytes(p.data)
+        sealed = data.startswith(proto.SEALED_MAGIC)
+        token = proto.sealed_token_of(data) if sealed else proto.token_of(data)
+        if token is None:
+            self._drop_pending(p, "not a p2pkv data stream")
             return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self._drop_pending(p, "closed before its preface")
-            return
-        p.data += chunk
-        if len(p.data) < proto.PREFACE_BYTES:
-            return
-        token = proto.token_of(bytes(p.data))
-        offer = None if token is None else self._offers.pop(token, None)
+        offer = self._offers.get(token)
         owner = None if offer is None else offer.owner
-        if offer is None or owner is None or now >= offer.expires or \
-                not owner.wants_stream(offer.index):
-            why = ("not a p2pkv data stream" if token is None
-                   else "an unknown, used or expired token")
+        if offer is not None and offer.key is not None and owner is not None and \
+                owner.stream_form() == "sealed" and not (
+                    sealed and not p.tls and proto.check_sealed_preface(offer.key, data)):
+            # A sealed session's token travels in the clear: only a preface that proves
+            # the session's secret uses it up, so a stranger who saw it cannot spend it.
+            self._drop_pending(p, "a preface that does not prove its session's key")
+            return
+        self._offers.pop(token, None)  # used up, whatever follows
+        why = self._refusal(p, offer, sealed, now)
+        if why is not None:
             self._drop_pending(p, why)
             return
+        assert offer is not None and offer.owner is not None
+        owner = offer.owner
         self._pending.pop(p.sock, None)
         self._reactor.unregister(p.sock)
+        sock = p.sock
+        if sealed:
+            assert token is not None and offer.key is not None
+            sock = SealedSocket(sock, sealer=RecordKeys(offer.key, token, "server"))
         # Bound before the answer goes: a fetch the client sends once it read the answer
         # finds its stream here (the IO thread queues nothing on it before this returns).
-        stream = BoundStream(self._reactor, p.sock, owner)
+        stream = BoundStream(self._reactor, sock, owner)
         owner.bind_stream(stream, offer.index)
         try:
-            p.sock.sendall(proto.ACCEPTED)  # 8 bytes into an empty socket buffer
+            sock.sendall(proto.ACCEPTED)  # 8 bytes (sealed: 28) into an empty socket buffer
         except OSError as exc:
             stream.close()
             owner.stream_lost(proto.Code.NORMAL_CLOSE,
                               f"the data stream failed as it was bound: {exc}")
             return
         self._counters.add(Count.DATA_STREAMS_BOUND)
+
+    @staticmethod
+    def _refusal(p: _Pending, offer: _Offer | None, sealed: bool, now: float) -> str | None:
+        """Why the stream of a well-formed preface may not bind (None: it binds)."""
+        owner = None if offer is None else offer.owner
+        if offer is None or owner is None or now >= offer.expires or \
+                not owner.wants_stream(offer.index):
+            return "an unknown, used or expired token"
+        form = "tls" if p.tls else ("sealed" if sealed else "plain")
+        if owner.stream_form() != form:
+            return f"a {form} stream for a session whose streams are {owner.stream_form()}"
+        return None
 
     def _drop_pending(self, p: _Pending, why: str) -> None:
         self._pending.pop(p.sock, None)

@@ -268,6 +268,10 @@ class InboundConnection:
                 and self.session.state is proto.State.READY
                 and offer is not None and index <= len(offer.more))
 
+    def stream_form(self) -> str | None:
+        """How this session's streams are protected (plain, tls or sealed)."""
+        return proto.stream_form(self.session.capabilities, self.session.data_offer)
+
     def bind_stream(self, stream: BoundStream, index: int) -> None:
         """The peer's stream ``index`` arrived with its token: fetches go out on it from
         now (the first one bound, and any that names it)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from p2pkv.errors import ConfigError
 from p2pkv.identity import IDENTITY_POLICIES, IdentityExtension
@@ -18,6 +18,7 @@ from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
     CAP_PACKED_V1,
     CAP_SHM_V1,
+    CAP_TCP_DATA_AEAD_V1,
     CAP_TCP_DATA_TLS_V1,
     CAP_TCP_DATA_V1,
     CAP_TCP_STREAMS_V1,
@@ -28,6 +29,7 @@ from p2pkv.store import StoreStats
 from p2pkv.transport import CurveKeys, validate_address
 
 __all__ = [
+    "DATA_ENCRYPTIONS",
     "FetchResult",
     "KeyOutcome",
     "NodeConfig",
@@ -35,6 +37,10 @@ __all__ = [
     "PeerHandle",
     "PeerOwner",
 ]
+
+
+DATA_ENCRYPTIONS: Final = ("sealed", "tls")
+"""The values of ``NodeConfig.data_encryption``."""
 
 
 class KeyOutcome(enum.Enum):
@@ -146,6 +152,11 @@ class NodeConfig:
     #: this many from each peer; a fetch is striped over them. Clouds cap one TCP flow
     #: well below the NIC; several streams get past that cap.
     data_streams: int = 1
+    #: How data streams are encrypted under CURVE: ``"sealed"`` offers AES-256-GCM
+    #: records keyed from the CURVE session (tcp-data-aead-v1, the fast one) and TLS
+    #: 1.3 for peers that only speak that (tcp-data-tls-v1); ``"tls"`` offers TLS only.
+    #: Without CURVE the stream is plain and this does nothing.
+    data_encryption: str = "sealed"
 
     def __post_init__(self) -> None:
         validate_address(self.listen, what="listen", option="listen")
@@ -187,6 +198,9 @@ class NodeConfig:
         if type(self.data_streams) is not int or not 1 <= self.data_streams <= MAX_STREAMS:
             raise ConfigError(f"data_streams must be an int in [1, {MAX_STREAMS}], got "
                               f"{self.data_streams!r}")
+        if self.data_encryption not in DATA_ENCRYPTIONS:
+            raise ConfigError(f"data_encryption must be one of {', '.join(DATA_ENCRYPTIONS)}, "
+                              f"got {self.data_encryption!r}")
 
     @property
     def capabilities(self) -> tuple[str, ...]:
@@ -197,7 +211,12 @@ class NodeConfig:
         if self.packed_blocks:
             caps.append(CAP_PACKED_V1)
         if self.offers_data_channel:
-            caps.append(CAP_TCP_DATA_TLS_V1 if self.encrypts_data_stream else CAP_TCP_DATA_V1)
+            if not self.encrypts_data_stream:
+                caps.append(CAP_TCP_DATA_V1)
+            elif self.data_encryption == "sealed":
+                caps += [CAP_TCP_DATA_AEAD_V1, CAP_TCP_DATA_TLS_V1]
+            else:
+                caps.append(CAP_TCP_DATA_TLS_V1)
             if self.data_streams > 1:
                 caps.append(CAP_TCP_STREAMS_V1)
         return tuple(caps)
@@ -209,10 +228,17 @@ class NodeConfig:
 
     @property
     def encrypts_data_stream(self) -> bool:
-        """Whether its data streams are TLS (``tcp-data-tls-v1``): under CURVE, whose
-        connections a plain stream would be weaker than; plain ``tcp-data-v1`` is then
-        never offered."""
+        """Whether its data streams are encrypted (``tcp-data-aead-v1`` and/or
+        ``tcp-data-tls-v1``, by :attr:`data_encryption`): under CURVE, whose connections
+        a plain stream would be weaker than; plain ``tcp-data-v1`` is then never
+        offered."""
         return self.curve is not None
+
+    @property
+    def seals_data_stream(self) -> bool:
+        """Whether it offers the sealed stream (``tcp-data-aead-v1``)."""
+        return self.offers_data_channel and self.encrypts_data_stream and \
+            self.data_encryption == "sealed"
 
 
 class PeerOwner(Protocol):

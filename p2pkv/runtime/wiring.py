@@ -113,8 +113,9 @@ def wire(config: NodeConfig, hello: proto.Hello, store: BlockStore, owner: PeerO
     deadlines = deadlines_of(config)
     # libzmq drops any frame above this before Python sees it.
     max_message = max(max(segments), MAX_HEAD_BYTES)
-    # Under CURVE every data stream is TLS 1.3 with an ephemeral certificate of this
-    # node's, which its (encrypted) welcome pins (made first: nothing is bound yet).
+    # Under CURVE every data stream is encrypted: sealed with keys from the session's
+    # (encrypted) welcome, or TLS 1.3 with an ephemeral certificate of this node's, which
+    # the welcome pins (made first: nothing is bound yet).
     tls = ServerTLS() if config.offers_data_channel and config.encrypts_data_stream else None
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     auth, router, data_sock = _bind(ctx, config, max_message, config.offers_data_channel)
@@ -128,7 +129,7 @@ def wire(config: NodeConfig, hello: proto.Hello, store: BlockStore, owner: PeerO
                               bpb, counters, pin_limit=2 * window)
     listener = None if data_sock is None else DataListener(
         reactor, data_sock, counters, timeout=config.handshake_timeout,
-        max_pending=config.max_peers, tls=tls)
+        max_pending=config.max_peers, tls=tls, sealed=config.seals_data_stream)
     inbound = InboundParts(router, store, Sender(router, store, bpb, counters), shm_sender,
                            counters, config.send_timeout, listener,
                            DataSender(store, segments, bpb, counters))

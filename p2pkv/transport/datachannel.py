@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Final
 
 from p2pkv.errors import ConfigError
+from p2pkv.transport.sealed import SealedSocket
 
 __all__ = [
     "IOV_MAX",
@@ -54,15 +55,20 @@ same bytes (OpenSSL's rule), so each is a fixed slice of the buffer."""
 
 
 def pending(sock: socket.socket) -> int:
-    """Bytes a TLS stream holds decrypted already (the poller cannot see them); 0 for a
-    plain stream."""
-    return sock.pending() if isinstance(sock, ssl.SSLSocket) else 0
+    """Bytes a TLS or sealed stream holds decrypted already (the poller cannot see
+    them); 0 for a plain stream."""
+    if isinstance(sock, (ssl.SSLSocket, SealedSocket)):
+        return sock.pending()
+    return 0
 
 
 def sendmsg(sock: socket.socket, iov: Sequence[memoryview]) -> int:
     """Write ``iov`` in order as far as the socket takes it: one ``sendmsg`` on a plain
     stream; TLS records one buffer after the other on a TLS stream (whose sockets have
-    no ``sendmsg``). Raises :data:`RETRY` when nothing could be written."""
+    no ``sendmsg``); whole sealed records on a sealed stream. Raises :data:`RETRY`
+    when nothing could be written."""
+    if isinstance(sock, SealedSocket):
+        return sock.send_records(iov)
     if not isinstance(sock, ssl.SSLSocket):
         return sock.sendmsg(iov, (), socket.MSG_NOSIGNAL)
     sent = 0
@@ -85,8 +91,10 @@ def sendmsg(sock: socket.socket, iov: Sequence[memoryview]) -> int:
 def recvmsg_into(sock: socket.socket, iov: Sequence[memoryview]) -> int:
     """Fill ``iov`` in order with what the socket holds: one ``recvmsg_into`` on a plain
     stream; on a TLS stream, TLS records decrypted straight into the buffers one after
-    the other (no copy either way). 0: the peer closed the stream. Raises :data:`RETRY`
-    when nothing is there now."""
+    the other (no copy either way); on a sealed stream, records opened into them. 0:
+    the peer closed the stream. Raises :data:`RETRY` when nothing is there now."""
+    if isinstance(sock, SealedSocket):
+        return sock.recv_records(iov)
     if not isinstance(sock, ssl.SSLSocket):
         return sock.recvmsg_into(iov)[0]
     got = 0
