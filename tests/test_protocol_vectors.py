@@ -170,3 +170,169 @@ def test_fill_vector(vector: dict[str, Any]) -> None:
         assert hashlib.sha256(data).hexdigest() == want["sha256"]
         if "bytes" in want:
             assert data.hex() == want["bytes"]
+
+
+# ------------------------------------------------------------- the sealed stream (§18.8)
+
+SEALED = json.loads((VECTORS / "sealed.json").read_text())
+SEAL_SECRET = bytes.fromhex(SEALED["secret"])
+SEAL_TOKEN = bytes.fromhex(SEALED["token"])
+SEALED_RECORDS = {r["name"]: r for r in SEALED["records"]}
+
+
+def test_sealed_traffic_keys() -> None:
+    from p2pkv.protocol.seal import traffic_key
+
+    assert len(SEALED["keys"]) == 3
+    for entry in SEALED["keys"]:
+        key = traffic_key(SEAL_SECRET, SEAL_TOKEN, entry["writer"], entry["epoch"])
+        assert key.hex() == entry["key"], entry
+    with pytest.raises(ValueError):
+        traffic_key(SEAL_SECRET[:31], SEAL_TOKEN, "server", 0)
+    with pytest.raises(ValueError):
+        traffic_key(SEAL_SECRET, SEAL_TOKEN, "relay", 0)
+
+
+def test_sealed_preface() -> None:
+    from p2pkv.protocol.seal import (
+        SEALED_MAGIC,
+        SEALED_PREFACE_BYTES,
+        check_sealed_preface,
+        sealed_preface,
+        sealed_token_of,
+    )
+
+    want = bytes.fromhex(SEALED["preface"]["bytes"])
+    assert sealed_preface(SEAL_SECRET, SEAL_TOKEN) == want
+    assert len(want) == SEALED_PREFACE_BYTES == 40
+    assert want == SEALED_MAGIC + SEAL_TOKEN + bytes.fromhex(SEALED["preface"]["tag"])
+    assert sealed_token_of(want) == SEAL_TOKEN
+    assert check_sealed_preface(SEAL_SECRET, want)
+    # A plain preface (§18.2) is not a sealed one.
+    from p2pkv.protocol import preface
+
+    assert sealed_token_of(preface(SEAL_TOKEN)) is None
+    assert not check_sealed_preface(SEAL_SECRET, preface(SEAL_TOKEN))
+
+
+@pytest.mark.parametrize("vector", SEALED["records"], ids=list(SEALED_RECORDS))
+def test_sealed_record_vector(vector: dict[str, Any]) -> None:
+    from p2pkv.protocol.seal import RecordKeys, open_record, seal_record
+
+    plaintext, wire = bytes.fromhex(vector["plaintext"]), bytes.fromhex(vector["bytes"])
+    keys = RecordKeys(SEAL_SECRET, SEAL_TOKEN, vector["writer"], vector["number"])
+    assert seal_record(keys, plaintext) == wire
+    assert keys.next == vector["number"] + 1
+    keys = RecordKeys(SEAL_SECRET, SEAL_TOKEN, vector["writer"], vector["number"])
+    assert open_record(keys, wire) == plaintext
+    assert keys.next == vector["number"] + 1
+
+
+def test_sealed_answer_and_epochs() -> None:
+    from p2pkv.protocol import ACCEPTED
+    from p2pkv.protocol.seal import ANSWER_RECORD_BYTES, RecordKeys, seal_record
+
+    answer = SEALED_RECORDS["answer"]
+    assert bytes.fromhex(answer["plaintext"]) == ACCEPTED
+    assert len(bytes.fromhex(answer["bytes"])) == ANSWER_RECORD_BYTES == 28
+    # One RecordKeys takes the next epoch's key at record 65536.
+    keys = RecordKeys(SEAL_SECRET, SEAL_TOKEN, "server", 65535)
+    for name in ("record_65535_last_of_epoch_0", "record_65536_first_of_epoch_1"):
+        vector = SEALED_RECORDS[name]
+        assert seal_record(keys, bytes.fromhex(vector["plaintext"])).hex() == vector["bytes"]
+    # And the record after the answer is record 1, on the same keys.
+    keys = RecordKeys(SEAL_SECRET, SEAL_TOKEN, "server")
+    for name in ("answer", "record_1_framed_done"):
+        vector = SEALED_RECORDS[name]
+        assert seal_record(keys, bytes.fromhex(vector["plaintext"])).hex() == vector["bytes"]
+
+
+@pytest.mark.parametrize("vector", SEALED["invalid"], ids=[v["name"] for v in SEALED["invalid"]])
+def test_sealed_invalid_vector_is_rejected(vector: dict[str, Any]) -> None:
+    from p2pkv.protocol.seal import RecordKeys, SealError, check_sealed_preface, open_record
+
+    wire = bytes.fromhex(vector["bytes"])
+    secret = bytes.fromhex(vector.get("secret", SEALED["secret"]))
+    token = bytes.fromhex(vector.get("token", SEALED["token"]))
+    if vector["kind"] == "preface":
+        assert not check_sealed_preface(secret, wire)
+        return
+    keys = RecordKeys(secret, token, vector["writer"], vector["number"])
+    with pytest.raises(SealError):
+        open_record(keys, wire)
+
+
+def test_sealed_socket_writes_and_reads_the_vectors() -> None:
+    """The reference's socket puts the vectors' bytes on the wire, opens them, and ends
+    the stream at a head that cannot be a record's (§18.8)."""
+    import socket
+
+    from p2pkv.protocol import ACCEPTED
+    from p2pkv.protocol.seal import RecordKeys, SealError
+    from p2pkv.transport.sealed import SealedSocket
+
+    answer, first = SEALED_RECORDS["answer"], SEALED_RECORDS["record_1_framed_done"]
+    a, b = socket.socketpair()
+    with a, b:
+        server = SealedSocket(a, sealer=RecordKeys(SEAL_SECRET, SEAL_TOKEN, "server"))
+        server.sendall(ACCEPTED)
+        assert server.send_records([memoryview(bytes.fromhex(first["plaintext"]))]) == len(
+            bytes.fromhex(first["plaintext"]))
+        wire = bytes.fromhex(answer["bytes"]) + bytes.fromhex(first["bytes"])
+        got = b""
+        while len(got) < len(wire):
+            got += b.recv(len(wire) - len(got))
+        assert got == wire
+        server.close()
+    a, b = socket.socketpair()
+    with a, b:
+        client = SealedSocket(b, opener=RecordKeys(SEAL_SECRET, SEAL_TOKEN, "server", 1))
+        a.sendall(bytes.fromhex(first["bytes"]))
+        out = bytearray(len(bytes.fromhex(first["plaintext"])))
+        assert client.recv_records([memoryview(out)]) == len(out)
+        assert out.hex() == first["plaintext"]
+        client.close()
+    for vector in (v for v in SEALED["invalid"] if v.get("rejected_at_head")):
+        a, b = socket.socketpair()
+        with a, b:
+            client = SealedSocket(b, opener=RecordKeys(SEAL_SECRET, SEAL_TOKEN, "server",
+                                                       vector["number"]))
+            a.sendall(bytes.fromhex(vector["bytes"])[:4])  # the head alone decides
+            with pytest.raises(SealError):
+                client.recv_records([memoryview(bytearray(64))])
+            client.close()
+
+
+@pytest.mark.parametrize("case", SEALED["forms"], ids=[
+    f"{'+'.join(c['caps'])}:{'+'.join(c['data']) or 'nothing'}" for c in SEALED["forms"]])
+def test_stream_form_vector(case: dict[str, Any]) -> None:
+    from p2pkv.protocol import DataOffer, stream_form
+    from p2pkv.protocol.datachannel import kept_offer
+
+    offer = DataOffer(40123, SEAL_TOKEN, 5555, (),
+                      bytes(32) if "cert" in case["data"] else None,
+                      SEAL_SECRET if "key" in case["data"] else None)
+    caps = frozenset(case["caps"])
+    assert stream_form(caps, kept_offer(caps, offer)) == case["form"]
+
+
+def test_sealed_welcome_vector_carries_the_sealed_inputs() -> None:
+    """The sealed welcome of datachannel.json offers the token and secret that
+    sealed.json's keys come from; its session's streams are sealed."""
+    from p2pkv.protocol import Welcome, stream_form
+    from p2pkv.protocol.datachannel import kept_offer
+
+    channel = json.loads((VECTORS / "datachannel.json").read_text())
+    by_name = {v["name"]: v for v in channel["messages"]}
+    errors = {v["name"]: v["code"] for v in channel["errors"]}
+    assert errors["welcome_data_key_short"] == errors["welcome_data_key_long"] == (
+        Code.OUT_OF_BOUNDS)
+    assert errors["welcome_data_key_str"] == Code.WRONG_TYPE
+    for name, form in (("welcome_offers_sealed_stream", "sealed"),
+                       ("welcome_tls_only_carries_key_decoded_then_ignored", "tls")):
+        welcome = decode(frames_of(by_name[name]))
+        assert isinstance(welcome, Welcome) and welcome.data is not None
+        assert (welcome.data.token, welcome.data.key) == (SEAL_TOKEN, SEAL_SECRET)
+        kept = kept_offer(frozenset(welcome.caps), welcome.data)
+        assert stream_form(frozenset(welcome.caps), kept) == form
+        assert kept is not None and (kept.key is None) == (form != "sealed")

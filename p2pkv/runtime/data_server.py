@@ -307,6 +307,8 @@ class DataListener:
         if offer is None or owner is None or now >= offer.expires or \
                 not owner.wants_stream(offer.index):
             return "an unknown, used or expired token"
+        if p.tls and sealed:
+            return "a sealed preface inside TLS (TLS carries the plain one)"
         form = "tls" if p.tls else ("sealed" if sealed else "plain")
         if owner.stream_form() != form:
             return f"a {form} stream for a session whose streams are {owner.stream_form()}"

@@ -6,12 +6,15 @@ codec, so ``tests/test_protocol_vectors.py`` is a real cross-check of the decode
 identity vectors build the canonical JSON by hand (``json.dumps(sort_keys=True,
 separators=(",", ":"))`` + SHA-256) rather than calling ``RunConfig``. The block-key and
 fill vectors are computed here with plain ``xxhash`` and integer arithmetic from the text
-of SPEC §15 and Appendix A, never by calling ``p2pkv.keys`` or ``p2pkv.fill``.
+of SPEC §15 and Appendix A, never by calling ``p2pkv.keys`` or ``p2pkv.fill``. The sealed
+stream's vectors (SPEC §18.8) are computed with HMAC-SHA256 and ``cryptography``'s HKDF and
+AES-GCM from the text of §18.8, never by calling ``p2pkv.protocol.seal``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 from pathlib import Path
@@ -19,6 +22,9 @@ from typing import Any
 
 import msgpack
 import xxhash
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 HERE = Path(__file__).resolve().parent
 
@@ -47,6 +53,11 @@ def rc_of(fields: dict[str, Any]) -> tuple[dict[str, Any], str]:
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return fields, hashlib.sha256(text.encode()).hexdigest()[:16]
 
+
+# tcp-data-aead-v1 (SPEC 18.8): the session secret of the sealed welcome in
+# datachannel.json, and its first token, from which sealed.json derives its keys.
+SEAL_SECRET = bytes(range(32))
+SEAL_TOKEN = bytes(range(0xA0, 0xB0))
 
 BASE_RC = {
     "model_name": "m", "tokens_per_hash": 16, "blocks_per_file": 1, "tp_size": 1,
@@ -84,9 +95,10 @@ def expected(wire: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     if wire["t"] in ("hello", "welcome"):
         fields.setdefault("shm", None)  # shm-v1 (section 16): no segment offered
         fields.setdefault("data", None)  # tcp-data-v1 (section 18): no stream offered
-        if isinstance(fields["data"], dict):  # 18.6: one stream; 18.7: no pin
+        if isinstance(fields["data"], dict):  # 18.6: one stream; 18.7: no pin; 18.8
             fields["data"] = {**fields["data"], "more": fields["data"].get("more", []),
-                              "cert": fields["data"].get("cert")}
+                              "cert": fields["data"].get("cert"),
+                              "key": fields["data"].get("key")}  # 18.8: no secret
     if wire["t"] == "fetch":
         fields.setdefault("shm", False)  # shm-v1: absent = served with block messages
         fields.setdefault("stream", 0)  # tcp-streams-v1: absent = the first stream
@@ -738,7 +750,7 @@ def datachannel_vectors() -> dict[str, Any]:
         errors.append({"name": name, "frames": [pack(wire).hex()], "segments": None,
                        "code": code})
 
-    token = bytes(range(0xA0, 0xB0))
+    token = SEAL_TOKEN
     offer = {"port": 40123, "token": token, "cport": 5555}
     w = greeting("welcome", "node-b", V2_RC, V2_FP, [49152] * 12, minor=2,
                  caps=[CHECKSUM, "packed-v1", "tcp-data-v1"], data=offer)
@@ -783,6 +795,21 @@ def datachannel_vectors() -> dict[str, Any]:
     add("welcome_offers_tls_stream", wt, expected(wt, limits=None, v=1))
     bad("welcome_data_cert_short", {**wt, "data": {**offer, "cert": pin[:31]}}, OUT_OF_BOUNDS)
     bad("welcome_data_cert_str", {**wt, "data": {**offer, "cert": "a" * 32}}, WRONG_TYPE)
+    # tcp-data-aead-v1 (SPEC 18.8): the session's stream secret, beside the pin (a node
+    # that seals offers TLS too). sealed.json derives its keys from this token and key.
+    wa = greeting("welcome", "node-b", V2_RC, V2_FP, [49152] * 12, minor=2,
+                  caps=[CHECKSUM, "packed-v1", "tcp-data-aead-v1", "tcp-data-tls-v1"],
+                  data={**offer, "cert": pin, "key": SEAL_SECRET})
+    add("welcome_offers_sealed_stream", wa, expected(wa, limits=None, v=1))
+    # Decoded where the capability was not negotiated too (the session ignores it).
+    wk = {**wt, "data": {**offer, "cert": pin, "key": SEAL_SECRET}}
+    add("welcome_tls_only_carries_key_decoded_then_ignored", wk,
+        expected(wk, limits=None, v=1))
+    bad("welcome_data_key_short", {**wa, "data": {**offer, "key": SEAL_SECRET[:31]}},
+        OUT_OF_BOUNDS)
+    bad("welcome_data_key_long", {**wa, "data": {**offer, "key": SEAL_SECRET + b"\0"}},
+        OUT_OF_BOUNDS)
+    bad("welcome_data_key_str", {**wa, "data": {**offer, "key": "a" * 32}}, WRONG_TYPE)
     bad("fetch_stream_8", {**fs, "stream": 8}, OUT_OF_BOUNDS)
     bad("fetch_stream_negative", {**fs, "stream": -1}, OUT_OF_BOUNDS)
 
@@ -819,6 +846,129 @@ def datachannel_vectors() -> dict[str, Any]:
             "messages": messages, "errors": errors, "stream": stream}
 
 
+# ---------------------------------------------------------------- tcp-data-aead-v1
+# Written from the text of SPEC 18.8 with the primitives themselves (HMAC-SHA256, the
+# `cryptography` package's HKDF and AES-GCM), never with p2pkv.protocol.seal.
+
+SEAL_LABEL = b"p2pkv tcp-data-aead-v1 "
+SEALED_MAGIC = b"P2PKVDA1"
+RECORDS_PER_KEY = 1 << 16
+MAX_RECORD = 1 << 20
+
+
+def seal_prk(secret: bytes, token: bytes) -> bytes:
+    """HKDF-Extract: salt the token, input keying material the secret."""
+    return hmac.new(token, secret, hashlib.sha256).digest()
+
+
+def seal_info(writer: str, epoch: int) -> bytes:
+    return SEAL_LABEL + writer.encode("ascii") + struct.pack(">I", epoch)
+
+
+def seal_key(secret: bytes, token: bytes, writer: str, epoch: int) -> bytes:
+    """HKDF-SHA256 (RFC 5869), 32 bytes: by hand, checked against `cryptography`'s."""
+    info = seal_info(writer, epoch)
+    by_hand = hmac.new(seal_prk(secret, token), info + b"\x01", hashlib.sha256).digest()
+    library = HKDF(algorithm=hashes.SHA256(), length=32, salt=token, info=info).derive(secret)
+    assert by_hand == library
+    return by_hand
+
+
+def seal_nonce(number: int) -> bytes:
+    return bytes(4) + struct.pack(">Q", number)
+
+
+def seal(secret: bytes, token: bytes, writer: str, number: int, plaintext: bytes) -> bytes:
+    """Record ``number`` of ``writer`` on the wire: u32le n, ciphertext, tag (the head is
+    the associated data)."""
+    head = struct.pack("<I", len(plaintext))
+    key = seal_key(secret, token, writer, number // RECORDS_PER_KEY)
+    return head + AESGCM(key).encrypt(seal_nonce(number), plaintext, head)
+
+
+def sealed_vectors() -> dict[str, Any]:
+    """Capability tcp-data-aead-v1 (SPEC 18.8): keys, preface, answer, records."""
+    secret, token = SEAL_SECRET, SEAL_TOKEN
+    keys = [{"writer": w, "epoch": e, "info": seal_info(w, e).hex(),
+             "key": seal_key(secret, token, w, e).hex()}
+            for w, e in (("client", 0), ("server", 0), ("server", 1))]
+    ad = SEALED_MAGIC + token
+    tag = AESGCM(seal_key(secret, token, "client", 0)).encrypt(seal_nonce(0), b"", ad)
+    preface = ad + tag
+    # Record 1: the first bytes of the stream after the answer, a framed `done` (18.3).
+    done = pack({"t": "done", "v": 1, "req": 7, "outcomes": [0, 0, 1]})
+    framed = struct.pack("<I", len(done)) + done
+    records: list[dict[str, Any]] = []
+
+    def record(name: str, number: int, plaintext: bytes, writer: str = "server") -> bytes:
+        wire = seal(secret, token, writer, number, plaintext)
+        records.append({"name": name, "writer": writer, "number": number,
+                        "nonce": seal_nonce(number).hex(), "plaintext": plaintext.hex(),
+                        "bytes": wire.hex()})
+        return wire
+
+    answer = record("answer", 0, b"P2PKVDC1")
+    first = record("record_1_framed_done", 1, framed)
+    record("record_65535_last_of_epoch_0", 65535, b"last record under key 0")
+    record("record_65536_first_of_epoch_1", 65536, b"first record under key 1")
+
+    invalid: list[dict[str, Any]] = []
+
+    def bad(name: str, kind: str, wire: bytes, number: int = 0, writer: str = "server",
+            at_head: bool = False, **inputs: bytes) -> None:
+        case: dict[str, Any] = {"name": name, "kind": kind, "bytes": wire.hex()}
+        if kind == "record":
+            case.update(writer=writer, number=number, rejected_at_head=at_head)
+        case.update({k: v.hex() for k, v in inputs.items()})
+        invalid.append(case)
+
+    def flip(data: bytes, at: int) -> bytes:
+        return data[:at] + bytes([data[at] ^ 1]) + data[at + 1:]
+
+    bad("preface_tag_bit_flipped", "preface", flip(preface, len(preface) - 1))
+    bad("preface_token_changed", "preface", flip(preface, len(SEALED_MAGIC)))
+    other = bytes(range(0x20, 0x40))  # a stranger who saw the token, not the secret
+    other_tag = AESGCM(seal_key(other, token, "client", 0)).encrypt(seal_nonce(0), b"", ad)
+    bad("preface_under_another_secret", "preface", ad + other_tag)
+    bad("preface_server_keys", "preface", ad + AESGCM(seal_key(secret, token, "server", 0))
+        .encrypt(seal_nonce(0), b"", ad))
+    bad("record_1_opened_as_record_2", "record", first, 2)
+    bad("answer_replayed_as_record_1", "record", answer, 1)
+    bad("record_1_opened_with_client_keys", "record", first, 1, "client")
+    bad("record_1_on_another_stream", "record", first, 1, token=bytes(range(0xB0, 0xC0)))
+    bad("answer_by_a_server_without_the_secret", "record",
+        seal(other, token, "server", 0, b"P2PKVDC1"), 0)
+    bad("record_1_ciphertext_bit_flipped", "record", flip(first, 4), 1)
+    bad("record_1_tag_bit_flipped", "record", flip(first, len(first) - 1), 1)
+    bad("record_1_cut_short", "record", first[:-1], 1)
+    # An empty record, its tag right: still no record (n = 0 ends the stream).
+    empty = struct.pack("<I", 0)
+    empty += AESGCM(seal_key(secret, token, "server", 0)).encrypt(seal_nonce(1), b"", empty)
+    bad("record_head_zero", "record", empty, 1, at_head=True)
+    bad("record_head_above_max_record", "record", struct.pack("<I", MAX_RECORD + 1), 1,
+        at_head=True)
+    # Which form a session's streams take (18.8 rule 3), by negotiation and welcome.
+    forms = [
+        {"caps": ["tcp-data-aead-v1", "tcp-data-tls-v1"], "data": ["cert", "key"],
+         "form": "sealed"},
+        {"caps": ["tcp-data-aead-v1"], "data": ["key"], "form": "sealed"},
+        {"caps": ["tcp-data-aead-v1", "tcp-data-tls-v1"], "data": ["cert"], "form": "tls"},
+        {"caps": ["tcp-data-tls-v1"], "data": ["cert", "key"], "form": "tls"},
+        {"caps": ["tcp-data-aead-v1"], "data": ["cert"], "form": None},
+        {"caps": ["tcp-data-aead-v1", "tcp-data-tls-v1"], "data": [], "form": None},
+        {"caps": ["tcp-data-v1"], "data": ["key"], "form": "plain"},
+    ]
+    return {"about": "capability tcp-data-aead-v1 (protocol/SPEC.md section 18.8): for "
+                     "the secret and token given, the PRK, traffic keys, the client's "
+                     "preface and the server's records on the wire (all hex); invalid "
+                     "prefaces and records a reader must reject; the form of a "
+                     "session's streams by negotiated caps and the keys its data holds",
+            "secret": secret.hex(), "token": token.hex(), "prk": seal_prk(secret, token).hex(),
+            "keys": keys,
+            "preface": {"bytes": preface.hex(), "tag": tag.hex()},
+            "records": records, "invalid": invalid, "forms": forms}
+
+
 def main() -> None:
     (HERE / "messages.json").write_text(json.dumps(
         {"about": "frames (hex) -> decoded message; see protocol/SPEC.md section 14",
@@ -841,6 +991,7 @@ def main() -> None:
     (HERE / "packed.json").write_text(json.dumps(packed_vectors(), indent=1) + "\n")
     (HERE / "datachannel.json").write_text(
         json.dumps(datachannel_vectors(), indent=1) + "\n")
+    (HERE / "sealed.json").write_text(json.dumps(sealed_vectors(), indent=1) + "\n")
 
 
 if __name__ == "__main__":
