@@ -27,10 +27,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from typing import Final
-
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from typing import TYPE_CHECKING, Final
 
 from p2pkv.protocol.codes import DATA_KEY_LEN, DATA_TOKEN_LEN
 
@@ -67,6 +64,9 @@ RECORDS_PER_KEY: Final = 1 << 16
 (at most 64 GiB per key, well inside AES-GCM's limits)."""
 ANSWER_RECORD_BYTES: Final = RECORD_HEAD.size + len(SEALED_MAGIC) + TAG_LEN
 """Bytes of the server's answer on the wire: record 0 holding ``P2PKVDC1`` (28)."""
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 _LABEL: Final = b"p2pkv tcp-data-aead-v1 "
 _WRITERS: Final = ("client", "server")
@@ -117,6 +117,9 @@ class RecordKeys:
         i = self.next
         epoch = i // RECORDS_PER_KEY
         if epoch != self._epoch or self._aead is None:
+            # Imported here: only a node that seals streams needs ``cryptography``.
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
             self._aead = AESGCM(traffic_key(self._secret, self._token, self.writer, epoch))
             self._epoch = epoch
         self.next = i + 1
@@ -141,6 +144,8 @@ def open_record(keys: RecordKeys, record: bytes) -> bytes:
     if not 1 <= n <= MAX_RECORD or len(record) != RECORD_HEAD.size + n + TAG_LEN:
         raise SealError(f"a sealed record whose head says {n} bytes does not match "
                         f"its {len(record)} bytes")
+    from cryptography.exceptions import InvalidTag
+
     number = keys.next
     aead, nonce = keys.take()
     try:
@@ -170,6 +175,8 @@ def sealed_token_of(data: bytes) -> bytes | None:
 def check_sealed_preface(secret: bytes, data: bytes) -> bool:
     """Whether ``data`` (:data:`SEALED_PREFACE_BYTES`) is the preface of a client that
     holds ``secret``, for the token it carries."""
+    from cryptography.exceptions import InvalidTag
+
     token = sealed_token_of(data)
     if token is None:
         return False
