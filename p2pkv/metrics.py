@@ -55,6 +55,9 @@ class NodeCollector:
             ("p2pkv_bytes_received", s.bytes_received, "Block bytes received from peers"),
             ("p2pkv_checksum_failures", s.checksum_failures, "Blocks dropped on bad checksum"),
             ("p2pkv_protocol_violations", s.protocol_violations, "Peers dropped for violations"),
+            ("p2pkv_data_records_refused", s.data_records_refused,
+             "Sealed data streams ended by a record that failed authentication (changed, "
+             "replayed, dropped or cut in flight)"),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         # Bytes by the path they took (p2pkv.runtime.paths): ZeroMQ frames, packed

@@ -101,7 +101,7 @@ def test_the_alert_rules_pass_promtool() -> None:
     assert PROMTOOL is not None, "promtool is not installed (make prometheus)"
     check = subprocess.run([str(PROMTOOL), "check", "rules", str(RULES)],
                            capture_output=True, text=True, timeout=60)
-    assert check.returncode == 0 and "SUCCESS: 7 rules found" in check.stdout, \
+    assert check.returncode == 0 and "SUCCESS: 8 rules found" in check.stdout, \
         check.stdout + check.stderr
     unit = subprocess.run([str(PROMTOOL), "test", "rules", RULE_TESTS.name],
                           capture_output=True, text=True, timeout=120, cwd=RULE_TESTS.parent)
@@ -115,7 +115,7 @@ def test_every_alert_has_a_runbook_entry() -> None:
     doc = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
     anchors = {h.lower() for h in re.findall(r"^### (\w+)", doc, re.M)}
     rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
-    assert len(rules) == 7
+    assert len(rules) == 8
     for rule in rules:
         page, _, anchor = rule["annotations"]["runbook"].partition("#")
         assert page == "docs/operations.md" and anchor in anchors, rule["alert"]

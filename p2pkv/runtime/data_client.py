@@ -29,10 +29,11 @@ from typing import Final
 
 from p2pkv import protocol as proto
 from p2pkv.errors import P2PKVError, PeerGone, ProtocolError
+from p2pkv.protocol.seal import SealError
 from p2pkv.runtime.landing import Landed, Landing
 from p2pkv.runtime.reactor import Reactor
 from p2pkv.runtime.state import Receiving, writable
-from p2pkv.runtime.stats import RECEIVED, Counters
+from p2pkv.runtime.stats import RECEIVED, Count, Counters
 from p2pkv.runtime.tuning import READ_BURST_BYTES, WAKE_BYTES
 from p2pkv.transport.datachannel import RETRY, Scatter, pending, recvmsg_into
 from p2pkv.transport.sealed import SealedSocket
@@ -190,6 +191,9 @@ class StreamIn:
             self._read(now)
         except (ProtocolError, PeerGone) as exc:
             self._lose(exc)
+        except SealError as exc:
+            self._parts.counters.add(Count.DATA_RECORDS_REFUSED)
+            self._lose(PeerGone(f"{self._address}: the sealed data stream failed: {exc}"))
         except OSError as exc:
             self._lose(PeerGone(f"{self._address}: the data stream failed: {exc}"))
         except Exception as exc:

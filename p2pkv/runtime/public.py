@@ -351,6 +351,10 @@ class NodeStats:
     #: Encrypted data streams (tcp-data-tls-v1) this node would not open because the
     #: data port's certificate was not the one the welcome pinned (also fallbacks).
     data_pins_refused: int = 0
+    #: Sealed data streams (tcp-data-aead-v1) ended because a record failed its tag, or
+    #: the stream ended inside one: bytes changed, replayed, dropped or cut on the way,
+    #: or sealed with other keys. Each ended its session and landed nothing of it.
+    data_records_refused: int = 0
     #: What each data path moved, by kind: "zmq" (frames), "packed" (packed-v1),
     #: "shm" (shm-v1) and "stream" (tcp-data-v1); every kind is present.
     paths: dict[str, PathStats] = field(default_factory=dict)

@@ -52,6 +52,7 @@ class Count(Enum):
     DATA_STREAMS_OPENED = "data_streams_opened"
     DATA_FALLBACKS = "data_fallbacks"
     DATA_PINS_REFUSED = "data_pins_refused"
+    DATA_RECORDS_REFUSED = "data_records_refused"
 
 
 class ShmFallback(Enum):
