@@ -271,6 +271,16 @@ class BlockStore:
         repeated in ``keys`` too); once no slot is left, the :class:`StoreFullError`, for
         that key and every later one that needed a slot. Writers taken stay valid.
         """
+        taken = self.begin_write_slots(keys)
+        views = self._pool.slot_views
+        return [BlockWriter(self, key, t, views(t)) if type(t) is int else t  # type: ignore[misc]
+                for key, t in zip(keys, taken, strict=True)]
+
+    def begin_write_slots(self, keys: Sequence[bytes]) -> list[int | StoreFullError | None]:
+        """:meth:`begin_write_many` without a writer object per block (a data stream's
+        batch of small blocks): per key, the slot it is being written into (an int), or
+        None or the :class:`StoreFullError` as there. Each slot taken is finished with
+        :meth:`commit_slots` or :meth:`abort_slots`, by the thread that took it."""
         if not keys_well_formed(keys, MAX_KEY_LEN):
             check_keys(keys, MAX_KEY_LEN, what="block store keys")
         taken: list[int | StoreFullError | None] = []
@@ -288,9 +298,7 @@ class BlockStore:
                     except StoreFullError as exc:
                         full = exc
                     taken.append(full or slot)
-        views = self._pool.slot_views
-        return [BlockWriter(self, key, t, views(t)) if type(t) is int else t  # type: ignore[misc]
-                for key, t in zip(keys, taken, strict=True)]
+        return taken
 
     def commit_many(self, writers: Sequence[BlockWriter],
                     expected_checksums: Sequence[int | None]) -> list[ChecksumMismatch | None]:
@@ -302,31 +310,67 @@ class BlockStore:
         """
         if len(writers) != len(expected_checksums):
             raise ValueError(f"{len(writers)} writers, {len(expected_checksums)} checksums")
-        for writer, want in zip(writers, expected_checksums, strict=True):
-            if want is not None and (type(want) is not int or not 0 <= want < _U64_END):
-                raise ValueError(f"expected_checksum must be a u64, got {want!r}")
+        for writer in writers:
             if writer._done:
                 raise StoreError(f"write of block {writer.key.hex()} is already finished")
+        out = self.commit_slots([w.key for w in writers], [w.slot for w in writers],
+                                expected_checksums)
+        for writer in writers:
+            writer._done = True
+        return out
+
+    def commit_slots(self, keys: Sequence[bytes], slots: Sequence[int],
+                     expected_checksums: Sequence[int | None]
+                     ) -> list[ChecksumMismatch | None]:
+        """:meth:`commit_many` for slots taken with :meth:`begin_write_slots`: per block,
+        the :class:`ChecksumMismatch` of one that failed its check (dropped), else None.
+
+        Raises :class:`StoreError` (committing nothing) unless every key is being written
+        into its slot, ValueError if an expected checksum is not a u64.
+        """
+        if not len(keys) == len(slots) == len(expected_checksums):
+            raise ValueError(f"{len(keys)} keys, {len(slots)} slots, "
+                             f"{len(expected_checksums)} checksums")
+        for want in expected_checksums:
+            if want is not None and (type(want) is not int or not 0 <= want < _U64_END):
+                raise ValueError(f"expected_checksum must be a u64, got {want!r}")
+        writing = self._writing
+        for key, slot in zip(keys, slots, strict=True):
+            if writing.get(key) != slot:
+                raise StoreError(f"block {key.hex()} is not being written into slot {slot}")
         # Hashing outside the lock is safe: each slot belongs to its writer.
-        actual = [None if want is None else block_checksum(writer.views)
-                  for writer, want in zip(writers, expected_checksums, strict=True)]
+        views = self._pool.slot_views
+        actual = [None if want is None else block_checksum(views(slot))
+                  for slot, want in zip(slots, expected_checksums, strict=True)]
         out: list[ChecksumMismatch | None] = []
         with self._lock:
-            for writer, want, got in zip(writers, expected_checksums, actual, strict=True):
-                writer._done = True
-                del self._writing[writer.key]
+            entries, sums = self._entries, self._sums
+            for key, slot, want, got in zip(keys, slots, expected_checksums, actual,
+                                            strict=True):
+                del writing[key]
                 if got is not None and got != want:
                     assert want is not None
-                    self._free.append(writer.slot)
+                    self._free.append(slot)
                     self._checksum_failures += 1
-                    out.append(ChecksumMismatch(writer.key, want, got))
+                    out.append(ChecksumMismatch(key, want, got))
                     continue
-                self._entries[writer.key] = writer.slot
-                self._sums[writer.slot] = got
+                entries[key] = slot
+                sums[slot] = got
                 out.append(None)
                 if self._listeners:
-                    self._notify_locked(writer.key, True)
+                    self._notify_locked(key, True)
         return out
+
+    def abort_slots(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Release slots taken with :meth:`begin_write_slots` and not committed: their
+        blocks never existed. A key not being written into that slot (finished
+        already) is left alone."""
+        with self._lock:
+            writing = self._writing
+            for key, slot in zip(keys, slots, strict=True):
+                if writing.get(key) == slot:
+                    del writing[key]
+                    self._free.append(slot)
 
     def _take_slot_locked(self) -> int:
         if self._free:

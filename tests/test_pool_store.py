@@ -508,3 +508,35 @@ def test_a_failed_checksum_is_never_heard_and_removed_listeners_go_quiet() -> No
     store.remove_listener(listener)  # idempotent
     store.put(b"y", payload(b"y"))
     assert heard == []
+
+
+def test_slots_taken_without_writer_objects_commit_verify_and_abort() -> None:
+    """The data stream's batch API: begin_write_slots / commit_slots / abort_slots keep
+    every rule of the writer objects (a slot commits once, a bad checksum drops its
+    block and frees its slot, a slot given back is free again, a full store says so)."""
+    store = make_store(4)
+    bpb = store.pool.bytes_per_block
+    keys = [bytes([i]) * 16 for i in range(5)]
+    slots = store.begin_write_slots(keys)
+    assert [type(s) for s in slots[:4]] == [int] * 4
+    assert isinstance(slots[4], StoreFullError)  # 4 slots, all being written
+    assert store.begin_write_slots(keys[:1]) == [None]  # being written already
+    good = [int(s) for s in slots[:4]]  # type: ignore[call-overload]
+    for i, slot in enumerate(good):
+        for view in store.pool.slot_views(slot):
+            view[:] = bytes([i + 1]) * view.nbytes
+    sums = [block_checksum(store.pool.slot_views(s)) for s in good]
+    with pytest.raises(StoreError, match="not being written"):  # commits nothing
+        store.commit_slots(keys[:2], [good[1], good[0]], sums[:2])
+    assert store.stats().used == 4 and not store.contains(keys[0])
+    wrong = [sums[0], sums[1] ^ 1]
+    out = store.commit_slots(keys[:2], good[:2], wrong)
+    assert out[0] is None and isinstance(out[1], ChecksumMismatch)
+    assert store.get(keys[0]) == bytes([1]) * bpb and not store.contains(keys[1])
+    with pytest.raises(StoreError):  # committed (or dropped) already
+        store.commit_slots(keys[:1], good[:1], sums[:1])
+    store.abort_slots(keys[2:4], good[2:4])
+    store.abort_slots(keys[2:4], good[2:4])  # finished already: left alone
+    assert store.stats().used == 1 and store.stats().checksum_failures == 1
+    assert not store.contains(keys[2]) and not store.contains(keys[3])
+    assert [type(s) for s in store.begin_write_slots(keys[1:4])] == [int] * 3

@@ -97,11 +97,17 @@ class _Incoming:
 
     req: int
     recv: Receiving | None
+    #: Into caller buffers: each block's destination (None: nowhere to land).
     blocks: list[Landed | None]
     scatter: Scatter | None  # None: skipping
     skip: int = 0  # bytes still to skip (scatter None)
     settled: int = 0  # blocks of the message settled (or given up) so far
     views: list[memoryview] = field(default_factory=list)
+    #: Into the store: the blocks' key indices, store slots (-1: nowhere to land) and
+    #: announced checksums, as arrays (no object per block).
+    kis: list[int] = field(default_factory=list)
+    slots: list[int] | None = None
+    sums: tuple[int | None, ...] = ()
 
 
 class _StreamPayload:
@@ -163,9 +169,17 @@ class StreamIn:
                 self._incoming = _Incoming(arrived.req, None, [], None, skip=nbytes)
                 return
             landing = self._parts.landing
-            blocks = landing.open_kept(recv, [recv.index_map[i] for i in arrived.idx],
-                                       arrived.sums)
-        views: list[memoryview] = []
+            kis = [recv.index_map[i] for i in arrived.idx]
+            views: list[memoryview] = []
+            if recv.destinations is None:
+                slots = landing.open_slots(recv, kis)
+                slot_views = landing.slot_views
+                for slot in slots:
+                    views += slot_views(slot) if slot >= 0 else self._scratch_block()
+                self._incoming = _Incoming(arrived.req, recv, [], Scatter(views), kis=kis,
+                                           slots=slots, sums=arrived.sums)
+                return
+            blocks = landing.open_kept(recv, kis, arrived.sums)
         for block in blocks:
             views.extend(block.views if block is not None else self._scratch_block())
         self._incoming = _Incoming(arrived.req, recv, blocks, Scatter(views))
@@ -370,7 +384,7 @@ class StreamIn:
         """The rest of the message goes nowhere; the slots it opened are freed."""
         if inc.scatter is None:
             return
-        self._parts.landing.abandon(inc.blocks[inc.settled:])
+        self._abandon_rest(inc)
         inc.skip = inc.scatter.total - inc.scatter.filled
         inc.scatter = None
         inc.recv = None
@@ -385,7 +399,9 @@ class StreamIn:
                 self._incoming = None
             return
         complete = scatter.filled // self._parts.bpb
-        if complete > inc.settled:
+        if complete > inc.settled and inc.slots is not None:
+            self._settle_slots(inc, complete)
+        elif complete > inc.settled:
             ready = [b for b in inc.blocks[inc.settled:complete] if b is not None]
             inc.settled = complete
             if ready:
@@ -400,6 +416,35 @@ class StreamIn:
                                            landed * self._parts.bpb)
         if scatter.done:
             self._incoming = None
+
+    def _settle_slots(self, inc: _Incoming, complete: int) -> None:
+        """Commit the store slots of blocks ``inc.settled`` to ``complete``, all here."""
+        assert inc.slots is not None and inc.recv is not None
+        start, inc.settled = inc.settled, complete
+        slots, kis, sums = inc.slots[start:complete], inc.kis[start:complete], \
+            inc.sums[start:complete]
+        if min(slots) < 0:  # some had nowhere to land (settled when opened)
+            kept = [i for i, slot in enumerate(slots) if slot >= 0]
+            slots, kis, sums = [slots[i] for i in kept], [kis[i] for i in kept], \
+                tuple(sums[i] for i in kept)
+            if not slots:
+                return
+        landing = self._parts.landing
+        try:
+            with landing.guard():
+                landed = landing.settle_slots(inc.recv, kis, slots, sums)
+        except BaseException:
+            landing.abandon_slots(inc.recv, kis, slots)  # whatever happened, none stays open
+            raise
+        self._parts.counters.moved(self.kind, RECEIVED, landed, landed * self._parts.bpb)
+
+    def _abandon_rest(self, inc: _Incoming) -> None:
+        """Free what ``inc`` opened and did not settle."""
+        landing = self._parts.landing
+        if inc.slots is None:
+            landing.abandon(inc.blocks[inc.settled:])
+        elif inc.recv is not None:
+            landing.abandon_slots(inc.recv, inc.kis[inc.settled:], inc.slots[inc.settled:])
 
     def _scratch_bytes(self) -> bytearray:
         if self._scratch is None:
@@ -422,7 +467,7 @@ class StreamIn:
         received are freed. Idempotent."""
         inc, self._incoming = self._incoming, None
         if inc is not None and inc.scatter is not None:
-            self._parts.landing.abandon(inc.blocks[inc.settled:])
+            self._abandon_rest(inc)
         self._closed = True
         sock, self._sock = self._sock, None
         if sock is not None:

@@ -56,6 +56,8 @@ class Landing:
 
     def __init__(self, store: BlockStore, bytes_per_block: int, counters: Counters) -> None:
         self._store = store
+        #: The views of a store slot, one per segment (the pool's own tuple).
+        self.slot_views = store.pool.slot_views
         self._bpb = bytes_per_block
         self._counters = counters
         self._open: list[BlockWriter] = []
@@ -120,6 +122,53 @@ class Landing:
         out = self.open_many(recv, key_indices, expected)
         del self._open[mark:]
         return out
+
+    def open_slots(self, recv: Receiving, key_indices: Sequence[int]) -> list[int]:
+        """Store slots for a batch of blocks of a fetch into the store (no
+        ``destinations``), with no object per block: a data stream's message of hundreds
+        of small blocks. Per block its slot, or -1 where it has nowhere to land (settled
+        already, as :meth:`open` does). Like :meth:`open_kept`, no :meth:`guard` aborts
+        them: the caller settles each with :meth:`settle_slots` or gives it back with
+        :meth:`abandon_slots`, whatever happens."""
+        assert recv.destinations is None
+        keys = recv.keys
+        taken = self._store.begin_write_slots([keys[ki] for ki in key_indices])
+        if set(map(type, taken)) == {int}:
+            return taken  # type: ignore[return-value]
+        out: list[int] = []
+        for ki, t in zip(key_indices, taken, strict=True):
+            if type(t) is int:
+                out.append(t)
+            else:
+                self._nowhere(recv, ki, _BUSY if t is None else f"no slot in the local pool: {t}")
+                out.append(-1)
+        return out
+
+    def settle_slots(self, recv: Receiving, key_indices: Sequence[int], slots: Sequence[int],
+                     expected: Sequence[int | None]) -> int:
+        """Commit blocks whose bytes are all in the slots :meth:`open_slots` gave them
+        (the store verifies each against ``expected``) and write their outcomes; how many
+        landed. Inside :meth:`guard`."""
+        keys = recv.keys
+        mismatches = self._store.commit_slots([keys[ki] for ki in key_indices], slots,
+                                              expected)
+        if not any(mismatches):
+            return self._mark_all_landed(recv, key_indices)
+        landed: list[int] = []
+        for ki, mismatch in zip(key_indices, mismatches, strict=True):
+            if mismatch is None:
+                landed.append(ki)
+            else:
+                self._corrupt(recv, ki, mismatch)
+        return self._mark_all_landed(recv, landed)
+
+    def abandon_slots(self, recv: Receiving, key_indices: Sequence[int],
+                      slots: Sequence[int]) -> None:
+        """Slots of :meth:`open_slots` that will not be settled: freed, nothing committed."""
+        pairs = [(recv.keys[ki], slot) for ki, slot in zip(key_indices, slots, strict=True)
+                 if slot >= 0]
+        if pairs:
+            self._store.abort_slots([k for k, _ in pairs], [s for _, s in pairs])
 
     def abandon(self, blocks: Sequence[Landed | None]) -> None:
         """Blocks opened with :meth:`open_kept` that will not be settled (their fetch is
