@@ -44,6 +44,7 @@ bookkeeping they finish through.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 from collections import OrderedDict
@@ -432,22 +433,58 @@ class BlockStore:
 
     def acquire_read_many(self, keys: Sequence[bytes]) -> list[BlockReader | None]:
         """:meth:`acquire_read` for each key, under one lock (the sender's batches)."""
+        pinned = self.pin_slots(keys)
+        views = self._pool.slot_views
+        return [None if slot < 0 else BlockReader(self, key, slot, views(slot))
+                for key, slot in zip(keys, pinned, strict=True)]
+
+    def pin_slots(self, keys: Sequence[bytes]) -> list[int]:
+        """:meth:`acquire_read_many` without a reader object per block (a data stream's
+        batch of small blocks): per key, the slot now pinned for it, or -1 when it is not
+        stored. Each pin is released once with :meth:`unpin_slots`; the slot's bytes
+        stay still until then (:meth:`slot_checksums` gives their checksums)."""
         if not keys_well_formed(keys, MAX_KEY_LEN):
             check_keys(keys, MAX_KEY_LEN, what="block store keys")
-        pinned: list[int | None] = []
+        pinned: list[int] = []
         with self._lock:
             entries, readers = self._entries, self._readers
             for key in keys:
                 slot = entries.get(key)
                 if slot is None:
-                    pinned.append(None)
+                    pinned.append(-1)
                     continue
                 readers[slot] += 1
                 entries.move_to_end(key)
                 pinned.append(slot)
-        views = self._pool.slot_views
-        return [None if slot is None else BlockReader(self, key, slot, views(slot))
-                for key, slot in zip(keys, pinned, strict=True)]
+        return pinned
+
+    def slot_checksums(self, slots: Sequence[int]) -> list[int]:
+        """The checksum of the block in each slot pinned by :meth:`pin_slots`, computed
+        once per stored block (as :attr:`BlockReader.checksum`)."""
+        sums = self._sums
+        out = [sums[slot] for slot in slots]
+        if None in out:
+            views = self._pool.slot_views
+            for i, (slot, value) in enumerate(zip(slots, out, strict=True)):
+                if value is None:
+                    # Safe without the lock: the pin keeps the bytes still and the slot
+                    # taken, and two threads racing here store the same value.
+                    out[i] = sums[slot] = block_checksum(views(slot))
+        return out  # type: ignore[return-value]
+
+    def unpin_slots(self, slots: Sequence[int]) -> None:
+        """Release one pin of each slot :meth:`pin_slots` gave (once per pin)."""
+        with self._lock:
+            readers, discarded = self._readers, self._discarded
+            counts = collections.Counter(slots)
+            for slot, n in counts.items():
+                if not 0 <= slot < len(readers) or readers[slot] < n:
+                    raise StoreError(f"slot {slot} is not pinned {n} time(s)")
+            for slot in slots:
+                readers[slot] -= 1
+                if readers[slot] == 0 and slot in discarded:
+                    discarded.remove(slot)
+                    self._free.append(slot)
 
     def release_many(self, readers: Iterable[BlockReader]) -> None:
         """:meth:`BlockReader.release` for each reader, under one lock."""

@@ -540,3 +540,30 @@ def test_slots_taken_without_writer_objects_commit_verify_and_abort() -> None:
     assert store.stats().used == 1 and store.stats().checksum_failures == 1
     assert not store.contains(keys[2]) and not store.contains(keys[3])
     assert [type(s) for s in store.begin_write_slots(keys[1:4])] == [int] * 3
+
+
+def test_slots_pinned_without_reader_objects_hold_their_bytes_until_unpinned() -> None:
+    """The data stream sender's batch API: pin_slots / slot_checksums / unpin_slots
+    keep every rule of the reader objects (a pinned block is neither evicted nor
+    reused, a discarded one frees its slot at its last unpin, a pin is released once)."""
+    store = make_store(2)
+    a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
+    store.put(a, payload(a))
+    store.put(b, payload(b))
+    slots = store.pin_slots([a, c, b, a])
+    assert slots[1] == -1 and slots[0] == slots[3] and slots[0] != slots[2]
+    pinned = [slots[0], slots[2], slots[3]]
+    assert store.slot_checksums(pinned) == [block_checksum([payload(a)]),
+                                            block_checksum([payload(b)]),
+                                            block_checksum([payload(a)])]
+    assert store.discard(a)  # pinned twice: its slot stays taken, its bytes still
+    with pytest.raises(StoreFullError):  # nothing to evict: b pinned, a's slot held
+        store.put(c, payload(c))
+    assert bytes(store.pool.slot_views(slots[0])[0]) == payload(a)
+    with pytest.raises(StoreError, match="not pinned"):  # three pins of a's slot: no
+        store.unpin_slots([slots[0]] * 3)
+    store.unpin_slots(pinned)
+    assert store.stats().pinned == 0
+    with pytest.raises(StoreError, match="not pinned"):  # released once only
+        store.unpin_slots([slots[2]])
+    assert store.put(c, payload(c)) and store.get(c) == payload(c)  # a's slot is free

@@ -32,10 +32,10 @@ from p2pkv import protocol as proto
 from p2pkv.protocol.codes import DATA_KEY_LEN, DATA_TOKEN_LEN, OUTCOME_SENT
 from p2pkv.protocol.seal import RecordKeys
 from p2pkv.runtime.reactor import Reactor
-from p2pkv.runtime.sender import pin_next_batch
+from p2pkv.runtime.sender import pin_next_slots
 from p2pkv.runtime.state import Sending
 from p2pkv.runtime.stats import SENT, Count, Counters
-from p2pkv.store import BlockReader, BlockStore
+from p2pkv.store import BlockStore
 from p2pkv.transport.datachannel import RETRY, Gather, tune
 from p2pkv.transport.sealed import SealedSocket
 from p2pkv.transport.tls import ServerTLS
@@ -484,16 +484,20 @@ class DataSender:
         n = len(job.keys)
         checksums = session.checksums
         credit = session.window_left(job.req)
+        views = store.pool.slot_views
         while credit > 0 and job.next_index < n and stream.has_room and not stream.closed:
-            idx, readers = pin_next_batch(store, job, credit, self._batch_limit)
+            idx, slots = pin_next_slots(store, job, credit, self._batch_limit)
             credit -= len(idx)
             if not idx:
                 continue
-            unpin = self._unpin(readers)
+            unpin = self._unpin(slots)
             try:
-                sums = [r.checksum for r in readers] if checksums else None
+                sums = store.slot_checksums(slots) if checksums else None
                 head = proto.encode_head(session.block(job.req, idx, sums))
-                stream.push(head, [v for r in readers for v in r.views], unpin)
+                segments: list[memoryview] = []
+                for slot in slots:
+                    segments += views(slot)
+                stream.push(head, segments, unpin)
             except BaseException:
                 unpin()  # whatever went wrong, or the blocks stay pinned forever
                 raise
@@ -504,15 +508,15 @@ class DataSender:
             self._counters.moved("stream", SENT, len(idx), len(idx) * self._bpb)
         stream.flush()
 
-    def _unpin(self, readers: list[BlockReader]) -> Callable[[], None]:
-        """Release ``readers`` once, however many times it is called (written, or
-        dropped, or given up when queueing failed)."""
+    def _unpin(self, slots: list[int]) -> Callable[[], None]:
+        """Release the pins of ``slots`` once, however many times it is called (written,
+        or dropped, or given up when queueing failed)."""
         store = self._store
-        held = [readers]
+        held = [slots]
 
         def unpin() -> None:
             if held:
-                store.release_many(held.pop())
+                store.unpin_slots(held.pop())
 
         return unpin
 

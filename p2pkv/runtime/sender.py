@@ -184,6 +184,27 @@ class Sender:
         return True
 
 
+def pin_next_slots(store: BlockStore, job: Sending, credit: int,
+                   limit: int) -> tuple[list[int], list[int]]:
+    """:func:`pin_next_batch` as arrays: the indices and the pinned store slots (the
+    data stream's batches, with no reader object per block)."""
+    start = job.next_index
+    stop = proto.next_batch(start, len(job.keys), credit, limit)
+    job.next_index = stop
+    slots = store.pin_slots(job.keys[start:stop])
+    if min(slots, default=0) >= 0:
+        return list(range(start, stop)), slots
+    idx: list[int] = []
+    kept: list[int] = []
+    for i, slot in zip(range(start, stop), slots, strict=True):
+        if slot < 0:
+            job.outcomes[i] = OUTCOME_MISSING
+        else:
+            idx.append(i)
+            kept.append(slot)
+    return idx, kept
+
+
 def pin_next_batch(store: BlockStore, job: Sending, credit: int,
                    limit: int) -> tuple[list[int], list[BlockReader]]:
     """Pin the next keys of ``job`` the credit allows, in one store call: their indices
