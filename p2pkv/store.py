@@ -107,6 +107,22 @@ def _check_key(key: object) -> bytes:
     return check_keys((key,), MAX_KEY_LEN, what="block store keys")[0]
 
 
+def _check_batch(keys: Sequence[bytes]) -> None:
+    """ValueError naming the first bad key, unless every key is well formed (the common
+    case costs no Python step per key)."""
+    if not keys_well_formed(keys, MAX_KEY_LEN):
+        check_keys(keys, MAX_KEY_LEN, what="block store keys")
+
+
+def _check_sums(keys: int, slots: int, expected: Sequence[int | None]) -> None:
+    """ValueError unless a commit has one expected checksum (a u64, or None) per block."""
+    if not keys == slots == len(expected):
+        raise ValueError(f"{keys} keys, {slots} slots, {len(expected)} checksums")
+    for want in expected:
+        if want is not None and (type(want) is not int or not 0 <= want < _U64_END):
+            raise ValueError(f"expected_checksum must be a u64, got {want!r}")
+
+
 @dataclass(frozen=True)
 class StoreStats:
     """A consistent snapshot of the store's counters.
@@ -170,8 +186,7 @@ class BlockStore:
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         """Which ``keys`` are stored. Counts hits/misses; hits become most recent."""
-        if not keys_well_formed(keys, MAX_KEY_LEN):
-            check_keys(keys, MAX_KEY_LEN, what="block store keys")
+        _check_batch(keys)
         with self._lock:
             entries = self._entries
             result = list(map(entries.__contains__, keys))
@@ -255,17 +270,12 @@ class BlockStore:
         :class:`StoreFullError` when no slot is free and every stored block is
         pinned by a reader, or all slots are being written.
         """
-        _check_key(key)
-        with self._lock:
-            if key in self._entries or key in self._writing:
-                return None
-            slot = self._take_slot_locked()
-            self._writing[key] = slot
-        return BlockWriter(self, key, slot, self._pool.slot_views(slot))
+        (writer,) = self.begin_write_many((_check_key(key),))
+        if isinstance(writer, StoreFullError):
+            raise writer
+        return writer
 
-    def begin_write_many(
-        self, keys: Sequence[bytes]
-    ) -> list[BlockWriter | StoreFullError | None]:
+    def begin_write_many(self, keys: Sequence[bytes]) -> list[BlockWriter | StoreFullError | None]:
         """:meth:`begin_write` for each key, under one lock (a batch of received blocks).
 
         Per key: its writer; None when it is already stored or being written (a key
@@ -278,12 +288,10 @@ class BlockStore:
                 for key, t in zip(keys, taken, strict=True)]
 
     def begin_write_slots(self, keys: Sequence[bytes]) -> list[int | StoreFullError | None]:
-        """:meth:`begin_write_many` without a writer object per block (a data stream's
-        batch of small blocks): per key, the slot it is being written into (an int), or
-        None or the :class:`StoreFullError` as there. Each slot taken is finished with
-        :meth:`commit_slots` or :meth:`abort_slots`, by the thread that took it."""
-        if not keys_well_formed(keys, MAX_KEY_LEN):
-            check_keys(keys, MAX_KEY_LEN, what="block store keys")
+        """:meth:`begin_write_many` with slots (ints) for writers, no object per block (a
+        data stream's batch); each is finished with :meth:`commit_slots` or
+        :meth:`abort_slots` by the thread that took it."""
+        _check_batch(keys)
         taken: list[int | StoreFullError | None] = []
         full: StoreFullError | None = None
         with self._lock:
@@ -309,8 +317,6 @@ class BlockStore:
         Raises :class:`StoreError` (committing nothing) if a writer is already finished,
         ValueError if an expected checksum is not a u64. A writer belongs to one thread.
         """
-        if len(writers) != len(expected_checksums):
-            raise ValueError(f"{len(writers)} writers, {len(expected_checksums)} checksums")
         for writer in writers:
             if writer._done:
                 raise StoreError(f"write of block {writer.key.hex()} is already finished")
@@ -323,18 +329,9 @@ class BlockStore:
     def commit_slots(self, keys: Sequence[bytes], slots: Sequence[int],
                      expected_checksums: Sequence[int | None]
                      ) -> list[ChecksumMismatch | None]:
-        """:meth:`commit_many` for slots taken with :meth:`begin_write_slots`: per block,
-        the :class:`ChecksumMismatch` of one that failed its check (dropped), else None.
-
-        Raises :class:`StoreError` (committing nothing) unless every key is being written
-        into its slot, ValueError if an expected checksum is not a u64.
-        """
-        if not len(keys) == len(slots) == len(expected_checksums):
-            raise ValueError(f"{len(keys)} keys, {len(slots)} slots, "
-                             f"{len(expected_checksums)} checksums")
-        for want in expected_checksums:
-            if want is not None and (type(want) is not int or not 0 <= want < _U64_END):
-                raise ValueError(f"expected_checksum must be a u64, got {want!r}")
+        """:meth:`commit_many` for slots of :meth:`begin_write_slots`; StoreError
+        (committing nothing) unless every key is being written into its slot."""
+        _check_sums(len(keys), len(slots), expected_checksums)
         writing = self._writing
         for key, slot in zip(keys, slots, strict=True):
             if writing.get(key) != slot:
@@ -363,9 +360,8 @@ class BlockStore:
         return out
 
     def abort_slots(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
-        """Release slots taken with :meth:`begin_write_slots` and not committed: their
-        blocks never existed. A key not being written into that slot (finished
-        already) is left alone."""
+        """Free slots of :meth:`begin_write_slots` not committed (their blocks never
+        existed); a key not being written into that slot is left alone."""
         with self._lock:
             writing = self._writing
             for key, slot in zip(keys, slots, strict=True):
@@ -390,12 +386,9 @@ class BlockStore:
         )
 
     def _abort(self, writer: BlockWriter) -> None:
-        with self._lock:
-            if writer.done:
-                return
+        if not writer._done:  # a writer belongs to one thread
             writer._done = True
-            del self._writing[writer.key]
-            self._free.append(writer.slot)
+            self.abort_slots((writer.key,), (writer.slot,))
 
     def put(
         self,
@@ -439,12 +432,10 @@ class BlockStore:
                 for key, slot in zip(keys, pinned, strict=True)]
 
     def pin_slots(self, keys: Sequence[bytes]) -> list[int]:
-        """:meth:`acquire_read_many` without a reader object per block (a data stream's
-        batch of small blocks): per key, the slot now pinned for it, or -1 when it is not
-        stored. Each pin is released once with :meth:`unpin_slots`; the slot's bytes
-        stay still until then (:meth:`slot_checksums` gives their checksums)."""
-        if not keys_well_formed(keys, MAX_KEY_LEN):
-            check_keys(keys, MAX_KEY_LEN, what="block store keys")
+        """:meth:`acquire_read_many` with slots for readers (-1: not stored), no object
+        per block (a data stream's batch); each pin is released once with
+        :meth:`unpin_slots`, and holds the slot's bytes still until then."""
+        _check_batch(keys)
         pinned: list[int] = []
         with self._lock:
             entries, readers = self._entries, self._readers
@@ -461,30 +452,24 @@ class BlockStore:
     def slot_checksums(self, slots: Sequence[int]) -> list[int]:
         """The checksum of the block in each slot pinned by :meth:`pin_slots`, computed
         once per stored block (as :attr:`BlockReader.checksum`)."""
-        sums = self._sums
-        out = [sums[slot] for slot in slots]
-        if None in out:
-            views = self._pool.slot_views
-            for i, (slot, value) in enumerate(zip(slots, out, strict=True)):
-                if value is None:
-                    # Safe without the lock: the pin keeps the bytes still and the slot
-                    # taken, and two threads racing here store the same value.
-                    out[i] = sums[slot] = block_checksum(views(slot))
-        return out  # type: ignore[return-value]
+        sums, views = self._sums, self._pool.slot_views
+        for slot in slots:
+            if sums[slot] is None:
+                # Safe without the lock: the pin keeps the bytes still and the slot taken,
+                # and two threads racing here store the same value.
+                sums[slot] = block_checksum(views(slot))
+        return [sums[slot] for slot in slots]  # type: ignore[misc]
 
     def unpin_slots(self, slots: Sequence[int]) -> None:
         """Release one pin of each slot :meth:`pin_slots` gave (once per pin)."""
         with self._lock:
-            readers, discarded = self._readers, self._discarded
+            readers = self._readers
             counts = collections.Counter(slots)
             for slot, n in counts.items():
                 if not 0 <= slot < len(readers) or readers[slot] < n:
                     raise StoreError(f"slot {slot} is not pinned {n} time(s)")
             for slot in slots:
-                readers[slot] -= 1
-                if readers[slot] == 0 and slot in discarded:
-                    discarded.remove(slot)
-                    self._free.append(slot)
+                self._unpin_locked(slot)
 
     def release_many(self, readers: Iterable[BlockReader]) -> None:
         """:meth:`BlockReader.release` for each reader, under one lock."""
@@ -496,7 +481,9 @@ class BlockStore:
         if reader._released:
             return
         reader._released = True
-        slot = reader.slot
+        self._unpin_locked(reader.slot)
+
+    def _unpin_locked(self, slot: int) -> None:
         self._readers[slot] -= 1
         if self._readers[slot] == 0 and slot in self._discarded:
             self._discarded.remove(slot)
