@@ -41,6 +41,7 @@ from p2pkv.errors import (
     PeerTimeout,
     ProtocolError,
 )
+from p2pkv.runtime.data_server import BoundStream
 from p2pkv.runtime.packing import PackedSender
 from p2pkv.runtime.sender import Sender
 from p2pkv.settings import load_settings
@@ -258,23 +259,25 @@ def test_abort_confirms_and_frees_the_pool(nodes: Any) -> None:
 def test_unexpected_error_while_receiving_leaks_no_writer_slot(
         nodes: Any, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     """Plain block messages commit block by block, packed ones (packed-v1) and those of a
-    data stream (tcp-data-v1) in one call per batch: a failure in any leaves no slot
-    "being written"."""
+    data stream (tcp-data-v1, as arrays of slots) in one call per batch: a failure in any
+    leaves no slot "being written"."""
     packed = path != "plain"
     producer, keys = producer_with(nodes, {**SMALL, "blocks": 4}, packed_blocks=packed)
     consumer = nodes({**SMALL, "blocks": 4}, data_channel=path == "stream")
     peer = consumer.connect(producer.address)
     calls = {"n": 0}
     if packed:
-        real_many = BlockStore.commit_many
+        # Packed messages commit through commit_many, the stream's slots through
+        # commit_slots; the first is the second's wrapper.
+        real_many = BlockStore.commit_slots
 
-        def failing_many(self: BlockStore, writers: Any, sums: Any) -> Any:
+        def failing_many(self: BlockStore, keys: Any, slots: Any, sums: Any) -> Any:
             calls["n"] += 1
             if calls["n"] == 1:
                 raise RuntimeError("injected failure in the receive path")
-            return real_many(self, writers, sums)
+            return real_many(self, keys, slots, sums)
 
-        monkeypatch.setattr(BlockStore, "commit_many", failing_many)
+        monkeypatch.setattr(BlockStore, "commit_slots", failing_many)
     else:
         real_commit = BlockWriter.commit
 
@@ -320,6 +323,36 @@ def test_unexpected_error_while_sending_leaks_no_pin(
         consumer.fetch(peer, keys, timeout=30)
     assert calls["n"] >= 1
     # The pinned blocks of the failed send were released, and the node still serves.
+    assert wait_until(lambda: producer.store.stats().pinned == 0, 5.0), \
+        producer.store.stats()
+    other = nodes({**SEED_V2, "blocks": 8})
+    result = other.connect(producer.address).fetch(keys, timeout=30)
+    assert result.outcomes == (KeyOutcome.STORED,) * 8
+    assert wait_until(lambda: producer.store.stats().pinned == 0, 5.0)
+
+
+def test_unexpected_error_while_queueing_on_a_stream_leaks_no_pin(
+        nodes: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data stream's sender pins a batch as store slots (no reader objects): a
+    failure while queueing it releases every pin, and the node still serves."""
+    producer, keys = producer_with(nodes, {**SEED_V2, "blocks": 8})
+    real_push = BoundStream.push
+    calls = {"n": 0}
+
+    def failing_push(self: Any, head: bytes, segments: Any = None, done: Any = None) -> None:
+        if segments:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected failure in the stream's send path")
+        real_push(self, head, segments, done)
+
+    monkeypatch.setattr(BoundStream, "push", failing_push)
+    consumer = nodes({**SEED_V2, "blocks": 8}, fetch_idle_timeout=3.0)
+    peer = consumer.connect(producer.address)
+    assert peer.data_path == "tcp-data", peer.data_path_detail
+    with pytest.raises(P2PKVError):
+        consumer.fetch(peer, keys, timeout=30)
+    assert calls["n"] == 1
     assert wait_until(lambda: producer.store.stats().pinned == 0, 5.0), \
         producer.store.stats()
     other = nodes({**SEED_V2, "blocks": 8})
