@@ -87,6 +87,23 @@ def content(key: bytes, size: int) -> bytes:
     return np.random.default_rng(int.from_bytes(key[:8], "little")).bytes(size)
 
 
+def moves_both_ways(producer: Node, consumer: Node, peer: Any, keys: list[bytes]) -> None:
+    """``keys`` (from :func:`fill`) move from ``producer`` into ``consumer``'s store and
+    into caller buffers, byte for byte, all on the data stream, and nothing stays pinned
+    on the producer."""
+    from p2pkv.node import KeyOutcome
+
+    assert consumer.fetch(peer, keys).outcomes == (KeyOutcome.LANDED,) * len(keys)
+    bpb = consumer.layout.bytes_per_block
+    assert all(consumer.get(k) == content(k, bpb) for k in keys)
+    bufs = [[bytearray(s) for s in consumer.layout.segment_sizes] for _ in keys]
+    into = consumer.fetch_into(peer, keys, bufs)
+    assert into.outcomes == (KeyOutcome.LANDED,) * len(keys)
+    assert [bytes(b[0]) for b in bufs] == [content(k, bpb) for k in keys]
+    assert consumer.stats().paths["stream"].blocks_received == 2 * len(keys)
+    assert producer.store.stats().pinned == 0
+
+
 def say(obj: dict[str, Any]) -> None:
     workers.say(obj, default=repr)
 

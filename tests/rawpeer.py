@@ -222,18 +222,21 @@ class FakeServer(_BackgroundRouter):
             self.errors.append(traceback.format_exc())
 
 
-class SilentTcp:
-    """A TCP listener that accepts connections and never sends a byte (no ZMTP)."""
+class Acceptor:
+    """A listening socket on ``listen`` whose connections a thread hands to
+    :meth:`serve` (a test's own server, relay or man in the middle); :meth:`start` it,
+    :meth:`close` it."""
 
-    def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
+    def __init__(self, listen: tuple[str, int]) -> None:
+        family = socket.AF_INET6 if ":" in listen[0] else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.bind(listen)
         self.sock.listen(16)
-        self.sock.settimeout(0.05)
-        self.address = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.accepted: list[socket.socket] = []
+        self.sock.settimeout(0.1)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
 
     def _run(self) -> None:
@@ -242,14 +245,44 @@ class SilentTcp:
                 conn, _ = self.sock.accept()
             except (TimeoutError, OSError):
                 continue
-            self.accepted.append(conn)
+            self.serve(conn)
+
+    def serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
+        self.sock.close()
+
+
+def closed_unanswered(sock: socket.socket, timeout: float = 10.0) -> bool:
+    """The peer closed ``sock`` without sending a byte."""
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    finally:
+        sock.close()
+
+
+class SilentTcp(Acceptor):
+    """A TCP listener that accepts connections and never sends a byte (no ZMTP)."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted: list[socket.socket] = []
+        self.start()
+
+    def serve(self, conn: socket.socket) -> None:
+        self.accepted.append(conn)
+
+    def close(self) -> None:
+        super().close()
         for conn in self.accepted:
             conn.close()
-        self.sock.close()
 
 
 class ThrottlingProxy:

@@ -32,7 +32,14 @@ import pytest
 from nodeproc import content, fill, keys_for
 from nodeproc import pooled_node as node
 from procs import NodeProcess
-from rawpeer import FakeServer, RawPeer, ThrottlingProxy, answer_pings_until_bye, wait_until
+from rawpeer import (
+    FakeServer,
+    RawPeer,
+    ThrottlingProxy,
+    answer_pings_until_bye,
+    closed_unanswered,
+    wait_until,
+)
 
 from p2pkv import protocol as proto
 from p2pkv.errors import P2PKVError, PeerGone, PeerTimeout, ProtocolError
@@ -67,17 +74,6 @@ def read_exact(sock: socket.socket, n: int) -> bytes:
             raise EOFError(f"stream closed after {len(out)} of {n} bytes")
         out += part
     return bytes(out)
-
-
-def closed_unanswered(sock: socket.socket, timeout: float = 10.0) -> bool:
-    """The peer closed ``sock`` without sending a byte."""
-    sock.settimeout(timeout)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    finally:
-        sock.close()
 
 
 def read_stream_message(sock: socket.socket, bpb: int

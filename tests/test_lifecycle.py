@@ -322,7 +322,11 @@ def test_unexpected_error_while_sending_leaks_no_pin(
     with pytest.raises(P2PKVError):
         consumer.fetch(peer, keys, timeout=30)
     assert calls["n"] >= 1
-    # The pinned blocks of the failed send were released, and the node still serves.
+    released_and_serving(nodes, producer, keys)
+
+
+def released_and_serving(nodes: Any, producer: Any, keys: list[bytes]) -> None:
+    """The pinned blocks of a failed send were released, and the node still serves."""
     assert wait_until(lambda: producer.store.stats().pinned == 0, 5.0), \
         producer.store.stats()
     other = nodes({**SEED_V2, "blocks": 8})
@@ -353,12 +357,7 @@ def test_unexpected_error_while_queueing_on_a_stream_leaks_no_pin(
     with pytest.raises(P2PKVError):
         consumer.fetch(peer, keys, timeout=30)
     assert calls["n"] == 1
-    assert wait_until(lambda: producer.store.stats().pinned == 0, 5.0), \
-        producer.store.stats()
-    other = nodes({**SEED_V2, "blocks": 8})
-    result = other.connect(producer.address).fetch(keys, timeout=30)
-    assert result.outcomes == (KeyOutcome.STORED,) * 8
-    assert wait_until(lambda: producer.store.stats().pinned == 0, 5.0)
+    released_and_serving(nodes, producer, keys)
 
 
 # ---------------------------------------------------------------------- close

@@ -27,9 +27,9 @@ from typing import Any
 
 import pytest
 import zmq
-from nodeproc import content, fill
+from nodeproc import content, fill, moves_both_ways
 from nodeproc import pooled_node as node
-from rawpeer import ThrottlingProxy, ipv6_loopback, wait_until
+from rawpeer import Acceptor, ThrottlingProxy, closed_unanswered, ipv6_loopback, wait_until
 
 from p2pkv import protocol as proto
 from p2pkv.errors import P2PKVError
@@ -77,6 +77,18 @@ def _cut(data: bytes, sizes: list[int]) -> list[memoryview]:
     return out
 
 
+def _consume(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``views``."""
+    while n:
+        head = views[0]
+        if n >= head.nbytes:
+            n -= head.nbytes
+            views.pop(0)
+        else:
+            views[0] = head[n:]
+            n = 0
+
+
 def _move(tx: SealedSocket, rx: SealedSocket, send: list[memoryview],
           recv: list[memoryview]) -> None:
     """Everything of ``send`` through the pair into ``recv``, both non-blocking, in
@@ -92,27 +104,13 @@ def _move(tx: SealedSocket, rx: SealedSocket, send: list[memoryview],
                 n = tx.send_records(queue[:64])
             except BlockingIOError:
                 n = 0
-            while n:
-                head = queue[0]
-                if n >= head.nbytes:
-                    n -= head.nbytes
-                    queue.pop(0)
-                else:
-                    queue[0] = head[n:]
-                    n = 0
+            _consume(queue, n)
         try:
             got = rx.recv_records(want[:64])
         except BlockingIOError:
             continue
         assert got, "end of the stream before the end of the data"
-        while got:
-            head = want[0]
-            if got >= head.nbytes:
-                got -= head.nbytes
-                want.pop(0)
-            else:
-                want[0] = head[got:]
-                got = 0
+        _consume(want, got)
 
 
 @pytest.mark.parametrize(("send_sizes", "recv_sizes"), [
@@ -307,15 +305,7 @@ def test_curve_nodes_move_blocks_on_a_sealed_stream(made: list[Any]) -> None:
     assert peer.data_path == "tcp-data", peer.data_path_detail
     assert "sealed (AES-256-GCM" in peer.data_path_detail
     assert all(isinstance(s, SealedSocket) for s in _inbound_socks(producer))
-    assert consumer.fetch(peer, keys).outcomes == (KeyOutcome.LANDED,) * len(keys)
-    bpb = consumer.layout.bytes_per_block
-    assert all(consumer.get(k) == content(k, bpb) for k in keys)
-    bufs = [[bytearray(s) for s in consumer.layout.segment_sizes] for _ in keys]
-    into = consumer.fetch_into(peer, keys, bufs)
-    assert into.outcomes == (KeyOutcome.LANDED,) * len(keys)
-    assert [bytes(b[0]) for b in bufs] == [content(k, bpb) for k in keys]
-    assert consumer.stats().paths["stream"].blocks_received == 2 * len(keys)
-    assert producer.store.stats().pinned == 0
+    moves_both_ways(producer, consumer, peer, keys)
 
 
 @curve
@@ -344,7 +334,7 @@ def test_a_tls_only_peer_still_gets_tls(made: list[Any], tls_side: str) -> None:
     assert consumer.fetch(peer, keys).outcomes == (KeyOutcome.LANDED,) * len(keys)
 
 
-class RecordRelay:
+class RecordRelay(Acceptor):
     """A man in the middle of the data port that reads the server's records as they
     pass (it cannot open them) and, from the ``at``-th record after the answer on, does
     ``what`` to them. It records the client's preface."""
@@ -352,33 +342,23 @@ class RecordRelay:
     def __init__(self, listen: tuple[str, int], upstream: tuple[str, int], what: str,
                  at: int = 2,
                  on_preface: Callable[[bytes], None] | None = None) -> None:
-        self.sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-        self.sock.bind(listen)
-        self.sock.listen(8)
-        self.sock.settimeout(0.1)
+        super().__init__(listen)
         self.upstream = upstream
         self.what = what
         self.at = at
         self.on_preface = on_preface
         self.prefaces: list[bytes] = []
         self.done = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self.start()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                client, _ = self.sock.accept()
-            except (TimeoutError, OSError):
-                continue
-            client.settimeout(10)
-            try:
-                server = socket.create_connection(self.upstream, timeout=10)
-            except OSError:
-                client.close()
-                continue
-            threading.Thread(target=self._relay, args=(client, server), daemon=True).start()
+    def serve(self, client: socket.socket) -> None:
+        client.settimeout(10)
+        try:
+            server = socket.create_connection(self.upstream, timeout=10)
+        except OSError:
+            client.close()
+            return
+        threading.Thread(target=self._relay, args=(client, server), daemon=True).start()
 
     @staticmethod
     def _exactly(sock: socket.socket, n: int) -> bytes:
@@ -435,11 +415,6 @@ class RecordRelay:
             for s in (client, server):
                 s.close()
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close()
-
 
 def _through_relay(made: list[Any], what: str, **relay: Any
                    ) -> tuple[Node, Node, RecordRelay, str]:
@@ -484,16 +459,6 @@ def test_a_man_in_the_middle_who_changes_records_lands_nothing_wrong(
     assert all(consumer.get(k) == content(k, bpb) for k in keys)
 
 
-def _closed_unanswered(sock: socket.socket) -> bool:
-    sock.settimeout(10)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    finally:
-        sock.close()
-
-
 @curve
 @pytest.mark.skipif(not ipv6_loopback(), reason="needs ::1")
 def test_a_stranger_who_saw_the_token_can_neither_bind_nor_spend_it(
@@ -510,7 +475,7 @@ def test_a_stranger_who_saw_the_token_can_neither_bind_nor_spend_it(
         for attempt in (forged, proto.preface(token)):
             s = socket.create_connection(("127.0.0.1", dport[0]), timeout=5)
             s.sendall(attempt)
-            verdicts.append(_closed_unanswered(s))
+            verdicts.append(closed_unanswered(s))
 
     producer, consumer, mitm, address = _through_relay(made, "none", on_preface=race)
     dport.append(producer.stats().data_port or 0)
@@ -523,5 +488,5 @@ def test_a_stranger_who_saw_the_token_can_neither_bind_nor_spend_it(
     # A preface replayed once the stream is bound: the token is used up.
     s = socket.create_connection(("127.0.0.1", dport[0]), timeout=5)
     s.sendall(mitm.prefaces[0])
-    assert _closed_unanswered(s)
+    assert closed_unanswered(s)
     assert producer.store.stats().pinned == 0

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import socket
 import ssl
-import threading
 from typing import Any
 
 import pytest
 import zmq
-from nodeproc import content, fill
+from nodeproc import fill, moves_both_ways
 from nodeproc import pooled_node as node
-from rawpeer import ThrottlingProxy, ipv6_loopback, wait_until
+from rawpeer import Acceptor, ThrottlingProxy, ipv6_loopback, wait_until
 
 from p2pkv import protocol as proto
 from p2pkv.node import KeyOutcome, Node
@@ -57,15 +56,7 @@ def test_curve_nodes_move_blocks_on_a_pinned_tls_stream(made: list[Any]) -> None
     peer = consumer.connect(producer.address)
     assert peer.data_path == "tcp-data", peer.data_path_detail
     assert "TLS 1.3, its certificate pinned" in peer.data_path_detail
-    assert consumer.fetch(peer, keys).outcomes == (KeyOutcome.LANDED,) * len(keys)
-    bpb = consumer.layout.bytes_per_block
-    assert all(consumer.get(k) == content(k, bpb) for k in keys)
-    bufs = [[bytearray(s) for s in consumer.layout.segment_sizes] for _ in keys]
-    into = consumer.fetch_into(peer, keys, bufs)
-    assert into.outcomes == (KeyOutcome.LANDED,) * len(keys)
-    assert [bytes(b[0]) for b in bufs] == [content(k, bpb) for k in keys]
-    assert consumer.stats().paths["stream"].blocks_received == 2 * len(keys)
-    assert producer.store.stats().pinned == 0
+    moves_both_ways(producer, consumer, peer, keys)
 
 
 def test_several_tls_streams(made: list[Any]) -> None:
@@ -79,47 +70,32 @@ def test_several_tls_streams(made: list[Any]) -> None:
     assert all(isinstance(s.stream._sock, ssl.SSLSocket) for s in inbound.streams.values())
 
 
-class TlsMitm:
+class TlsMitm(Acceptor):
     """A man in the middle of the data port: it terminates TLS with a certificate of its
     own, opens TLS to the real port, and relays; it records what the client sent it."""
 
     def __init__(self, listen: tuple[str, int], upstream: tuple[str, int]) -> None:
-        self.sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-        self.sock.bind(listen)
-        self.sock.listen(8)
-        self.sock.settimeout(0.1)
+        super().__init__(listen)
         self.upstream = upstream
         self.identity = ServerTLS()
         self.handshakes = 0
         self.received = bytearray()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self.start()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                raw, _ = self.sock.accept()
-            except (TimeoutError, OSError):
-                continue
-            raw.settimeout(5)
-            try:
-                client = self.identity.context.wrap_socket(raw, server_side=True)
-                self.handshakes += 1
-                upstream = client_context().wrap_socket(
-                    socket.create_connection(self.upstream, timeout=5))
-                while data := client.recv(65536):
-                    self.received += data
-                    upstream.sendall(data)
-            except (OSError, ssl.SSLError):
-                pass
-            finally:
-                raw.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close()
+    def serve(self, raw: socket.socket) -> None:
+        raw.settimeout(5)
+        try:
+            client = self.identity.context.wrap_socket(raw, server_side=True)
+            self.handshakes += 1
+            upstream = client_context().wrap_socket(
+                socket.create_connection(self.upstream, timeout=5))
+            while data := client.recv(65536):
+                self.received += data
+                upstream.sendall(data)
+        except (OSError, ssl.SSLError):
+            pass
+        finally:
+            raw.close()
 
 
 @pytest.mark.skipif(not ipv6_loopback(), reason="needs ::1")

@@ -286,20 +286,21 @@ def data_offer(value: object) -> DataOffer | None:
             raise wrong("data.more[]", "bin", extra)
         if len(extra) != DATA_TOKEN_LEN:
             raise bounds("data.more[]", f"must be {DATA_TOKEN_LEN} bytes, got {len(extra)}")
-    cert = data.get("cert")
-    if cert is not None:
-        if type(cert) is not bytes:
-            raise wrong("data.cert", "bin", cert)
-        if len(cert) != CERT_PIN_LEN:
-            raise bounds("data.cert", f"must be {CERT_PIN_LEN} bytes, got {len(cert)}")
-    key = data.get("key")
-    if key is not None:
-        if type(key) is not bytes:
-            raise wrong("data.key", "bin", key)
-        if len(key) != DATA_KEY_LEN:
-            raise bounds("data.key", f"must be {DATA_KEY_LEN} bytes, got {len(key)}")
     return DataOffer(integer(data, "port", 1, 65535), token, integer(data, "cport", 1, 65535),
-                     tuple(more), cert, key)
+                     tuple(more), _fixed_bin(data, "cert", CERT_PIN_LEN),
+                     _fixed_bin(data, "key", DATA_KEY_LEN))
+
+
+def _fixed_bin(data: dict[Any, Any], name: str, size: int) -> bytes | None:
+    """``data.<name>``, absent or bin of exactly ``size`` bytes (``cert``, ``key``)."""
+    value = data.get(name)
+    if value is None:
+        return None
+    if type(value) is not bytes:
+        raise wrong(f"data.{name}", "bin", value)
+    if len(value) != size:
+        raise bounds(f"data.{name}", f"must be {size} bytes, got {len(value)}")
+    return value
 
 
 def nonce(m: dict[Any, Any]) -> bytes:
