@@ -136,6 +136,27 @@ def test_the_bytes_that_arrive_are_the_bytes_sent(send_sizes: list[int],
         rx.close()
 
 
+def test_buffers_grow_only_as_far_as_the_records_they_hold() -> None:
+    tx, rx = _pair()
+    try:
+        # Large segments, each sealed and opened in place, behind a small header.
+        data = os.urandom(200 + (3 << 20))
+        out = bytearray(len(data))
+        _move(tx, rx, _cut(data, [200, 1 << 20]), _cut(out, [200, 1 << 20]))
+        assert out == data
+        assert tx._stagev.nbytes == rx._plainv.nbytes == 64 << 10
+        # Small buffers gathered into 1 MiB records: the staging grows to hold one.
+        small = os.urandom(2 << 20)
+        out = bytearray(len(small))
+        _move(tx, rx, _cut(small, [16 << 10]), [memoryview(out)[:100], memoryview(out)[100:]])
+        assert out == small
+        assert tx._stagev.nbytes == MAX_RECORD
+        assert rx._plainv.nbytes == MAX_RECORD  # the first record did not fit 100 bytes
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_a_writer_reports_whole_records_only_and_takes_the_rest_again() -> None:
     tx, rx = _pair()  # socket buffers far below one 1 MiB record
     data = memoryview(os.urandom(4 << 20))

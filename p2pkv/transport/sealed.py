@@ -19,6 +19,9 @@ client writes nothing. The data path uses it like a plain stream
   so does an end of the stream inside a record. Bytes opened into a slot before their
   tag was checked are in a slot no lookup can see: a block becomes visible only once
   all its bytes arrived and verified, and a failed record ends the stream first.
+- **Memory.** Each direction keeps two buffers, which start at 64 KiB and grow to the
+  largest record they had to hold (1 MiB at most): a stream of large segments stages
+  only its headers, one of small blocks about 2 MiB per side.
 """
 
 from __future__ import annotations
@@ -36,6 +39,18 @@ DIRECT_BYTES: Final = 64 << 10
 is; smaller ones are gathered into one record with their neighbours."""
 
 _HEAD: Final = RECORD_HEAD.size
+_FIRST: Final = 64 << 10
+"""Bytes a sealed stream's buffers start with."""
+_LARGEST: Final = _HEAD + MAX_RECORD + TAG_LEN
+
+
+def _room(view: memoryview | None, nbytes: int) -> memoryview:
+    """``view`` when it holds ``nbytes``, else a larger new buffer (twice as large at
+    least, the largest record's size at most)."""
+    if view is not None and view.nbytes >= nbytes:
+        return view
+    size = max(nbytes, 2 * view.nbytes if view is not None else nbytes)
+    return memoryview(bytearray(min(size, _LARGEST)))
 _raw_recv_into = socket.socket.recv_into
 _raw_recv = socket.socket.recv
 _raw_sendmsg = socket.socket.sendmsg
@@ -55,15 +70,15 @@ class SealedSocket(socket.socket):
         self.sealer = sealer
         self.opener = opener
         if sealer is not None:
-            self._out = bytearray(_HEAD + MAX_RECORD + TAG_LEN)
-            self._outv = memoryview(self._out)
-            self._stage = bytearray(MAX_RECORD)
-            self._stagev = memoryview(self._stage)
+            # Buffers grow to the largest record they held (1 MiB at most): a stream of
+            # large segments gathers only its headers, and stages little.
+            self._outv = _room(None, _FIRST)
+            self._stagev = _room(None, _FIRST)
             self._o0 = self._o1 = 0  # the ciphertext of the record under way
             self._o_plain = 0  # its plaintext bytes, not yet reported written
         if opener is not None:
-            self._inv = memoryview(bytearray(_HEAD + MAX_RECORD + TAG_LEN))
-            self._plainv = memoryview(bytearray(MAX_RECORD))
+            self._inv = _room(None, _FIRST)
+            self._plainv = _room(None, _FIRST)
             self._p0 = self._p1 = 0  # opened bytes not read yet
             self._got = 0  # bytes of the record under way read so far
             self._need = _HEAD  # bytes it has: its head first, then all of it
@@ -105,22 +120,25 @@ class SealedSocket(socket.socket):
             src = first[:MAX_RECORD]
         else:
             # Small buffers: gathered, up to a large one (sealed on its own next).
-            stage, n = self._stagev, 0
-            view = first
-            while True:
-                k = min(view.nbytes, MAX_RECORD - n)
-                stage[n:n + k] = view[:k]
-                n += k
+            parts, n = [first], first.nbytes
+            at += 1
+            while n < MAX_RECORD and at < len(iov) and iov[at].nbytes < DIRECT_BYTES:
+                part = iov[at][:MAX_RECORD - n]
+                parts.append(part)
+                n += part.nbytes
                 at += 1
-                if n == MAX_RECORD or at == len(iov) or iov[at].nbytes >= DIRECT_BYTES:
-                    break
-                view = iov[at]
+            self._stagev = stage = _room(self._stagev, n)
+            n = 0
+            for part in parts:
+                stage[n:n + part.nbytes] = part
+                n += part.nbytes
             src = stage[:n]
         n = src.nbytes
         head = RECORD_HEAD.pack(n)
-        self._out[:_HEAD] = head
+        self._outv = out = _room(self._outv, _HEAD + n + TAG_LEN)
+        out[:_HEAD] = head
         aead, nonce = self.sealer.take()  # type: ignore[union-attr]
-        aead.encrypt_into(nonce, src, head, self._outv[_HEAD:_HEAD + n + TAG_LEN])
+        aead.encrypt_into(nonce, src, head, out[_HEAD:_HEAD + n + TAG_LEN])
         self._o0, self._o1 = 0, _HEAD + n + TAG_LEN
         return n
 
@@ -181,6 +199,7 @@ class SealedSocket(socket.socket):
                     got += size
                     view = view[size:]
                 else:
+                    self._plainv = _room(self._plainv, size)  # drained: may be replaced
                     self._open_into(self._plainv[:size])
                     self._p0, self._p1 = 0, size
         return got
@@ -207,6 +226,10 @@ class SealedSocket(socket.socket):
                 if not 1 <= n <= MAX_RECORD:
                     raise SealError(f"a sealed record of {n} bytes (1 to {MAX_RECORD})")
                 self._need = _HEAD + n + TAG_LEN
+                if inv.nbytes < self._need:
+                    grown = _room(inv, self._need)
+                    grown[:_HEAD] = inv[:_HEAD]
+                    self._inv = inv = grown
         return self._need - _HEAD - TAG_LEN
 
     def _open_into(self, out: memoryview) -> None:
