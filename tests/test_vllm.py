@@ -373,6 +373,7 @@ def test_tier_identity_equals_vllm_file_mapper() -> None:
     assert "load_policy must be true or false" in bad["load policy not a flag"]
     assert "load_min_speedup must be a positive number" in bad["zero speedup"]
     assert "data_streams: must be in [1, 8], got 9" in bad["nine data streams"]
+    assert "data_encryption" in bad["unknown encryption"] and "rot13" in bad["unknown encryption"]
     assert "cannot be bound" in bad["listen taken"]
 
 

@@ -111,6 +111,7 @@ def check(tier_class: Any) -> None:
         "load policy not a flag": {"load_policy": "yes"},
         "zero speedup": {"load_min_speedup": 0},
         "nine data streams": {"data_streams": 9},
+        "unknown encryption": {"data_encryption": "rot13"},
         "listen taken": {"listen": f"tcp://127.0.0.1:{taken.getsockname()[1]}"},
     }
     for name, params in bad.items():
