@@ -108,8 +108,7 @@ class Landing:
                 self._open.append(writer)
                 out.append(Landed(ki, writer.views, writer, want))
             else:
-                self._nowhere(recv, ki, _BUSY if writer is None
-                              else f"no slot in the local pool: {writer}")
+                self._unplaced(recv, ki, writer)
                 out.append(None)
         return out
 
@@ -140,7 +139,7 @@ class Landing:
             if type(t) is int:
                 out.append(t)
             else:
-                self._nowhere(recv, ki, _BUSY if t is None else f"no slot in the local pool: {t}")
+                self._unplaced(recv, ki, t)  # type: ignore[arg-type]
                 out.append(-1)
         return out
 
@@ -152,15 +151,7 @@ class Landing:
         keys = recv.keys
         mismatches = self._store.commit_slots([keys[ki] for ki in key_indices], slots,
                                               expected)
-        if not any(mismatches):
-            return self._mark_all_landed(recv, key_indices)
-        landed: list[int] = []
-        for ki, mismatch in zip(key_indices, mismatches, strict=True):
-            if mismatch is None:
-                landed.append(ki)
-            else:
-                self._corrupt(recv, ki, mismatch)
-        return self._mark_all_landed(recv, landed)
+        return self._mark_all_landed(recv, self._intact(recv, key_indices, mismatches))
 
     def abandon_slots(self, recv: Receiving, key_indices: Sequence[int],
                       slots: Sequence[int]) -> None:
@@ -222,15 +213,22 @@ class Landing:
             placed.append(block.key_index)
         if committing:
             mismatches = self._store.commit_many(committing, wanted)
-            if not any(mismatches):
-                landed.extend(placed)
-            else:
-                for ki, mismatch in zip(placed, mismatches, strict=True):
-                    if mismatch is None:
-                        landed.append(ki)
-                    else:
-                        self._corrupt(recv, ki, mismatch)
+            landed.extend(self._intact(recv, placed, mismatches))
         return self._mark_all_landed(recv, landed)
+
+    def _intact(self, recv: Receiving, key_indices: Sequence[int],
+                mismatches: Sequence[ChecksumMismatch | None]) -> Sequence[int]:
+        """Of blocks just committed, the key indices that passed their check; each one
+        that failed is marked corrupt."""
+        if not any(mismatches):
+            return key_indices
+        intact: list[int] = []
+        for ki, mismatch in zip(key_indices, mismatches, strict=True):
+            if mismatch is None:
+                intact.append(ki)
+            else:
+                self._corrupt(recv, ki, mismatch)
+        return intact
 
     def _verify(self, recv: Receiving, block: Landed) -> tuple[bool, int | None]:
         """Check a block against its announced checksum where the bytes are known here
@@ -269,6 +267,13 @@ class Landing:
     def _corrupt(self, recv: Receiving, key_index: int, mismatch: ChecksumMismatch) -> None:
         self._counters.add(Count.CHECKSUM_FAILURES)
         self.fail(recv, key_index, f"block dropped: {mismatch}")
+
+    def _unplaced(self, recv: Receiving, key_index: int, taken: StoreFullError | None
+                  ) -> None:
+        """A block the store gave no slot: ``taken`` None (its key is stored or being
+        written), else the store was full."""
+        self._nowhere(recv, key_index, _BUSY if taken is None
+                      else f"no slot in the local pool: {taken}")
 
     def _nowhere(self, recv: Receiving, key_index: int, why: str) -> None:
         if self._store.contains(recv.keys[key_index]):
