@@ -8,16 +8,18 @@ copied from a peer's shared memory). Pure.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from typing import TypeAlias
 
 import xxhash
 
-__all__ = ["BytesLike", "block_checksum", "copy_with_checksum"]
+__all__ = ["BytesLike", "block_checksum", "block_checksums", "copy_with_checksum"]
 
 BytesLike: TypeAlias = "bytes | bytearray | memoryview"
 
 _one_shot = xxhash.xxh3_64_intdigest  # one C call for a block of one segment (V1)
+_first = operator.itemgetter(0)
 
 
 def block_checksum(segments: Iterable[BytesLike]) -> int:
@@ -32,6 +34,14 @@ def block_checksum(segments: Iterable[BytesLike]) -> int:
         h.update(seg)
     value: int = h.intdigest()
     return value
+
+
+def block_checksums(blocks: Sequence[Sequence[BytesLike]]) -> list[int]:
+    """:func:`block_checksum` of each block. Where every block is one segment (V1
+    layouts), the batch is hashed with one C call per block and no Python step."""
+    if blocks and set(map(len, blocks)) == {1}:
+        return list(map(_one_shot, map(_first, blocks)))
+    return list(map(block_checksum, blocks))
 
 
 def copy_with_checksum(destinations: Sequence[memoryview],

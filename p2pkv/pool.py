@@ -30,6 +30,7 @@ who may touch which slot is the job of :class:`p2pkv.store.BlockStore`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -182,6 +183,22 @@ class BlockPool:
         if cached is None:
             cached = cache[slot] = self._views_of(slot)
         return cached
+
+    def views_of_slots(self, slots: Sequence[int]) -> list[tuple[memoryview, ...]]:
+        """:meth:`slot_views` of each slot in ``slots``, checked as one batch (a data
+        stream's message of hundreds of small blocks)."""
+        if slots and not (min(slots) >= 0 and max(slots) < self.num_blocks):
+            bad = next(s for s in slots if not 0 <= s < self.num_blocks)
+            raise IndexError(f"slot {bad} out of range [0, {self.num_blocks})")
+        cache = self._slot_views
+        if cache is None:
+            return [self._views_of(slot) for slot in slots]
+        got = [cache[slot] for slot in slots]
+        if not all(got):  # some not made yet (a slot's tuple is never empty)
+            for n, slot in enumerate(slots):
+                if got[n] is None:
+                    got[n] = cache[slot] = self._views_of(slot)
+        return got  # type: ignore[return-value]
 
     def _views_of(self, slot: int) -> tuple[memoryview, ...]:
         return tuple(view[slot * size : (slot + 1) * size]

@@ -52,11 +52,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from p2pkv.checksum import BytesLike, block_checksum
+from p2pkv.checksum import BytesLike, block_checksum, block_checksums
 from p2pkv.errors import P2PKVError, StoreFullError
 from p2pkv.keys import MAX_KEY_LEN, check_keys, keys_well_formed
 from p2pkv.pool import BlockPool, MemoryKind
-from p2pkv.store_handles import BlockReader, BlockWriter
+from p2pkv.store_handles import BlockReader, BlockWriter, split_segments
 
 __all__ = [
     "BlockReader",
@@ -118,9 +118,28 @@ def _check_sums(keys: int, slots: int, expected: Sequence[int | None]) -> None:
     """ValueError unless a commit has one expected checksum (a u64, or None) per block."""
     if not keys == slots == len(expected):
         raise ValueError(f"{keys} keys, {slots} slots, {len(expected)} checksums")
+    if set(map(type, expected)) == {int} and \
+            0 <= min(expected) <= max(expected) < _U64_END:  # type: ignore[type-var, operator]
+        return  # u64s all (the common case): no Python step per block
     for want in expected:
         if want is not None and (type(want) is not int or not 0 <= want < _U64_END):
             raise ValueError(f"expected_checksum must be a u64, got {want!r}")
+
+
+def _not_being_written(writing: dict[bytes, int], keys: Sequence[bytes],
+                       slots: Sequence[int]) -> None:
+    """StoreError naming the first key not being written into its slot."""
+    key, slot = next((k, s) for k, s in zip(keys, slots, strict=True) if writing.get(k) != s)
+    raise StoreError(f"block {key.hex()} is not being written into slot {slot}")
+
+
+def _checksums(pool: BlockPool, slots: Sequence[int], expected: Sequence[int | None]
+               ) -> list[int | None]:
+    """The checksum of the block in each slot that has an expected checksum, else None."""
+    if None not in expected:
+        return block_checksums(pool.views_of_slots(slots))  # type: ignore[return-value]
+    return [None if want is None else block_checksum(pool.slot_views(slot))
+            for slot, want in zip(slots, expected, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -333,31 +352,19 @@ class BlockStore:
         (committing nothing) unless every key is being written into its slot."""
         _check_sums(len(keys), len(slots), expected_checksums)
         writing = self._writing
-        for key, slot in zip(keys, slots, strict=True):
-            if writing.get(key) != slot:
-                raise StoreError(f"block {key.hex()} is not being written into slot {slot}")
+        if list(map(writing.get, keys)) != list(slots):
+            _not_being_written(writing, keys, slots)
         # Hashing outside the lock is safe: each slot belongs to its writer.
-        views = self._pool.slot_views
-        actual = [None if want is None else block_checksum(views(slot))
-                  for slot, want in zip(slots, expected_checksums, strict=True)]
-        out: list[ChecksumMismatch | None] = []
+        actual = _checksums(self._pool, slots, expected_checksums)
         with self._lock:
+            if actual != list(expected_checksums) or self._listeners:
+                return _commit_each_locked(self, keys, slots, expected_checksums, actual)
             entries, sums = self._entries, self._sums
-            for key, slot, want, got in zip(keys, slots, expected_checksums, actual,
-                                            strict=True):
-                del writing[key]
-                if got is not None and got != want:
-                    assert want is not None
-                    self._free.append(slot)
-                    self._checksum_failures += 1
-                    out.append(ChecksumMismatch(key, want, got))
-                    continue
+            for key, slot, got in zip(keys, slots, actual, strict=True):
+                del writing[key]  # every block passed its check: the common case
                 entries[key] = slot
                 sums[slot] = got
-                out.append(None)
-                if self._listeners:
-                    self._notify_locked(key, True)
-        return out
+        return [None] * len(keys)
 
     def abort_slots(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         """Free slots of :meth:`begin_write_slots` not committed (their blocks never
@@ -405,7 +412,7 @@ class BlockStore:
         size mismatch (no slot is taken), :class:`StoreFullError` and
         :class:`ChecksumMismatch` as ``begin_write``/``commit`` do.
         """
-        segments = _segments(data, self._pool.segment_sizes, self._pool.bytes_per_block)
+        segments = split_segments(data, self._pool.segment_sizes, self._pool.bytes_per_block)
         writer = self.begin_write(key)
         if writer is None:
             return False
@@ -547,25 +554,24 @@ class BlockStore:
             return True
 
 
-def _segments(data: BytesLike | Sequence[BytesLike], sizes: Sequence[int],
-              bytes_per_block: int) -> list[memoryview]:
-    """``data`` as one view per segment of a layout with segments ``sizes``: one buffer
-    of ``bytes_per_block`` bytes (segments back to back), or one buffer per segment.
-    ValueError when the sizes do not match."""
-    if isinstance(data, (list, tuple)):
-        parts = [memoryview(part).cast("B") for part in data]
-        got = [len(part) for part in parts]
-        if got != list(sizes):
-            raise ValueError(f"segment sizes {got} do not match the layout's {list(sizes)}")
-        return parts
-    flat = memoryview(data).cast("B")  # type: ignore[arg-type]
-    if len(flat) != bytes_per_block:
-        raise ValueError(
-            f"block data is {len(flat)} bytes, the layout needs {bytes_per_block}"
-        )
-    parts = []
-    offset = 0
-    for size in sizes:
-        parts.append(flat[offset : offset + size])
-        offset += size
-    return parts
+def _commit_each_locked(store: BlockStore, keys: Sequence[bytes], slots: Sequence[int],
+                        expected: Sequence[int | None], actual: Sequence[int | None]
+                        ) -> list[ChecksumMismatch | None]:
+    """:meth:`BlockStore.commit_slots` block by block, under its lock (a block failed its
+    check, or listeners hear each commit)."""
+    out: list[ChecksumMismatch | None] = []
+    writing, entries, sums = store._writing, store._entries, store._sums
+    for key, slot, want, got in zip(keys, slots, expected, actual, strict=True):
+        del writing[key]
+        if got is not None and got != want:
+            assert want is not None
+            store._free.append(slot)
+            store._checksum_failures += 1
+            out.append(ChecksumMismatch(key, want, got))
+            continue
+        entries[key] = slot
+        sums[slot] = got
+        out.append(None)
+        if store._listeners:
+            store._notify_locked(key, True)
+    return out

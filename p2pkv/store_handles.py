@@ -7,6 +7,9 @@ memory with one ``memoryview`` per segment, and both finish through the store th
 them: this module holds what a handle is, the store holds the bookkeeping (per slot: the
 pin count, the checksum computed once) and the lock.
 
+:func:`split_segments` cuts a block given as one buffer into its segments (for
+:meth:`~p2pkv.store.BlockStore.put`).
+
 Handles are created only by the store; see :mod:`p2pkv.store` for the lifecycle and
 the threading rules.
 """
@@ -17,10 +20,12 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from p2pkv.checksum import BytesLike
+
 if TYPE_CHECKING:
     from p2pkv.store import BlockStore
 
-__all__ = ["BlockReader", "BlockWriter"]
+__all__ = ["BlockReader", "BlockWriter", "split_segments"]
 
 
 class BlockWriter:
@@ -118,3 +123,27 @@ class BlockReader:
         tb: TracebackType | None,
     ) -> None:
         self.release()
+
+
+def split_segments(data: BytesLike | Sequence[BytesLike], sizes: Sequence[int],
+                   bytes_per_block: int) -> list[memoryview]:
+    """``data`` as one view per segment of a layout with segments ``sizes``: one buffer
+    of ``bytes_per_block`` bytes (segments back to back), or one buffer per segment.
+    ValueError when the sizes do not match."""
+    if isinstance(data, (list, tuple)):
+        parts = [memoryview(part).cast("B") for part in data]
+        got = [len(part) for part in parts]
+        if got != list(sizes):
+            raise ValueError(f"segment sizes {got} do not match the layout's {list(sizes)}")
+        return parts
+    flat = memoryview(data).cast("B")  # type: ignore[arg-type]
+    if len(flat) != bytes_per_block:
+        raise ValueError(
+            f"block data is {len(flat)} bytes, the layout needs {bytes_per_block}"
+        )
+    parts = []
+    offset = 0
+    for size in sizes:
+        parts.append(flat[offset : offset + size])
+        offset += size
+    return parts

@@ -26,6 +26,7 @@ from p2pkv.store import (
     StoreFullError,
     block_checksum,
 )
+from p2pkv.store_handles import split_segments
 
 # 2 layers x 2 heads x 4 tokens x 8 values x fp16: 128 bytes per layer, 256 per block.
 TINY = Geometry(num_layers=2, num_kv_heads=2, head_size=4, tokens_per_block=4)
@@ -540,6 +541,51 @@ def test_slots_taken_without_writer_objects_commit_verify_and_abort() -> None:
     assert store.stats().used == 1 and store.stats().checksum_failures == 1
     assert not store.contains(keys[2]) and not store.contains(keys[3])
     assert [type(s) for s in store.begin_write_slots(keys[1:4])] == [int] * 3
+
+
+@pytest.mark.parametrize("layout", [V1, V2], ids=["one segment", "segments"])
+def test_a_batch_commit_of_slots_is_the_same_block_by_block_or_at_once(layout: KVLayout
+                                                                        ) -> None:
+    """commit_slots takes one pass for a batch whose blocks all pass (the data stream's
+    common case), and goes block by block when some block fails or listeners hear each
+    commit: both give the same blocks, outcomes and notices, and mixed or bad expected
+    checksums keep their rules."""
+    heard: list[tuple[bytes, bool]] = []
+    results = []
+    for listening in (False, True):
+        store = make_store(8, layout)
+        if listening:
+            store.add_listener(lambda key, visible: heard.append((key, visible)))
+        keys = [bytes([i]) * 16 for i in range(6)]
+        slots = [int(s) for s in store.begin_write_slots(keys)]  # type: ignore[call-overload]
+        for key, slot in zip(keys, slots, strict=True):
+            parts = split_segments(payload(key, store.pool.bytes_per_block),
+                                   store.pool.segment_sizes, store.pool.bytes_per_block)
+            for view, part in zip(store.pool.slot_views(slot), parts, strict=True):
+                view[:] = part
+        sums = [block_checksum(store.pool.slot_views(s)) for s in slots]
+        with pytest.raises(ValueError, match="must be a u64"):  # commits nothing
+            store.commit_slots(keys[:2], slots[:2], [sums[0], -1])
+        with pytest.raises(ValueError, match="must be a u64"):
+            store.commit_slots(keys[:2], slots[:2], [sums[0], 1 << 64])
+        assert store.commit_slots(keys[:3], slots[:3], sums[:3]) == [None] * 3
+        out = store.commit_slots(keys[3:], slots[3:], [None, sums[4] ^ 1, sums[5]])
+        assert out[0] is None and isinstance(out[1], ChecksumMismatch) and out[2] is None
+        results.append(([store.get(k) for k in keys], store.stats().used))
+    assert results[0] == results[1]
+    assert results[0][0][4] is None and results[0][1] == 5
+    assert heard == [(bytes([i]) * 16, True) for i in (0, 1, 2, 3, 5)]
+
+
+def test_the_views_of_a_batch_of_slots_are_each_slots_views() -> None:
+    pool = BlockPool(V2, 6)
+    assert pool.views_of_slots([4, 0, 4]) == [pool.slot_views(4), pool.slot_views(0),
+                                              pool.slot_views(4)]
+    assert pool.views_of_slots([]) == []
+    with pytest.raises(IndexError, match="slot 6 out of range"):
+        pool.views_of_slots([1, 6])
+    with pytest.raises(IndexError, match="slot -1 out of range"):
+        pool.views_of_slots([-1, 2])
 
 
 def test_slots_pinned_without_reader_objects_hold_their_bytes_until_unpinned() -> None:

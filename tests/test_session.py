@@ -336,6 +336,18 @@ def test_fetch_done_must_match_what_was_sent() -> None:
     out = pair.client.receive(Done(fetch.req, (0, 1)), pair.now)
     assert pair.client.state is State.ERROR
     assert isinstance(out.replies[0], Bye) and out.replies[0].code == Code.OUT_OF_BOUNDS
+    # Every block reported sent, one of them never delivered: caught as well.
+    pair = ready_pair()
+    fetch = pair.client.fetch([b"a", b"b"], 4, pair.now)
+    pair.deliver(pair.client, [fetch])
+    block = [b"\1" * 8, b"\2" * 4]
+    pair.deliver(pair.server, [pair.server.block(fetch.req, [1], [block_checksum(block)],
+                                                 block)])
+    assert pair.client.state is State.READY
+    out = pair.client.receive(Done(fetch.req, (0, 0)), pair.now)
+    assert pair.client.state is State.ERROR
+    assert isinstance(out.replies[0], Bye) and out.replies[0].code == Code.OUT_OF_BOUNDS
+    assert "block 0 never arrived" in out.replies[0].msg
 
 
 def test_block_beyond_window_is_a_violation() -> None:

@@ -153,6 +153,9 @@ def outcomes_break(r: Request, req: int, outcomes: Sequence[int]) -> Broken | No
     if len(outcomes) != len(r.keys):
         return Broken(Code.OUT_OF_BOUNDS, f"done: {len(outcomes)} outcomes for "
                       f"{len(r.keys)} keys (request {req})")
+    if len(r.delivered) == len(outcomes) == outcomes.count(OUTCOME_SENT) and \
+            set(map(type, outcomes)) == {int}:
+        return None  # every block sent and delivered (a bulk fetch): no step per key
     for i, o in enumerate(outcomes):
         if type(o) is not int or not 0 <= o <= 2:
             return Broken(Code.WRONG_TYPE, f"done: outcome {i} must be 0, 1 or 2, got {o!r}")

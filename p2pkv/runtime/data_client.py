@@ -20,6 +20,7 @@ IO thread only.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import socket
 import ssl
@@ -173,9 +174,11 @@ class StreamIn:
             views: list[memoryview] = []
             if recv.destinations is None:
                 slots = landing.open_slots(recv, kis)
-                slot_views = landing.slot_views
-                for slot in slots:
-                    views += slot_views(slot) if slot >= 0 else self._scratch_block()
+                if min(slots, default=0) >= 0:  # each has its slot: no Python step per block
+                    views = list(itertools.chain.from_iterable(landing.views_of_slots(slots)))
+                else:
+                    for slot in slots:
+                        views += landing.slot_views(slot) if slot >= 0 else self._scratch_block()
                 self._incoming = _Incoming(arrived.req, recv, [], Scatter(views), kis=kis,
                                            slots=slots, sums=arrived.sums)
                 return

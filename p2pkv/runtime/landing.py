@@ -58,6 +58,8 @@ class Landing:
         self._store = store
         #: The views of a store slot, one per segment (the pool's own tuple).
         self.slot_views = store.pool.slot_views
+        #: The views of a batch of store slots (:meth:`BlockPool.views_of_slots`).
+        self.views_of_slots = store.pool.views_of_slots
         self._bpb = bytes_per_block
         self._counters = counters
         self._open: list[BlockWriter] = []

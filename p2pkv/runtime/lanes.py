@@ -49,7 +49,8 @@ def open_lanes(session: proto.Session, path: FetchPath, keys: Sequence[bytes],
     out: list[tuple[proto.Fetch, list[int]]] = []
     try:
         for lane, (part, window) in enumerate(zip(parts, windows, strict=True)):
-            part_keys = tuple(keys[i] for i in part)
+            part_keys = (tuple(keys) if len(part) == len(keys) else
+                         tuple(keys[i] for i in part))
             msg = opened(functools.partial(path.open_fetch, session, part_keys, window, now,
                                            deadline, lane))
             out.append((msg, part))

@@ -104,10 +104,13 @@ def wanted_keys(store: BlockStore, keys: Sequence[bytes], into_store: bool
     outcomes: list[KeyOutcome | None] = [None] * len(keys)
     if not into_store:
         return outcomes, list(range(len(keys))), []
+    held = store.lookup(list(keys))
+    if not any(held) and len(set(keys)) == len(keys):
+        return outcomes, list(range(len(keys))), []  # the common case, with no step per key
     wanted: list[int] = []
     first: dict[bytes, int] = {}
     repeats: list[tuple[int, int]] = []
-    for i, present in enumerate(store.lookup(list(keys))):
+    for i, present in enumerate(held):
         if present:
             outcomes[i] = KeyOutcome.LANDED
             continue

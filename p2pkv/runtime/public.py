@@ -72,7 +72,7 @@ class FetchResult:
     @property
     def landed(self) -> list[bytes]:
         """The keys whose blocks landed (in the store, or in the caller's buffers)."""
-        return [k for k, o in zip(self.keys, self.outcomes, strict=True) if o is KeyOutcome.LANDED]
+        return self._keys_with(KeyOutcome.LANDED)
 
     @property
     def stored(self) -> list[bytes]:
@@ -81,11 +81,18 @@ class FetchResult:
 
     @property
     def missing(self) -> list[bytes]:
-        return [k for k, o in zip(self.keys, self.outcomes, strict=True) if o is KeyOutcome.MISSING]
+        return self._keys_with(KeyOutcome.MISSING)
 
     @property
     def failed(self) -> list[bytes]:
-        return [k for k, o in zip(self.keys, self.outcomes, strict=True) if o is KeyOutcome.FAILED]
+        return self._keys_with(KeyOutcome.FAILED)
+
+    def _keys_with(self, outcome: KeyOutcome) -> list[bytes]:
+        if outcome not in self.outcomes:
+            return []  # the common case of an outcome no key has, with no step per key
+        if self.outcomes.count(outcome) == len(self.outcomes):
+            return list(self.keys)
+        return [k for k, o in zip(self.keys, self.outcomes, strict=True) if o is outcome]
 
     @property
     def gbps(self) -> float:

@@ -129,17 +129,18 @@ class Receiver:
         """The result of a fetch the peer reported done: a key with no outcome yet gets
         the peer's (missing, or failed with the reason). A part of a striped fetch
         (p2pkv.runtime.lanes) gives None until it is the last one done."""
-        for pos, key_index in enumerate(recv.index_map):
-            if recv.outcomes[key_index] is not None:
-                continue
-            code = wire[pos] if pos < len(wire) else OUTCOME_FAILED
-            if code == OUTCOME_MISSING:
-                recv.outcomes[key_index] = KeyOutcome.MISSING
-            else:
-                recv.outcomes[key_index] = KeyOutcome.FAILED
-                recv.errors.setdefault(key_index, "peer reported the block as sent but it "
-                                       "never arrived" if code == OUTCOME_SENT
-                                       else "peer failed to send the block")
+        if None in recv.outcomes:  # else every key has its outcome (no step per key)
+            for pos, key_index in enumerate(recv.index_map):
+                if recv.outcomes[key_index] is not None:
+                    continue
+                code = wire[pos] if pos < len(wire) else OUTCOME_FAILED
+                if code == OUTCOME_MISSING:
+                    recv.outcomes[key_index] = KeyOutcome.MISSING
+                else:
+                    recv.outcomes[key_index] = KeyOutcome.FAILED
+                    recv.errors.setdefault(key_index, "peer reported the block as sent but it "
+                                           "never arrived" if code == OUTCOME_SENT
+                                           else "peer failed to send the block")
         parts = [recv] if recv.group is None else recv.group
         if recv.group is not None:
             recv.done = True
@@ -151,6 +152,9 @@ class Receiver:
                 recv.errors[again] = recv.errors[first]
         seconds = now - recv.started
         self._counters.fetch_finished(seconds)
-        return FetchResult(recv.keys, tuple(o or KeyOutcome.FAILED for o in recv.outcomes),
+        outcomes = recv.outcomes
+        return FetchResult(recv.keys, tuple(outcomes)  # type: ignore[arg-type]
+                           if None not in outcomes else
+                           tuple(o or KeyOutcome.FAILED for o in outcomes),
                            dict(recv.errors), sum(r.blocks for r in parts),
                            sum(r.nbytes for r in parts), seconds)

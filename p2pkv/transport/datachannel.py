@@ -15,6 +15,7 @@ import collections
 import contextlib
 import errno
 import itertools
+import operator
 import socket
 import ssl
 from collections.abc import Callable, Sequence
@@ -52,6 +53,8 @@ RETRY: Final = (BlockingIOError, InterruptedError, ssl.SSLWantReadError,
 _TLS_WRITE: Final = 256 << 10
 """Bytes one TLS write takes at most: a write that must be retried is retried with the
 same bytes (OpenSSL's rule), so each is a fixed slice of the buffer."""
+
+_NBYTES = operator.attrgetter("nbytes")
 
 
 def pending(sock: socket.socket) -> int:
@@ -276,10 +279,12 @@ class Scatter:
         self._place(views)
 
     def _place(self, views: Sequence[memoryview]) -> None:
-        self._views = [v for v in views if v.nbytes]
+        sizes = list(map(_NBYTES, views))
+        if 0 in sizes:  # empty buffers take no part
+            views, sizes = [v for v in views if v.nbytes], [n for n in sizes if n]
+        self._views = list(views)
         #: Stream offset (from the start of this scatter) at which each buffer ends.
-        self._ends = list(itertools.accumulate((v.nbytes for v in self._views),
-                                               initial=self.filled))[1:]
+        self._ends = list(itertools.accumulate(sizes, initial=self.filled))[1:]
         self._at = 0  # the first buffer not filled yet
         self.total = self._ends[-1] if self._ends else self.filled
 
