@@ -129,8 +129,9 @@ def _check_sums(keys: int, slots: int, expected: Sequence[int | None]) -> None:
 def _not_being_written(writing: dict[bytes, int], keys: Sequence[bytes],
                        slots: Sequence[int]) -> None:
     """StoreError naming the first key not being written into its slot."""
-    key, slot = next((k, s) for k, s in zip(keys, slots, strict=True) if writing.get(k) != s)
-    raise StoreError(f"block {key.hex()} is not being written into slot {slot}")
+    for key, slot in zip(keys, slots, strict=True):
+        if writing.get(key) != slot:
+            raise StoreError(f"block {key.hex()} is not being written into slot {slot}")
 
 
 def _checksums(pool: BlockPool, slots: Sequence[int], expected: Sequence[int | None]
@@ -356,15 +357,24 @@ class BlockStore:
             _not_being_written(writing, keys, slots)
         # Hashing outside the lock is safe: each slot belongs to its writer.
         actual = _checksums(self._pool, slots, expected_checksums)
+        out: list[ChecksumMismatch | None] = []
         with self._lock:
-            if actual != list(expected_checksums) or self._listeners:
-                return _commit_each_locked(self, keys, slots, expected_checksums, actual)
             entries, sums = self._entries, self._sums
-            for key, slot, got in zip(keys, slots, actual, strict=True):
-                del writing[key]  # every block passed its check: the common case
+            for key, slot, want, got in zip(keys, slots, expected_checksums, actual,
+                                            strict=True):
+                del writing[key]
+                if got is not None and got != want:
+                    assert want is not None
+                    self._free.append(slot)
+                    self._checksum_failures += 1
+                    out.append(ChecksumMismatch(key, want, got))
+                    continue
                 entries[key] = slot
                 sums[slot] = got
-        return [None] * len(keys)
+                out.append(None)
+                if self._listeners:
+                    self._notify_locked(key, True)
+        return out
 
     def abort_slots(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         """Free slots of :meth:`begin_write_slots` not committed (their blocks never
@@ -552,26 +562,3 @@ class BlockStore:
             else:
                 self._free.append(slot)
             return True
-
-
-def _commit_each_locked(store: BlockStore, keys: Sequence[bytes], slots: Sequence[int],
-                        expected: Sequence[int | None], actual: Sequence[int | None]
-                        ) -> list[ChecksumMismatch | None]:
-    """:meth:`BlockStore.commit_slots` block by block, under its lock (a block failed its
-    check, or listeners hear each commit)."""
-    out: list[ChecksumMismatch | None] = []
-    writing, entries, sums = store._writing, store._entries, store._sums
-    for key, slot, want, got in zip(keys, slots, expected, actual, strict=True):
-        del writing[key]
-        if got is not None and got != want:
-            assert want is not None
-            store._free.append(slot)
-            store._checksum_failures += 1
-            out.append(ChecksumMismatch(key, want, got))
-            continue
-        entries[key] = slot
-        sums[slot] = got
-        out.append(None)
-        if store._listeners:
-            store._notify_locked(key, True)
-    return out
