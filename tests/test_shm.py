@@ -127,7 +127,10 @@ def test_stale_segments_of_dead_owners_are_removed_at_start(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("spec", LAYOUTS, ids=lambda s: f"{s['layout']}-{s['geometry']}")
 def test_same_bytes_as_tcp_for_every_layout(spec: dict[str, Any]) -> None:
-    with node(spec, **SHM) as a, node(spec, **SHM) as b, node(spec) as c:
+    # The consumer copies each message over two threads where the compiled helper is
+    # there (every other test here copies on the IO thread alone).
+    with node(spec, **SHM) as a, node(spec, **SHM, shm_copy_threads=2) as b, \
+            node(spec) as c:
         keys = fill(a, 12)
         absent = keys_for(3, offset=40)
         wanted = [*keys[:6], absent[0], *keys[6:], *absent[1:]]
@@ -173,7 +176,8 @@ def test_lookups_and_refusals_behave_as_over_tcp() -> None:
             assert n.stats().blocks_received == before
 
 
-def test_checksums_stay_available(producer: Node) -> None:
+@pytest.mark.parametrize("threads", [1, 3])
+def test_checksums_stay_available(producer: Node, threads: int) -> None:
     keys = fill(producer, 4)
     # Change a stored block's bytes under the store (after its checksum was taken): only
     # the checksum can tell.
@@ -184,7 +188,7 @@ def test_checksums_stay_available(producer: Node) -> None:
     reader.release()
     view = producer.store.pool.segment_views(slot)[3]
     view[100] ^= 0xFF
-    with node(LAYOUTS[0], **SHM) as b:
+    with node(LAYOUTS[0], **SHM, shm_copy_threads=threads) as b:
         peer = b.connect(producer.address)
         assert peer.data_path == "shm"
         result = peer.fetch(keys)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
+from p2pkv.checksum import MAX_COPY_THREADS
 from p2pkv.errors import ConfigError
 from p2pkv.identity import IDENTITY_POLICIES, IdentityExtension
 from p2pkv.keys import KEY_HASH_ALGORITHM
@@ -142,6 +143,12 @@ class NodeConfig:
     #: Same-host shared memory (capability shm-v1): the pool lives in a /dev/shm segment
     #: that proven same-host peers copy from, and this node copies from theirs.
     shm: bool = False
+    #: Threads that copy one shared-memory message's blocks (and hash them) at once.
+    #: Above 1 it takes the compiled helper (``p2pkv.checksum.NATIVE``); without it the
+    #: copy runs on the IO thread alone. On a host whose one core cannot use the memory
+    #: bandwidth, 2 or more copy faster; on a host of few cores they cost CPU (see
+    #: docs/performance.md).
+    shm_copy_threads: int = 1
     #: Capability packed-v1: blocks whose segments are all small travel as one payload
     #: frame per message between peers that both offer it (False: never offer it).
     packed_blocks: bool = True
@@ -195,6 +202,10 @@ class NodeConfig:
             raise ConfigError("heartbeat_timeout must be longer than heartbeat_interval")
         if type(self.shm) is not bool:
             raise ConfigError(f"shm must be a bool, got {self.shm!r}")
+        if (type(self.shm_copy_threads) is not int
+                or not 1 <= self.shm_copy_threads <= MAX_COPY_THREADS):
+            raise ConfigError(f"shm_copy_threads must be an int in [1, {MAX_COPY_THREADS}], "
+                              f"got {self.shm_copy_threads!r}")
         if type(self.packed_blocks) is not bool:
             raise ConfigError(f"packed_blocks must be a bool, got {self.packed_blocks!r}")
         if type(self.data_channel) is not bool:

@@ -23,9 +23,9 @@ import logging
 from collections.abc import Callable, Sequence
 
 from p2pkv import protocol as proto
-from p2pkv.checksum import copy_with_checksum
+from p2pkv.checksum import copy_blocks, copy_threads
 from p2pkv.errors import ProtocolError
-from p2pkv.runtime.landing import Landed, Landing
+from p2pkv.runtime.landing import Landing
 from p2pkv.runtime.state import Receiving, writable
 from p2pkv.runtime.stats import RECEIVED, Counters, ShmFallback
 from p2pkv.shm import MappedSegment, ShmUnavailable
@@ -39,8 +39,11 @@ class SharedReceiver:
     """What the shared-memory links of this node's outbound connections share."""
 
     def __init__(self, landing: Landing, segments: Sequence[int], counters: Counters,
-                 budget: proto.CreditBudget, *, enabled: bool) -> None:
+                 budget: proto.CreditBudget, *, enabled: bool, threads: int = 1) -> None:
         self.landing = landing
+        #: Threads a located message's copy is shared out over (1 without the compiled
+        #: helper, :func:`p2pkv.checksum.copy_threads`).
+        self.threads = copy_threads(threads)
         self.segments = tuple(segments)
         self.bpb = sum(self.segments)
         self.counters = counters
@@ -169,16 +172,15 @@ class SharedIn:
             # way) one after the other, and committed in one store call.
             blocks = landing.open_many(recv, [index_map[ev.idx[n]] for n in wanted],
                                        [ev.sums[n] for n in wanted])
-            copied: list[Landed] = []
-            for n, block in zip(wanted, blocks, strict=True):
-                if block is None:
-                    continue
-                sources = mapping.sources(ev.slots[n])
-                if block.expected is None:
-                    for dst, src in zip(block.views, sources, strict=True):
-                        dst[:] = src
-                else:
-                    block.actual = copy_with_checksum(block.views, sources)
-                copied.append(block)
-            landed = landing.settle_many(recv, copied)
+            copied = [(n, block) for n, block in zip(wanted, blocks, strict=True)
+                      if block is not None]
+            sums = copy_blocks([block.views for _, block in copied],
+                               [mapping.sources(ev.slots[n]) for n, _ in copied],
+                               checksums=any(b.expected is not None for _, b in copied),
+                               threads=self._parts.threads)
+            if sums is not None:
+                for (_, block), actual in zip(copied, sums, strict=True):
+                    if block.expected is not None:
+                        block.actual = actual
+            landed = landing.settle_many(recv, [block for _, block in copied])
         self._parts.counters.moved(self.kind, RECEIVED, landed, landed * self._parts.bpb)

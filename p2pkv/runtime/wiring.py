@@ -155,7 +155,7 @@ def wire(config: NodeConfig, hello: proto.Hello, store: BlockStore, owner: PeerO
         hello=hello, owner=owner, store=store,
         receiver=Receiver(landing, segments, bpb, counters),
         shm=SharedReceiver(landing, segments, counters, proto.CreditBudget(window),
-                           enabled=config.shm),
+                           enabled=config.shm, threads=config.shm_copy_threads),
         data=DataReceiver(reactor, landing, segments, counters,
                           proto.CreditBudget(proto.stream_window(window)),
                           enabled=config.offers_data_channel, streams=config.data_streams),
