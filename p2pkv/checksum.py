@@ -14,7 +14,6 @@ the same in Python, on one thread, with the same results and the same errors' ki
 from __future__ import annotations
 
 import operator
-import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeAlias
 
@@ -30,10 +29,6 @@ _first = operator.itemgetter(0)
 
 _native_copy: Callable[..., list[int] | None] | None
 try:
-    # P2PKV_NO_NATIVE=1 runs the Python path even where the helper was built (tests of
-    # the fallback, and comparisons).
-    if os.environ.get("P2PKV_NO_NATIVE"):
-        raise ImportError("P2PKV_NO_NATIVE is set")
     from p2pkv import _fastcopy
 except ImportError:
     _native_copy = None

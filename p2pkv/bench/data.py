@@ -91,6 +91,10 @@ SHM_CASES: tuple[BulkCase, ...] = (
 """Same-host fetches through shared memory (both nodes ``shm=True``); the baseline is a
 plain memcpy of the same bytes in the fetching process, and the target a ratio to it."""
 
+SHM_THREADS = 2
+"""Copy threads of the same-host row that compares them with one (``shm_copy_threads``)."""
+SHM_THREADS_PREFIX = "threads-"
+
 RECEIVER_CPU_TARGET = 1.2
 """Receiver CPU seconds per GB moved over TCP: at most this multiple of raw pyzmq's."""
 

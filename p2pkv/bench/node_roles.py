@@ -45,6 +45,7 @@ def make_node(spec: dict[str, Any], *, pool_blocks: int, checksums: bool = True,
     # the other rows measure the ZeroMQ path; servers offer it to whoever asks.
     cfg = NodeConfig(checksums=checksums, curve=curve, fetch_timeout=120.0,
                      shm=bool(spec.get("shm", False)),
+                     shm_copy_threads=int(spec.get("shm_copy_threads", 1)),
                      data_channel=bool(spec.get("data_channel", False)),
                      data_streams=int(spec.get("data_streams", 1)),
                      data_encryption=str(spec.get("data_encryption", "sealed")))

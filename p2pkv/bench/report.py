@@ -13,6 +13,8 @@ from typing import IO, Any
 
 import zmq
 
+from p2pkv.checksum import NATIVE_VARIANT
+
 
 @dataclass
 class Row:
@@ -66,7 +68,9 @@ def machine_info() -> dict[str, Any]:
                 break
     return {"nproc": os.cpu_count(), "cpu": model, "python": platform.python_version(),
             "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
-            "platform": platform.platform()}
+            "platform": platform.platform(),
+            # The compiled copy helper of the same-host path, and its xxh3 build.
+            "native_copy": NATIVE_VARIANT or "none (Python copy)"}
 
 
 def error_row(case: str, metric: str, target: str, exc: Exception) -> Row:

@@ -32,6 +32,8 @@ from p2pkv.bench.data import (
     NOSUM_CASE,
     RECEIVER_CPU_TARGET,
     SHM_CASES,
+    SHM_THREADS,
+    SHM_THREADS_PREFIX,
     BenchError,
     BulkCase,
     percentile,
@@ -41,6 +43,7 @@ from p2pkv.bench.pairs import bulk_pair, latency_pair, log, rounds_for, spread
 from p2pkv.bench.report import Row, error_row, machine_info, ratio_of, report
 from p2pkv.bench.stream_rows import data_channel_rows, multi_stream_rows
 from p2pkv.bench.worker import Worker
+from p2pkv.checksum import NATIVE
 from p2pkv.layout import Geometry
 
 
@@ -222,7 +225,30 @@ def _shm_rows(plan: Plan, workers: dict[str, Worker], blocks: dict[str, int]) ->
                          "node_receiver_cpu_s_per_gb": res["b_rx_cpu_s_per_gb"]}))
         except BenchError as exc:
             rows.append(error_row(name, "fetch GB/s", target, exc))
+    rows.append(_shm_threads_row(plan, node, node_pids, blocks))
     return rows
+
+
+def _shm_threads_row(plan: Plan, node: Worker, node_pids: tuple[int, int],
+                     blocks: dict[str, int]) -> Row:
+    """The same-host fetch copied over ``SHM_THREADS`` threads against one (for the
+    record: whether it pays depends on the host's cores and memory bandwidth)."""
+    case = SHM_CASES[0]
+    nbytes = blocks[case.name] * case.bytes_per_block
+    name = f"same-host fetch {case.label}, {SHM_THREADS} copy threads vs 1"
+    try:
+        res = bulk_pair(name, rounds_for(plan.bulk_bytes, nbytes), nbytes, (node, case.name),
+                        (node, f"{SHM_THREADS_PREFIX}{case.name}"), pids_a=node_pids,
+                        pids_b=node_pids)
+    except BenchError as exc:
+        return error_row(name, "fetch GB/s", "(info)", exc)
+    return Row(name, "fetch GB/s", res["b_gbps"], res["a_gbps"],
+               ratio_of(res["b_gbps"], res["a_gbps"]), "(info)", None,
+               res["a_verified"] and res["b_verified"], baseline_kind="one copy thread",
+               details={"data_path": "shm (shm-v1)", "native": NATIVE,
+                        "threads_cpu_s_per_gb": res["b_cpu_s_per_gb"],
+                        "one_thread_cpu_s_per_gb": res["a_cpu_s_per_gb"],
+                        "spread": spread(res)})
 
 
 def _other_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase],
@@ -389,6 +415,10 @@ def run_bench(*, quick: bool = False, json_path: str | None = None,
     for c in SHM_CASES:
         server_nodes.append(node_spec(c.name, c, blocks[c.name], shm=True))
         client_nodes.append(node_spec(c.name, c, blocks[c.name], shm=True, server=c.name))
+    shm_seed = SHM_CASES[0]
+    client_nodes.append(node_spec(f"{SHM_THREADS_PREFIX}{shm_seed.name}", shm_seed,
+                                  blocks[shm_seed.name], shm=True,
+                                  shm_copy_threads=SHM_THREADS, server=shm_seed.name))
     memcpy = [{"id": f"memcpy-{c.name}", "bytes": blocks[c.name] * c.bytes_per_block,
                "bytes_per_block": c.bytes_per_block} for c in SHM_CASES]
     if curve_ok:
