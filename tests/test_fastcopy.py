@@ -122,13 +122,13 @@ def test_a_bad_batch_is_refused_whole_before_any_byte_moves(copy: Copy) -> None:
     dsts, srcs, _ = batch([[64, 64], [64, 64], [64]])
     cases: list[tuple[Any, Any, type[Exception], str]] = [
         (dsts, srcs[:2], ValueError, r"3 destination blocks for 2 source blocks"),
-        (dsts[:2] + [[dsts[2][0], dsts[2][0]]], srcs, ValueError,
+        ([*dsts[:2], [dsts[2][0], dsts[2][0]]], srcs, ValueError,
          r"block 2: 2 destination segments for 1 source segments"),
-        (dsts[:2] + [[dsts[2][0][:63]]], srcs, ValueError,
+        ([*dsts[:2], [dsts[2][0][:63]]], srcs, ValueError,
          r"block 2, segment 0: destination of 63 bytes for a source of 64"),
-        (dsts[:2] + [[dsts[2][0].toreadonly()]], srcs, ValueError,
+        ([*dsts[:2], [dsts[2][0].toreadonly()]], srcs, ValueError,
          r"destinations: block 2, segment 0 is not a writable contiguous buffer"),
-        (dsts, srcs[:2] + [[12345]], TypeError, r"block 2, segment 0"),
+        (dsts, [*srcs[:2], [12345]], TypeError, r"block 2, segment 0"),
     ]
     for d, s, exc, match in cases:
         with pytest.raises(exc, match=match):
