@@ -85,8 +85,8 @@ MULTI_PREFIX = "dc4-"
 """Client node id prefix of the multi-stream row (its case is NOSUM_CASE)."""
 
 SHM_CASES: tuple[BulkCase, ...] = (
-    BulkCase("shm-seed-v2", "seed V2 (12 x 48 KiB)", "v2", SEED_GEOMETRY, 0.6),
-    BulkCase("shm-seed-v1", "seed V1 (1 x 576 KiB)", "v1", SEED_GEOMETRY, 0.6),
+    BulkCase("shm-seed-v2", "seed V2 (12 x 48 KiB)", "v2", SEED_GEOMETRY, 0.8),
+    BulkCase("shm-seed-v1", "seed V1 (1 x 576 KiB)", "v1", SEED_GEOMETRY, 0.8),
 )
 """Same-host fetches through shared memory (both nodes ``shm=True``); the baseline is a
 plain memcpy of the same bytes in the fetching process, and the target a ratio to it."""
