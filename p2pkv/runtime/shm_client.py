@@ -10,11 +10,13 @@ accepted, :class:`SharedIn` is the connection's data path (the ``shm`` kind of
 :mod:`p2pkv.runtime.paths`).
 
 Landing a ``located`` message copies each block's segments straight from the mapped pool
-into its destination (a store slot invisible until committed, or caller buffers), one
-bounded ``memcpy`` per segment hashed as it is copied, then settles it like a received
-block (:class:`~p2pkv.runtime.landing.Landing`). The copy runs on
-the IO thread: a read burst is at most a few MiB, well under a millisecond of copying,
-so a lookup queued meanwhile waits no longer than behind the TCP path's ``recv_into``.
+into its destination (a store slot invisible until committed, or caller buffers), hashing
+each piece right after it was copied, then settles it like a received block
+(:class:`~p2pkv.runtime.landing.Landing`). The whole message is one
+:func:`p2pkv.checksum.copy_blocks` call: with the compiled helper it runs without the GIL,
+over ``NodeConfig.shm_copy_threads`` threads; without it, in Python on the IO thread. A
+read burst is at most a few MiB, well under a millisecond of copying, so a lookup queued
+meanwhile waits no longer than behind the TCP path's ``recv_into``.
 """
 
 from __future__ import annotations
