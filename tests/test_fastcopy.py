@@ -8,6 +8,7 @@ fork, stay right.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -196,8 +197,17 @@ def test_a_forked_child_and_the_generic_build_copy_right(variant: str) -> None:
     env.pop("P2PKV_FASTCOPY_GENERIC", None)
     if variant == "generic":
         env["P2PKV_FASTCOPY_GENERIC"] = "1"
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
-                         text=True, timeout=60, check=True).stdout.split()
+    # Its own process group, so that a child that hangs is killed with its parent.
+    proc = subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=10)
+        pytest.fail("the copy in the forked child did not finish within 60 s")
+    assert proc.returncode == 0, stderr
+    out = stdout.split()
     assert out[1] == "0", out
     if variant == "generic":
         assert out[0] == "generic"
