@@ -56,3 +56,32 @@ uint64_t P2PKV_CAT(p2pkv_hash_block_, P2PKV_VARIANT)(const p2pkv_seg *segs, size
         XXH3_64bits_update(&state, segs[i].src, segs[i].len);
     return XXH3_64bits_digest(&state);
 }
+
+_Static_assert(sizeof(XXH3_state_t) <= sizeof(p2pkv_hash_state),
+               "p2pkv_hash_state is too small for XXH3_state_t");
+_Static_assert(_Alignof(XXH3_state_t) <= _Alignof(p2pkv_hash_state),
+               "p2pkv_hash_state is not aligned enough for XXH3_state_t");
+
+static void P2PKV_CAT(hash_reset_, P2PKV_VARIANT)(p2pkv_hash_state *state)
+{
+    XXH3_state_t *s = (XXH3_state_t *)(void *)state->bytes;
+    XXH3_INITSTATE(s);
+    XXH3_64bits_reset(s);
+}
+
+static void P2PKV_CAT(hash_update_, P2PKV_VARIANT)(p2pkv_hash_state *state, const void *data,
+                                                   size_t len)
+{
+    XXH3_64bits_update((XXH3_state_t *)(void *)state->bytes, data, len);
+}
+
+static uint64_t P2PKV_CAT(hash_digest_, P2PKV_VARIANT)(const p2pkv_hash_state *state)
+{
+    return XXH3_64bits_digest((const XXH3_state_t *)(const void *)state->bytes);
+}
+
+const p2pkv_hash_ops P2PKV_CAT(p2pkv_hash_ops_, P2PKV_VARIANT) = {
+    P2PKV_CAT(hash_reset_, P2PKV_VARIANT),
+    P2PKV_CAT(hash_update_, P2PKV_VARIANT),
+    P2PKV_CAT(hash_digest_, P2PKV_VARIANT),
+};

@@ -9,6 +9,7 @@
  *
  *   copy_blocks(destinations, sources, checksums, threads) -> list[int] | None
  *   hash_blocks(blocks, threads) -> list[int]
+ *   Scatter: a data stream's receiver, hashing as it lands (csrc/scatter.c)
  *
  * destinations and sources: one sequence of buffers (segments) per block, in the same
  * shape, each destination writable and as long as its source. The result holds each
@@ -37,6 +38,7 @@ typedef uint64_t (*hash_fn)(const p2pkv_seg *, size_t);
 static copy_fn copy_block = p2pkv_copy_block_generic;
 static hash_fn hash_block = p2pkv_hash_block_generic;
 static const char *variant = "generic";
+const p2pkv_hash_ops *p2pkv_hash = &p2pkv_hash_ops_generic;
 
 /* -- one call's work -------------------------------------------------------------- */
 
@@ -428,6 +430,7 @@ PyMODINIT_FUNC PyInit__fastcopy(void)
     if (__builtin_cpu_supports("avx2") && getenv("P2PKV_FASTCOPY_GENERIC") == NULL) {
         copy_block = p2pkv_copy_block_avx2;
         hash_block = p2pkv_hash_block_avx2;
+        p2pkv_hash = &p2pkv_hash_ops_avx2;
         variant = "avx2";
     }
 #endif
@@ -440,7 +443,8 @@ PyMODINIT_FUNC PyInit__fastcopy(void)
     if (m == NULL)
         return NULL;
     if (PyModule_AddStringConstant(m, "VARIANT", variant) != 0 ||
-        PyModule_AddIntConstant(m, "MAX_THREADS", MAX_THREADS) != 0) {
+        PyModule_AddIntConstant(m, "MAX_THREADS", MAX_THREADS) != 0 ||
+        p2pkv_add_scatter(m) != 0) {
         Py_DECREF(m);
         return NULL;
     }

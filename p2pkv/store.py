@@ -114,10 +114,13 @@ def _check_batch(keys: Sequence[bytes]) -> None:
         check_keys(keys, MAX_KEY_LEN, what="block store keys")
 
 
-def _check_sums(keys: int, slots: int, expected: Sequence[int | None]) -> None:
-    """ValueError unless a commit has one expected checksum (a u64, or None) per block."""
-    if not keys == slots == len(expected):
-        raise ValueError(f"{keys} keys, {slots} slots, {len(expected)} checksums")
+def _check_sums(keys: int, slots: int, expected: Sequence[int | None],
+                actual: Sequence[int | None] | None = None) -> None:
+    """ValueError unless a commit has one expected checksum (a u64, or None) per block,
+    and as many computed ones if any."""
+    if not keys == slots == len(expected) == (slots if actual is None else len(actual)):
+        raise ValueError(f"{keys} keys, {slots} slots, {len(expected)} checksums"
+                         + ("" if actual is None else f", {len(actual)} computed"))
     if set(map(type, expected)) == {int} and \
             0 <= min(expected) <= max(expected) < _U64_END:  # type: ignore[type-var, operator]
         return  # u64s all (the common case): no Python step per block
@@ -347,24 +350,27 @@ class BlockStore:
         return out
 
     def commit_slots(self, keys: Sequence[bytes], slots: Sequence[int],
-                     expected_checksums: Sequence[int | None]
+                     expected_checksums: Sequence[int | None],
+                     actual: Sequence[int | None] | None = None
                      ) -> list[ChecksumMismatch | None]:
         """:meth:`commit_many` for slots of :meth:`begin_write_slots`; StoreError
-        (committing nothing) unless every key is being written into its slot."""
-        _check_sums(len(keys), len(slots), expected_checksums)
+        (committing nothing) unless every key is being written into its slot. ``actual``:
+        each slot's checksum, computed by its writer as the bytes landed (None: hashed
+        here)."""
+        _check_sums(len(keys), len(slots), expected_checksums, actual)
         writing = self._writing
         if list(map(writing.get, keys)) != list(slots):
             _not_being_written(writing, keys, slots)
-        # Hashing outside the lock is safe: each slot belongs to its writer.
-        actual = _checksums(self._pool, slots, expected_checksums)
+        if actual is None:  # hashed outside the lock: each slot belongs to its writer
+            actual = _checksums(self._pool, slots, expected_checksums)
         out: list[ChecksumMismatch | None] = []
         with self._lock:
             entries, sums = self._entries, self._sums
             for key, slot, want, got in zip(keys, slots, expected_checksums, actual,
                                             strict=True):
                 del writing[key]
-                if got is not None and got != want:
-                    assert want is not None
+                if want is not None and got != want:
+                    assert got is not None
                     self._free.append(slot)
                     self._checksum_failures += 1
                     out.append(ChecksumMismatch(key, want, got))

@@ -577,6 +577,28 @@ def test_a_batch_commit_of_slots_is_the_same_block_by_block_or_at_once(layout: K
     assert heard == [(bytes([i]) * 16, True) for i in (0, 1, 2, 3, 5)]
 
 
+def test_a_commit_of_slots_with_checksums_computed_as_they_landed() -> None:
+    """The data stream hashes blocks as they land and hands the sums to commit_slots:
+    a computed sum that differs from the expected one drops its block just as a hash
+    taken by the store would; the store keeps the computed sum (also where none was
+    expected); a wrong count of computed sums commits nothing."""
+    store = make_store(4)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    slots = [int(s) for s in store.begin_write_slots(keys)]  # type: ignore[call-overload]
+    for slot, key in zip(slots, keys, strict=True):
+        store.pool.slot_views(slot)[0][:] = payload(key, store.pool.bytes_per_block)
+    real = [block_checksum(store.pool.slot_views(s)) for s in slots]
+    with pytest.raises(ValueError, match="2 computed"):
+        store.commit_slots(keys, slots, real, real[:2])
+    assert store.stats().stored == 0
+    out = store.commit_slots(keys, slots, [real[0], real[1], None],
+                             [real[0], real[1] ^ 1, real[2]])
+    assert out[0] is None and isinstance(out[1], ChecksumMismatch) and out[2] is None
+    assert store.contains(keys[0]) and not store.contains(keys[1]) and store.contains(keys[2])
+    assert store.slot_checksums([slots[0], slots[2]]) == [real[0], real[2]]
+    assert store.stats().checksum_failures == 1
+
+
 def test_the_views_of_a_batch_of_slots_are_each_slots_views() -> None:
     pool = BlockPool(V2, 6)
     assert pool.views_of_slots([4, 0, 4]) == [pool.slot_views(4), pool.slot_views(0),

@@ -1,7 +1,7 @@
 """Fetch rounds of one bench layout between two fresh processes, for A/B runs and profiles.
 
     python tools/fetch_rounds.py CASE ROUNDS {shm,data,tcp} [--mib 256] [--threads N]
-                                 [--python-copy] [--no-checksums]
+                                 [--python-copy] [--python-scatter] [--no-checksums]
 
 CASE is a bench case (``seed-v1``, ``small-16k``, ``shm-seed-v2``, ...). A producer
 process holds ``--mib`` MiB of the case's blocks; this process is the consumer, and
@@ -9,7 +9,8 @@ fetches them all back ``ROUNDS`` times after one warm-up round (the bench's
 ``fetch_round``: every block discarded first, 64 MiB per fetch, two in flight). It prints
 one JSON line: the median GB/s and the median consumer CPU s/GB (all its threads).
 ``--python-copy`` runs the same-host copy in Python even where ``p2pkv._fastcopy`` was
-built; ``--threads`` sets ``shm_copy_threads``. Run it under ``py-spy record`` to see
+built, and ``--python-scatter`` receives a data stream with the Python ``Scatter``
+(no hashing as blocks land); ``--threads`` sets ``shm_copy_threads``. Run it under ``py-spy record`` to see
 where the consumer's time goes; alternate two settings in one sitting to compare them.
 """
 
@@ -23,6 +24,7 @@ import sys
 from typing import Any
 
 from p2pkv import checksum
+from p2pkv.transport import datachannel
 from p2pkv.bench.data import BULK_CASES, SHM_CASES, BulkCase, Dataset
 from p2pkv.bench.node_roles import ClientNode, chunk_keys, fetch_round, make_node
 from p2pkv.bench.run import node_spec
@@ -56,11 +58,14 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--python-copy", action="store_true")
+    ap.add_argument("--python-scatter", action="store_true")
     ap.add_argument("--no-checksums", action="store_true")
     args = ap.parse_args()
     if args.python_copy:
         checksum._native_copy = None
         checksum.NATIVE = False
+    if args.python_scatter:
+        datachannel.NATIVE_SCATTER = False
     case = case_of(args.case)
     blocks = (args.mib << 20) // case.bytes_per_block
     extra: dict[str, Any] = {"shm": True} if args.path == "shm" else (
@@ -93,6 +98,7 @@ def main() -> int:
         if proc.is_alive():
             proc.kill()
     print(json.dumps({"case": case.name, "path": args.path, "threads": args.threads,
+                      "scatter": "native" if datachannel.NATIVE_SCATTER else "python",
                       "copy": "python" if args.python_copy or not checksum.NATIVE
                       else checksum.NATIVE_VARIANT,
                       "gbps": round(statistics.median(gbps), 3),

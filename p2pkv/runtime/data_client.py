@@ -36,7 +36,7 @@ from p2pkv.runtime.reactor import Reactor
 from p2pkv.runtime.state import Receiving, writable
 from p2pkv.runtime.stats import RECEIVED, Count, Counters
 from p2pkv.runtime.tuning import READ_BURST_BYTES, WAKE_BYTES
-from p2pkv.transport.datachannel import RETRY, Scatter, pending, recvmsg_into
+from p2pkv.transport.datachannel import RETRY, AnyScatter, pending, recvmsg_into, scatter_for
 from p2pkv.transport.sealed import SealedSocket
 
 __all__ = ["DataReceiver", "StreamIn", "StreamOwner", "Striped"]
@@ -100,7 +100,7 @@ class _Incoming:
     recv: Receiving | None
     #: Into caller buffers: each block's destination (None: nowhere to land).
     blocks: list[Landed | None]
-    scatter: Scatter | None  # None: skipping
+    scatter: AnyScatter | None  # None: skipping
     skip: int = 0  # bytes still to skip (scatter None)
     settled: int = 0  # blocks of the message settled (or given up) so far
     views: list[memoryview] = field(default_factory=list)
@@ -179,13 +179,17 @@ class StreamIn:
                 else:
                     for slot in slots:
                         views += landing.slot_views(slot) if slot >= 0 else self._scratch_block()
-                self._incoming = _Incoming(arrived.req, recv, [], Scatter(views), kis=kis,
-                                           slots=slots, sums=arrived.sums)
+                # The blocks the peer sent sums for are hashed as they land, if the
+                # stream can (the store then checks those sums, not the slots again).
+                hashed = self._parts.bpb if any(s is not None for s in arrived.sums) else 0
+                self._incoming = _Incoming(arrived.req, recv, [],
+                                           scatter_for(self._sock, views, hashed),
+                                           kis=kis, slots=slots, sums=arrived.sums)
                 return
             blocks = landing.open_kept(recv, kis, arrived.sums)
         for block in blocks:
             views.extend(block.views if block is not None else self._scratch_block())
-        self._incoming = _Incoming(arrived.req, recv, blocks, Scatter(views))
+        self._incoming = _Incoming(arrived.req, recv, blocks, scatter_for(self._sock, views))
 
     def settled(self, session: proto.Session,
                 ev: proto.BlockArrived | proto.BlocksLocated) -> list[proto.Message]:
@@ -426,16 +430,21 @@ class StreamIn:
         start, inc.settled = inc.settled, complete
         slots, kis, sums = inc.slots[start:complete], inc.kis[start:complete], \
             inc.sums[start:complete]
+        actual = inc.scatter.sums if inc.scatter is not None else None
+        if actual is not None:
+            actual = actual[start:complete]
         if min(slots) < 0:  # some had nowhere to land (settled when opened)
             kept = [i for i, slot in enumerate(slots) if slot >= 0]
             slots, kis, sums = [slots[i] for i in kept], [kis[i] for i in kept], \
                 tuple(sums[i] for i in kept)
+            if actual is not None:
+                actual = [actual[i] for i in kept]
             if not slots:
                 return
         landing = self._parts.landing
         try:
             with landing.guard():
-                landed = landing.settle_slots(inc.recv, kis, slots, sums)
+                landed = landing.settle_slots(inc.recv, kis, slots, sums, actual)
         except BaseException:
             landing.abandon_slots(inc.recv, kis, slots)  # whatever happened, none stays open
             raise

@@ -146,13 +146,15 @@ class Landing:
         return out
 
     def settle_slots(self, recv: Receiving, key_indices: Sequence[int], slots: Sequence[int],
-                     expected: Sequence[int | None]) -> int:
+                     expected: Sequence[int | None],
+                     actual: Sequence[int] | None = None) -> int:
         """Commit blocks whose bytes are all in the slots :meth:`open_slots` gave them
-        (the store verifies each against ``expected``) and write their outcomes; how many
-        landed. Inside :meth:`guard`."""
+        (the store verifies each against ``expected``; ``actual``: their checksums,
+        computed as they landed) and write their outcomes; how many landed. Inside
+        :meth:`guard`."""
         keys = recv.keys
         mismatches = self._store.commit_slots([keys[ki] for ki in key_indices], slots,
-                                              expected)
+                                              expected, actual)
         return self._mark_all_landed(recv, self._intact(recv, key_indices, mismatches))
 
     def abandon_slots(self, recv: Receiving, key_indices: Sequence[int],

@@ -6,6 +6,11 @@ node's IO thread: :class:`Gather` writes queued buffers with ``sendmsg`` straigh
 where they are (pool slots, no copy in Python), :class:`Scatter` reads with
 ``recvmsg_into`` straight into the buffers it is given (store slots, caller buffers).
 The kernel copies each byte once on each side; these classes only keep the place.
+
+Where the compiled helper was built, :func:`scatter_for` gives a plain stream its
+compiled twin (``p2pkv._fastcopy.Scatter``): the same places, but one call receives a
+whole burst with the GIL released, and hashes each block piece by piece as it lands,
+while it is still in cache.
 """
 
 from __future__ import annotations
@@ -19,15 +24,22 @@ import operator
 import socket
 import ssl
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import Final, TypeAlias
 
 from p2pkv.errors import ConfigError
 from p2pkv.transport.sealed import SealedSocket
 
+try:
+    from p2pkv._fastcopy import Scatter as NativeScatter
+except ImportError:  # no compiled helper: every stream scatters in Python
+    NativeScatter = None  # type: ignore[assignment,misc]
+
 __all__ = [
     "IOV_MAX",
+    "NATIVE_SCATTER",
     "RETRY",
     "SOCKET_BUFFER",
+    "AnyScatter",
     "Gather",
     "Scatter",
     "connect_error",
@@ -37,6 +49,7 @@ __all__ = [
     "pending",
     "port_of",
     "recvmsg_into",
+    "scatter_for",
     "sendmsg",
     "tune",
 ]
@@ -49,6 +62,8 @@ SOCKET_BUFFER: Final = 4 << 20
 RETRY: Final = (BlockingIOError, InterruptedError, ssl.SSLWantReadError,
                 ssl.SSLWantWriteError)
 """What a non-blocking stream raises when it cannot move bytes now (TLS included)."""
+NATIVE_SCATTER: bool = NativeScatter is not None
+"""Whether plain streams receive with the compiled Scatter (False: the Python one)."""
 
 _TLS_WRITE: Final = 256 << 10
 """Bytes one TLS write takes at most: a write that must be retried is retried with the
@@ -273,6 +288,9 @@ class Scatter:
 
     __slots__ = ("_at", "_ends", "_views", "filled", "spilled", "total")
 
+    #: Blocks are hashed by whoever settles them (the compiled twin hashes as they land).
+    sums: list[int] | None = None
+
     def __init__(self, views: Sequence[memoryview]) -> None:
         self.filled = 0
         self.spilled = 0
@@ -335,3 +353,21 @@ class Scatter:
             taken += n
             self._advance(n)
         return taken
+
+    def close(self) -> None:
+        """Nothing more lands (the buffers go with this object)."""
+
+
+AnyScatter: TypeAlias = "Scatter | NativeScatter"
+
+
+def scatter_for(sock: socket.socket | None, views: Sequence[memoryview], block: int = 0
+                ) -> AnyScatter:
+    """Where a payload read from ``sock`` lands: ``views`` in order. On a plain stream
+    where the compiled helper was built, its Scatter, which also hashes every ``block``
+    bytes as one block while they are in cache (``block`` 0: no hashing) and lists the
+    sums in ``sums``; otherwise (TLS and sealed streams, no helper) the Python one, whose
+    ``sums`` is None (the blocks are hashed when they settle)."""
+    if NATIVE_SCATTER and type(sock) is socket.socket:
+        return NativeScatter(views, block)
+    return Scatter(views)
