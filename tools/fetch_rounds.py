@@ -10,8 +10,9 @@ fetches them all back ``ROUNDS`` times after one warm-up round (the bench's
 one JSON line: the median GB/s and the median consumer CPU s/GB (all its threads).
 ``--python-copy`` runs the same-host copy in Python even where ``p2pkv._fastcopy`` was
 built, and ``--python-scatter`` receives a data stream with the Python ``Scatter``
-(no hashing as blocks land); ``--threads`` sets ``shm_copy_threads``. Run it under ``py-spy record`` to see
-where the consumer's time goes; alternate two settings in one sitting to compare them.
+(no hashing as blocks land); ``--threads`` sets ``shm_copy_threads``. Run it under
+``py-spy record`` to see where the consumer's time goes; alternate two settings in one
+sitting to compare them.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ import sys
 from typing import Any
 
 from p2pkv import checksum
-from p2pkv.transport import datachannel
 from p2pkv.bench.data import BULK_CASES, SHM_CASES, BulkCase, Dataset
 from p2pkv.bench.node_roles import ClientNode, chunk_keys, fetch_round, make_node
 from p2pkv.bench.run import node_spec
+from p2pkv.transport import datachannel
 
 
 def case_of(name: str) -> BulkCase:
