@@ -9,10 +9,13 @@ scatters straight into their destinations (store slots that lookups cannot see y
 or caller buffers): one kernel copy, nothing copied in Python but the few bytes read
 ahead with a header. A message arrives over several loop turns; every block is settled
 (:class:`~p2pkv.runtime.landing.Landing`: checksum, commit or drop, its key's outcome)
-as soon as its last byte landed, while it is still in cache. Whatever is left of a
-message whose fetch was cancelled, timed out or is being aborted goes to scratch, and
-the slots it opened are freed, so nothing more reaches its buffers. The end of a bound
-stream ends the connection (every waiting fetch fails); it never hangs one.
+as soon as its last byte landed. Where the compiled scatter receives a plain stream
+(:func:`~p2pkv.transport.datachannel.scatter_for`), the blocks bound for the store are
+hashed piece by piece as they land, while in cache, and the store checks those sums.
+Whatever is left of a message whose fetch was cancelled, timed out or is being aborted
+goes to scratch, and the slots it opened are freed, so nothing more reaches its
+buffers. The end of a bound stream ends the connection (every waiting fetch fails); it
+never hangs one.
 
 IO thread only.
 """
@@ -49,9 +52,9 @@ header of a full 1024-block message is ~12 KiB)."""
 
 
 _RECEIVE_CHUNK: Final = WAKE_BYTES
-"""Bytes one ``recvmsg_into`` takes at most, unless a block is larger: as many as a
-stream waits for before it wakes (2 MiB, about one core's L2 cache: each block is hashed
-right after it landed, from cache)."""
+"""Bytes one receive takes at most, unless a block is larger: as many as a stream waits
+for before it wakes (2 MiB). The compiled scatter takes them in ``recvmsg`` pieces of
+256 KiB and hashes each as it lands; the Python one hashes the blocks after the call."""
 
 
 @dataclass(eq=False)
