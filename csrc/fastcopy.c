@@ -318,7 +318,7 @@ static int check_threads(int threads)
     return 0;
 }
 
-static PyObject *sums_list(const uint64_t *sums, size_t n)
+PyObject *p2pkv_sums_list(const uint64_t *sums, size_t n)
 {
     PyObject *out = PyList_New((Py_ssize_t)n);
     if (out == NULL)
@@ -364,7 +364,7 @@ static PyObject *run_batch(PyObject *dsts_arg, PyObject *srcs_arg, int hash, int
         Py_END_ALLOW_THREADS
     }
     if (hash) {
-        result = sums_list(sums, nblocks);
+        result = p2pkv_sums_list(sums, nblocks);
     } else {
         result = Py_None;
         Py_INCREF(result);

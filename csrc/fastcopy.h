@@ -38,7 +38,11 @@ extern const p2pkv_hash_ops p2pkv_hash_ops_avx2;
 /* The running hash of the variant chosen at import (set before any Scatter exists). */
 extern const p2pkv_hash_ops *p2pkv_hash;
 
+#ifdef Py_PYTHON_H
 /* Add the Scatter type (csrc/scatter.c) to the module; 0, or -1 with an exception set. */
-int p2pkv_add_scatter(void *module);
+int p2pkv_add_scatter(PyObject *module);
+/* A new list of the sums as Python ints (csrc/fastcopy.c); NULL with an exception set. */
+PyObject *p2pkv_sums_list(const uint64_t *sums, size_t n);
+#endif
 
 #endif

@@ -346,18 +346,7 @@ static PyObject *Scatter_get_sums(Scatter *self, void *closure)
 {
     if (!self->block)
         Py_RETURN_NONE;
-    PyObject *out = PyList_New(self->nsums);
-    if (out == NULL)
-        return NULL;
-    for (Py_ssize_t i = 0; i < self->nsums; i++) {
-        PyObject *v = PyLong_FromUnsignedLongLong(self->sums[i]);
-        if (v == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, i, v);
-    }
-    return out;
+    return p2pkv_sums_list(self->sums, (size_t)self->nsums);
 }
 
 static PyMethodDef Scatter_methods[] = {
@@ -408,12 +397,12 @@ static PyTypeObject ScatterType = {
     .tp_getset = Scatter_getset,
 };
 
-int p2pkv_add_scatter(void *module)
+int p2pkv_add_scatter(PyObject *module)
 {
     if (PyType_Ready(&ScatterType) < 0)
         return -1;
     Py_INCREF(&ScatterType);
-    if (PyModule_AddObject((PyObject *)module, "Scatter", (PyObject *)&ScatterType) < 0) {
+    if (PyModule_AddObject(module, "Scatter", (PyObject *)&ScatterType) < 0) {
         Py_DECREF(&ScatterType);
         return -1;
     }
