@@ -184,7 +184,7 @@ class StreamIn:
                         views += landing.slot_views(slot) if slot >= 0 else self._scratch_block()
                 # The blocks the peer sent sums for are hashed as they land, if the
                 # stream can (the store then checks those sums, not the slots again).
-                hashed = self._parts.bpb if any(s is not None for s in arrived.sums) else 0
+                hashed = self._parts.bpb if arrived.sums.count(None) < len(arrived.sums) else 0
                 self._incoming = _Incoming(arrived.req, recv, [],
                                            scatter_for(self._sock, views, hashed),
                                            kis=kis, slots=slots, sums=arrived.sums)
