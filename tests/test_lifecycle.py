@@ -271,11 +271,12 @@ def test_unexpected_error_while_receiving_leaks_no_writer_slot(
         # commit_slots; the first is the second's wrapper.
         real_many = BlockStore.commit_slots
 
-        def failing_many(self: BlockStore, keys: Any, slots: Any, sums: Any) -> Any:
+        def failing_many(self: BlockStore, keys: Any, slots: Any, sums: Any,
+                         actual: Any = None) -> Any:
             calls["n"] += 1
             if calls["n"] == 1:
                 raise RuntimeError("injected failure in the receive path")
-            return real_many(self, keys, slots, sums)
+            return real_many(self, keys, slots, sums, actual)
 
         monkeypatch.setattr(BlockStore, "commit_slots", failing_many)
     else:
