@@ -354,9 +354,6 @@ class Scatter:
             self._advance(n)
         return taken
 
-    def close(self) -> None:
-        """Nothing more lands (the buffers go with this object)."""
-
 
 AnyScatter: TypeAlias = "Scatter | NativeScatter"
 
