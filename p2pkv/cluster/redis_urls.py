@@ -97,9 +97,12 @@ class DirectoryURL:
             return single
         if self.kind == "sentinel":
             def sentinel() -> Any:
-                from redis.sentinel import Sentinel
+                from redis import sentinel as redis_sentinel
 
-                manager = Sentinel(  # type: ignore[no-untyped-call]
+                # Typed as Any: redis-py types these calls in some releases and not in
+                # others, and the module must check clean under either.
+                sentinel_type: Any = redis_sentinel.Sentinel
+                manager = sentinel_type(
                     list(self.hosts),
                     # No retries of its own: a Sentinel that refuses the password would
                     # otherwise cost seconds of backoff per Sentinel on every call.
@@ -108,7 +111,7 @@ class DirectoryURL:
                                      "retry": Retry(NoBackoff(), 0),
                                      **tls, **sentinel_auth},
                     **common, **tls)
-                return manager.master_for(  # type: ignore[no-untyped-call]
+                return manager.master_for(
                     self.service, db=self.db, retry=Retry(NoBackoff(), 0), **common, **tls)
             return sentinel
 
