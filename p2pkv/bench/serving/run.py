@@ -1,0 +1,289 @@
+"""One sitting of the serving benchmark: every configuration on the same requests."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from p2pkv.bench.serving.clients import BenchWorkload, run_multi_turn, run_vllm_bench
+from p2pkv.bench.serving.cluster import ServingCluster
+from p2pkv.bench.serving.configs import CONFIGS, OFFLOAD_BLOCK_TOKENS, engine_specs
+
+__all__ = ["main", "run_config", "summarize", "table"]
+
+SERVED_NAME = "smollm2"
+
+
+def _sum(metrics: Sequence[Mapping[str, float]], prefix: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in metrics:
+        for k, v in m.items():
+            if k.startswith(prefix):
+                out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def counters(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The counters the table reports, summed over a configuration's engines."""
+    cached = _sum(metrics, "vllm:prompt_tokens_cached_by_source_total")
+    p2pkv = _sum(metrics, "vllm:p2pkv_")
+    offload = _sum(metrics, "vllm:kv_offload_total_bytes_total")
+    # vLLM's sources: device (the engine's own prefix cache), host (the CPU primary
+    # region), p2p (a peer tier: p2pkv), disk (a file-system tier).
+    out = {f"cached_tokens[{k.split('source=', 1)[1].rstrip('}').split(',')[0]}]": v
+           for k, v in cached.items() if "source=" in k}
+    out["prompt_tokens"] = sum(_sum(metrics, "vllm:prompt_tokens_total").values())
+    for k, v in offload.items():
+        out["offload_bytes[" + k.split("transfer_type=", 1)[1].rstrip("}") + "]"] = v
+    for k, v in p2pkv.items():
+        if not k.endswith("_created") and any(
+                s in k for s in ("loaded_blocks", "stored_blocks", "load_failures",
+                                 "lookup_hits", "handshakes_refused", "loaded_bytes",
+                                 "load_skipped", "lookup_keys")):
+            out[k.removeprefix("vllm:")] = v
+    return out
+
+
+def run_config(config: str, args: argparse.Namespace, workdir: Path,
+               workload: BenchWorkload, label: str) -> dict[str, Any]:
+    """Start a configuration's engines and balancer, run both workloads, stop."""
+    tier_options = {"lookup_timeout": args.lookup_timeout, "fetch_timeout": 30.0}
+    specs = engine_specs(config, args.engines, cpu_bytes=int(args.cpu_gib * 2**30),
+                         workdir=workdir, tier_options=tier_options)
+    cluster = ServingCluster(Path(args.model), specs, workdir / label,
+                             served_name=SERVED_NAME, max_model_len=args.max_model_len,
+                             kv_cache_gib=args.kv_cache_gib, start_timeout=args.start_timeout)
+    print(f"[{label}] starting {len(specs)} engine(s)", flush=True)
+    started = time.monotonic()
+    with cluster:
+        print(f"[{label}] up in {time.monotonic() - started:.0f}s; vllm bench serve ...",
+              flush=True)
+        bench = run_vllm_bench(cluster.url, SERVED_NAME, Path(args.model), workload,
+                               workdir / label, label)
+        multi = None
+        if args.turns > 0:
+            print(f"[{label}] multi-turn ...", flush=True)
+            multi = run_multi_turn([cluster.engine_url(s.name) for s in specs], SERVED_NAME,
+                                   count=args.conversations, turns=args.turns,
+                                   concurrency=workload.concurrency, seed=workload.seed)
+        metrics = [cluster.metrics(s.name) for s in specs]
+    return {"config": config, "label": label, "engines": len(specs),
+            "bench": bench, "multi_turn": multi, "counters": counters(metrics)}
+
+
+def _mismatch(texts: Sequence[str], reference: Sequence[str]) -> float:
+    pairs = list(zip(texts, reference, strict=False))
+    return sum(a != b for a, b in pairs) / len(pairs) if pairs else 0.0
+
+
+def summarize(run: Mapping[str, Any], reference: Mapping[str, Any] | None) -> dict[str, Any]:
+    """One table row: the figures the issue asks for, from one configuration's run."""
+    b = run["bench"]
+    row: dict[str, Any] = {
+        "config": run["label"], "engines": run["engines"],
+        "ttft_p50_ms": b["median_ttft_ms"], "ttft_p99_ms": b["p99_ttft_ms"],
+        "ttft_mean_ms": b["mean_ttft_ms"], "itl_p50_ms": b["median_itl_ms"],
+        "req_per_s": b["request_throughput"], "out_tok_per_s": b["output_throughput"],
+        "failed": b["failed"], "completed": b["completed"],
+    }
+    c = run["counters"]
+    row["tokens_from_peer"] = c.get("cached_tokens[p2p]", 0.0)
+    row["tokens_from_region"] = c.get("cached_tokens[host]", 0.0)
+    row["tokens_from_disk"] = c.get("cached_tokens[disk]", 0.0)
+    row["tokens_local_prefix_cache"] = c.get("cached_tokens[device]", 0.0)
+    if reference is not None:
+        row["text_mismatch_vs_none"] = _mismatch(b["generated_texts"],
+                                                 reference["bench"]["generated_texts"])
+    m = run.get("multi_turn")
+    if m:
+        s = m["summary"]
+        row["mt_ttft_later_p50_ms"] = s["ttft_later_turns"]["p50_ms"]
+        row["mt_ttft_later_p99_ms"] = s["ttft_later_turns"]["p99_ms"]
+        row["mt_failed"] = s["failed"]
+        if reference is not None and reference.get("multi_turn"):
+            texts = [r.get("text") for r in m["records"]]
+            ref = [r.get("text") for r in reference["multi_turn"]["records"]]
+            row["mt_text_mismatch_vs_none"] = _mismatch(texts, ref)
+    return row
+
+
+COLUMNS = (("config", "config", "{}"), ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"),
+           ("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"), ("itl_p50_ms", "ITL p50 ms", "{:.0f}"),
+           ("req_per_s", "req/s", "{:.2f}"), ("out_tok_per_s", "out tok/s", "{:.1f}"),
+           ("failed", "failed", "{}"), ("tokens_from_peer", "tokens from peer", "{:.0f}"),
+           ("tokens_from_disk", "tokens from fs", "{:.0f}"),
+           ("tokens_from_region", "tokens from CPU region", "{:.0f}"),
+           ("text_mismatch_vs_none", "texts != none", "{:.0%}"),
+           ("mt_ttft_later_p50_ms", "turn>1 TTFT p50", "{:.0f}"),
+           ("mt_ttft_later_p99_ms", "turn>1 TTFT p99", "{:.0f}"),
+           ("mt_text_mismatch_vs_none", "turn texts != none", "{:.0%}"))
+
+
+def table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """A Markdown table of the rows (absent figures as a dash)."""
+    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+             "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        cells = [fmt.format(row[k]) if row.get(k) is not None else "–"
+                 for k, _, fmt in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ratios(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The issue's targets as ratios of this sitting's rows."""
+    by = {r["config"]: r for r in rows}
+    out: dict[str, float] = {}
+    p = by.get("p2pkv")
+    if p is None:
+        return out
+    for base in ("none", "offload", "single", "fs"):
+        b = by.get(base)
+        if b is None:
+            continue
+        out[f"ttft_p50 p2pkv/{base}"] = p["ttft_p50_ms"] / b["ttft_p50_ms"]
+        out[f"ttft_p99 p2pkv/{base}"] = p["ttft_p99_ms"] / b["ttft_p99_ms"]
+        out[f"req_per_s p2pkv/{base}"] = p["req_per_s"] / b["req_per_s"]
+        if p.get("mt_ttft_later_p50_ms") and b.get("mt_ttft_later_p50_ms"):
+            out[f"turn>1 ttft_p50 p2pkv/{base}"] = (p["mt_ttft_later_p50_ms"]
+                                                    / b["mt_ttft_later_p50_ms"])
+    return out
+
+
+def plot(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["config"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    x = range(len(names))
+    axes[0].bar([i - 0.2 for i in x], [r["ttft_p50_ms"] / 1000 for r in rows], 0.4,
+                label="p50")
+    axes[0].bar([i + 0.2 for i in x], [r["ttft_p99_ms"] / 1000 for r in rows], 0.4,
+                label="p99")
+    axes[0].set_title("prefix_repetition: TTFT (s)")
+    axes[0].legend()
+    axes[1].bar(list(x), [r["req_per_s"] for r in rows], 0.6, color="#2ca02c")
+    axes[1].set_title("prefix_repetition: requests/s")
+    mt = [(r.get("mt_ttft_later_p50_ms") or 0) / 1000 for r in rows]
+    axes[2].bar(list(x), mt, 0.6, color="#9467bd")
+    axes[2].set_title("multi-turn, later turns: TTFT p50 (s)")
+    for ax in axes:
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(names, rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m p2pkv.bench.serving",
+                                description="vllm serve engines behind nginx, side by side")
+    p.add_argument("--configs", default="none,offload,p2pkv,fs,single",
+                   help=f"comma-separated, from: {', '.join(CONFIGS)}")
+    p.add_argument("--repeat-none", action="store_true",
+                   help="run 'none' a second time: how often two unshared runs differ")
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--model", default=".models/smollm2")
+    p.add_argument("--prefix-len", type=int, default=1024)
+    p.add_argument("--suffix-len", type=int, default=64)
+    p.add_argument("--num-prefixes", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4, help="0: no multi-turn workload")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-gib", type=float, default=0.5,
+                   help="the offloading connector's CPU primary region per engine")
+    p.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--lookup-timeout", type=float, default=1.0)
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--faults", action="store_true",
+                   help="instead of the comparison: kill -9 one p2pkv engine mid-run, "
+                        "then restart it (see p2pkv.bench.serving.faults)")
+    p.add_argument("--kill-after", type=float, default=60.0,
+                   help="--faults: seconds into the bench before the kill")
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                   help="--faults: the tiers' heartbeat deadline")
+    p.add_argument("--workdir", help="logs and results (default: a new temporary dir)")
+    p.add_argument("--json", help="write every run and the table rows here")
+    p.add_argument("--plot", help="draw the table's figures into this PNG")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        print(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}",
+              file=sys.stderr)
+        return 2
+    if not (Path(args.model) / "config.json").exists():
+        print(f"no model at {args.model} (make real-model builds .models/smollm2)",
+              file=sys.stderr)
+        return 2
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("--plot needs matplotlib: pip install matplotlib", file=sys.stderr)
+            return 2
+    # SIGTERM stops like Ctrl-C: the clusters' ``with`` blocks stop every process.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="p2pkv-serving-"))
+    workload = BenchWorkload(prefix_len=args.prefix_len, suffix_len=args.suffix_len,
+                             num_prefixes=args.num_prefixes, num_prompts=args.num_prompts,
+                             output_len=args.output_len, concurrency=args.concurrency,
+                             seed=args.seed)
+    if args.faults:
+        from p2pkv.bench.serving.faults import run_faults
+
+        try:
+            faults = run_faults(args, workdir, workload, SERVED_NAME)
+        except KeyboardInterrupt:
+            print("interrupted: every engine and the balancer were stopped", file=sys.stderr)
+            return 130
+        if args.json:
+            Path(args.json).write_text(json.dumps({"workload": workload.describe(),
+                                                   "faults": faults}, indent=1))
+        return 0 if faults["failed_elsewhere"] == 0 else 1
+    order = list(configs)
+    if args.repeat_none and "none" in order:
+        order.insert(order.index("none") + 1, "none#2")
+    print(f"workdir {workdir}", flush=True)
+    runs: list[dict[str, Any]] = []
+    sitting = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+               "workload": workload.describe(), "engines": args.engines,
+               "cpu_gib": args.cpu_gib, "offload_block_tokens": OFFLOAD_BLOCK_TOKENS,
+               "multi_turn": {"conversations": args.conversations, "turns": args.turns}}
+    try:
+        for label in order:
+            runs.append(run_config(label.split("#")[0], args, workdir, workload, label))
+    except KeyboardInterrupt:
+        print("interrupted: every engine and the balancer were stopped", file=sys.stderr)
+        return 130
+    reference = next((r for r in runs if r["label"] == "none"), None)
+    rows = [summarize(r, reference if r is not reference else None) for r in runs]
+    sitting["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    print()
+    print(table(rows))
+    for k, v in ratios(rows).items():
+        print(f"{k}: {v:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"sitting": sitting, "rows": rows, "ratios": ratios(rows), "runs": runs},
+            indent=1))
+    if args.plot:
+        plot(rows, Path(args.plot))
+    return 0

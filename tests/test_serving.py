@@ -1,0 +1,134 @@
+"""p2pkv under serving traffic: two ``vllm serve`` engines behind nginx, driven by vLLM's
+own benchmark client.
+
+The engines run the README's ``--kv-transfer-config``, read from the README itself (only
+the addresses, and the primary region scaled to this machine, are replaced), each as
+``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs), the real
+SmolLM2 chat model, each bound to its own core. nginx balances them round-robin.
+
+- ``vllm bench serve`` sends 16 ``prefix_repetition`` requests (4 prefixes of 512 tokens)
+  at concurrency 4 through the balancer: none fails, both engines answer, and the engines
+  load prompt tokens from each other (vLLM counts them as cached from the ``p2p``
+  source; p2pkv counts the loaded chunks).
+- One request at a time, a prompt nobody holds is computed by one engine and then loaded
+  by the other: the greedy texts are equal (the first engine's is the no-sharing answer,
+  since nothing was loaded for it).
+- When the cluster stops, none of its processes is left.
+
+The full comparison (no sharing, the offloading connector alone, vLLM's ``fs`` tier,
+one engine, p2pkv) is ``python -m p2pkv.bench.serving``; docs/serving.md has a sitting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from p2pkv.bench.serving.clients import BenchWorkload, complete, run_vllm_bench
+from p2pkv.bench.serving.cluster import EngineSpec, ServingCluster, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PY = Path(os.environ.get("P2PKV_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+MODELS = Path(os.environ.get("P2PKV_MODELS_DIR", ROOT / ".models"))
+REQUIRED = os.environ.get("P2PKV_REQUIRE_VLLM") == "1"
+
+if not VLLM_PY.exists() and not REQUIRED:
+    pytest.skip(f"no vLLM environment at {VLLM_PY} (make vllm-env creates it)",
+                allow_module_level=True)
+
+pytestmark = pytest.mark.timeout(900)
+
+NAME = "smollm2"
+#: The primary region per engine here (the README says 8 GiB, sized for a GPU host).
+CPU_BYTES = 512 * 2**20
+
+
+def readme_kv_transfer_config() -> dict[str, Any]:
+    """The JSON of the README's ``vllm serve ... --kv-transfer-config '...'`` line."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    m = re.search(r"--kv-transfer-config '(\{.*?\})'", text, re.S)
+    assert m, "the README has no vllm serve --kv-transfer-config line"
+    config: dict[str, Any] = json.loads(m.group(1))
+    return config
+
+
+def engine_config(readme: dict[str, Any], listen: str, peers: list[str]) -> dict[str, Any]:
+    config = json.loads(json.dumps(readme))
+    extra = config["kv_connector_extra_config"]
+    extra["cpu_bytes_to_use"] = CPU_BYTES
+    (tier,) = extra["secondary_tiers"]
+    assert set(tier) >= {"listen", "peers"}, tier
+    tier["listen"], tier["peers"] = listen, peers
+    return config
+
+
+def model() -> Path:
+    path = MODELS / "smollm2"
+    if not (path / ".complete").exists():
+        pytest.fail(f"no model at {path}: make real-model builds it") if REQUIRED else \
+            pytest.skip(f"no model at {path}: make real-model builds it")
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServingCluster]:
+    readme = readme_kv_transfer_config()
+    tiers = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    cores = sorted(os.sched_getaffinity(0))
+    specs = [EngineSpec(f"engine-{i}", free_port(),
+                        engine_config(readme, tiers[i], [tiers[1 - i]]),
+                        str(cores[i % len(cores)]) if len(cores) >= 2 else "nobind")
+             for i in range(2)]
+    made = ServingCluster(model(), specs, tmp_path_factory.mktemp("serving"),
+                          served_name=NAME, max_model_len=2048, python=str(VLLM_PY))
+    with made:
+        yield made
+    for pid in made.pids():
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
+
+
+def peer_tokens(cluster: ServingCluster, name: str) -> float:
+    return cluster.metrics(name).get(
+        "vllm:prompt_tokens_cached_by_source_total{source=p2p}", 0.0)
+
+
+def test_bench_serve_through_the_balancer_loads_from_the_peer(
+        cluster: ServingCluster, tmp_path: Path) -> None:
+    workload = BenchWorkload(prefix_len=512, suffix_len=64, num_prefixes=4, num_prompts=16,
+                             output_len=8, concurrency=4)
+    result = run_vllm_bench(cluster.url, NAME, model(), workload, tmp_path, "p2pkv",
+                            timeout=600, python=str(VLLM_PY))
+    assert result["failed"] == 0, [e for e in result["errors"] if e]
+    assert result["completed"] == 16
+    # Round-robin: both engines answered.
+    upstreams = {r["upstreams"][-1] for r in cluster.balancer_requests()}
+    assert len(upstreams) == 2, upstreams
+    loaded = {s.name: cluster.metrics(s.name) for s in cluster.specs}
+    from_peer = sum(m.get("vllm:prompt_tokens_cached_by_source_total{source=p2p}", 0.0)
+                    for m in loaded.values())
+    chunks = sum(v for m in loaded.values() for k, v in m.items()
+                 if k.startswith("vllm:p2pkv_loaded_blocks"))
+    assert from_peer >= 512 and chunks >= 8, (from_peer, chunks)
+
+
+def test_one_at_a_time_a_loaded_prompt_answers_as_the_one_that_computed_it(
+        cluster: ServingCluster) -> None:
+    first, second = (cluster.engine_url(s.name) for s in cluster.specs)
+    prompts = [" ".join(f"Item {i} of list {n}: the {w} is on the table." for i in range(60))
+               + f" Summarize list {n} in one sentence."
+               for n, w in ((1, "lamp"), (2, "kettle"))]
+    for n, prompt in enumerate(prompts):
+        a, b = (first, second) if n % 2 == 0 else (second, first)
+        b_name = cluster.specs[1].name if n % 2 == 0 else cluster.specs[0].name
+        before = peer_tokens(cluster, b_name)
+        computed = complete(a, NAME, prompt, 24)
+        loaded = complete(b, NAME, prompt, 24)
+        assert peer_tokens(cluster, b_name) - before >= 256, "nothing was loaded"
+        assert loaded == computed
