@@ -62,9 +62,9 @@ class JsonLineProcess:
         self._stderr: collections.deque[str] = collections.deque(maxlen=stderr_lines)
         assert self.proc.stdout is not None and self.proc.stderr is not None
         threading.Thread(target=self._read_stdout, args=(self.proc.stdout,),
-                         daemon=True).start()
+                         name=f"worker-{self.pid}-stdout", daemon=True).start()
         threading.Thread(target=self._read_stderr, args=(self.proc.stderr,),
-                         daemon=True).start()
+                         name=f"worker-{self.pid}-stderr", daemon=True).start()
 
     def _read_stdout(self, stream: IO[str]) -> None:
         for line in stream:
@@ -184,7 +184,7 @@ def stdin_closed() -> threading.Event:
         sys.stdin.read()
         done.set()
 
-    threading.Thread(target=read_to_eof, daemon=True).start()
+    threading.Thread(target=read_to_eof, name="worker-stdin-eof", daemon=True).start()
     return done
 
 

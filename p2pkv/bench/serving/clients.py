@@ -101,6 +101,47 @@ def run_vllm_bench(base_url: str, model_name: str, tokenizer: Path, workload: Be
     return result
 
 
+def prefix_ids(workload: BenchWorkload, tokenizer: Path) -> list[int]:
+    """Which prefix each request of the workload starts with, in request order: the
+    benchmark client's own sampling, redone with the same seed (needs vLLM)."""
+    from vllm.benchmarks.datasets.datasets import PrefixRepetitionRandomDataset
+    from vllm.tokenizers import get_tokenizer
+
+    requests = PrefixRepetitionRandomDataset(random_seed=workload.seed).sample(
+        tokenizer=get_tokenizer(str(Path(tokenizer).resolve())),
+        num_requests=workload.num_prompts, prefix_len=workload.prefix_len,
+        suffix_len=workload.suffix_len, num_prefixes=workload.num_prefixes,
+        output_len=workload.output_len)
+    seen: dict[str, int] = {}
+    # Requests of one prefix share their first prefix_len tokens, hence their leading text.
+    return [seen.setdefault(r.prompt[:200], len(seen)) for r in requests]
+
+
+def cold_profile(bench: dict[str, Any], prefixes: Sequence[int]) -> dict[str, int]:
+    """Where the cold prefills come from. A request is *warm* when its TTFT is under 3/4
+    of the fastest first request of a prefix (first requests are always computed; the
+    fastest of them met the least queueing, so it is about one prefill).
+    Requests are split by whether, when they arrived, an earlier request of the same
+    prefix had already produced its first token (so the prefix was computed somewhere)."""
+    starts, ttfts = bench["start_times"], bench["ttfts"]
+    firsts: dict[int, int] = {}
+    for i in sorted(range(len(starts)), key=lambda i: starts[i]):
+        firsts.setdefault(prefixes[i], i)
+    cutoff = min(ttfts[i] for i in firsts.values()) * 0.75
+    out = {"after_prefix_computed": 0, "after_prefix_computed_warm": 0,
+           "while_prefix_computing": 0, "while_prefix_computing_warm": 0,
+           "first_of_prefix": len(firsts)}
+    for i, start in enumerate(starts):
+        if firsts[prefixes[i]] == i:
+            continue
+        done = any(starts[j] + ttfts[j] < start for j in range(len(starts))
+                   if j != i and prefixes[j] == prefixes[i] and starts[j] < start)
+        kind = "after_prefix_computed" if done else "while_prefix_computing"
+        out[kind] += 1
+        out[kind + "_warm"] += ttfts[i] < cutoff
+    return out
+
+
 def complete(base_url: str, model_name: str, prompt: str, max_tokens: int,
              timeout: float = 300.0) -> str:
     """One greedy completion, nothing else in flight from this caller."""

@@ -12,7 +12,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from p2pkv.bench.serving.clients import BenchWorkload, run_multi_turn, run_vllm_bench
+from p2pkv.bench.serving.clients import (
+    BenchWorkload,
+    cold_profile,
+    prefix_ids,
+    run_multi_turn,
+    run_vllm_bench,
+)
 from p2pkv.bench.serving.cluster import ServingCluster
 from p2pkv.bench.serving.configs import CONFIGS, OFFLOAD_BLOCK_TOKENS, engine_specs
 
@@ -101,6 +107,8 @@ def summarize(run: Mapping[str, Any], reference: Mapping[str, Any] | None) -> di
     if reference is not None:
         row["text_mismatch_vs_none"] = _mismatch(b["generated_texts"],
                                                  reference["bench"]["generated_texts"])
+    for k, v in run.get("cold_profile", {}).items():
+        row[k] = v
     m = run.get("multi_turn")
     if m:
         s = m["summary"]
@@ -215,6 +223,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="--faults: seconds into the bench before the kill")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="--faults: the tiers' heartbeat deadline")
+    p.add_argument("--report", metavar="JSON",
+                   help="no engines: print the table (and --plot) of a sitting saved "
+                        "with --json")
     p.add_argument("--workdir", help="logs and results (default: a new temporary dir)")
     p.add_argument("--json", help="write every run and the table rows here")
     p.add_argument("--plot", help="draw the table's figures into this PNG")
@@ -239,6 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError:
             print("--plot needs matplotlib: pip install matplotlib", file=sys.stderr)
             return 2
+    if args.report:
+        saved = json.loads(Path(args.report).read_text())
+        workload = BenchWorkload(**saved["sitting"]["workload"])
+        finish(saved["sitting"], saved["runs"], workload, args)
+        return 0
     # SIGTERM stops like Ctrl-C: the clusters' ``with`` blocks stop every process.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="p2pkv-serving-"))
@@ -273,17 +289,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: every engine and the balancer were stopped", file=sys.stderr)
         return 130
+    sitting["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    finish(sitting, runs, workload, args)
+    return 0
+
+
+def finish(sitting: dict[str, Any], runs: list[dict[str, Any]], workload: BenchWorkload,
+           args: argparse.Namespace) -> None:
+    """Print the table, the targets' ratios and the cold-prefill profile; write the JSON
+    and the plot."""
+    prefixes = prefix_ids(workload, Path(args.model))
+    for r in runs:
+        r["cold_profile"] = cold_profile(r["bench"], prefixes)
     reference = next((r for r in runs if r["label"] == "none"), None)
     rows = [summarize(r, reference if r is not reference else None) for r in runs]
-    sitting["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     print()
     print(table(rows))
     for k, v in ratios(rows).items():
         print(f"{k}: {v:.2f}x")
+    print("\nwhere the cold prefills come from (requests; warm = TTFT under 3/4 of the "
+          "fastest first request of a prefix):")
+    for row in rows:
+        print(f"  {row['config']}: first of their prefix {row['first_of_prefix']}; "
+              f"arrived after the prefix was computed {row['after_prefix_computed']} "
+              f"({row['after_prefix_computed_warm']} warm); arrived while it was being "
+              f"computed {row['while_prefix_computing']} "
+              f"({row['while_prefix_computing_warm']} warm)")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"sitting": sitting, "rows": rows, "ratios": ratios(rows), "runs": runs},
             indent=1))
     if args.plot:
         plot(rows, Path(args.plot))
-    return 0

@@ -284,7 +284,10 @@ def _resolve(path: str) -> str:
         from huggingface_hub import snapshot_download
 
         return str(snapshot_download(path, local_files_only=True))
-    except Exception:
+    except Exception as exc:
+        log.info("p2pkv tier: adapter %r is not a local directory nor in the local Hugging "
+                 "Face cache (%s: %s); its digest will fail with the reason", path,
+                 type(exc).__name__, exc)
         return path  # hashing fails with a clear error: not a directory here
 
 

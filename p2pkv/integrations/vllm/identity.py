@@ -36,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import inspect
+import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -59,6 +60,8 @@ from p2pkv.identity.checkpoint import (
     modeling_code_digest,
     readable_weight_files,
 )
+
+log = logging.getLogger("vllm.p2pkv")
 
 #: Prefix of the ``khash.algo`` a vLLM engine advertises (``vllm-sha256``, ...).
 KEY_HASH_PREFIX = "vllm-"
@@ -146,8 +149,12 @@ def _hash_function_name(none_hash: bytes) -> str:
         try:
             if bytes(get_hash_fn_by_name(name)(seed)) == none_hash:
                 return name
-        except Exception:
+        except Exception as exc:  # one candidate this vLLM cannot run: try the next
+            log.debug("p2pkv tier: hash function %s unavailable: %s: %s", name,
+                      type(exc).__name__, exc)
             continue
+    log.warning("p2pkv tier: vLLM's block-hash function is none of sha256, sha256_cbor, "
+                "xxhash, xxhash_cbor; the identity says 'unknown'")
     return "unknown"
 
 
@@ -165,7 +172,9 @@ def memory_layout(spec: Any) -> str | None:
             from vllm.v1.attention.backends.utils import get_kv_cache_layout
 
             layout = get_kv_cache_layout()
-        except Exception:
+        except Exception as exc:
+            log.warning("p2pkv tier: vLLM does not say its KV cache layout (%s: %s); the "
+                        "identity leaves it out", type(exc).__name__, exc)
             return None
     return str(layout)
 
