@@ -29,18 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllmenv import MODELS, REQUIRED, ROOT, VLLM_PY, skip_without_vllm
 
 from p2pkv.bench.serving.clients import BenchWorkload, complete, run_vllm_bench
 from p2pkv.bench.serving.cluster import EngineSpec, ServingCluster, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
-VLLM_PY = Path(os.environ.get("P2PKV_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
-MODELS = Path(os.environ.get("P2PKV_MODELS_DIR", ROOT / ".models"))
-REQUIRED = os.environ.get("P2PKV_REQUIRE_VLLM") == "1"
-
-if not VLLM_PY.exists() and not REQUIRED:
-    pytest.skip(f"no vLLM environment at {VLLM_PY} (make vllm-env creates it)",
-                allow_module_level=True)
+skip_without_vllm()
 
 pytestmark = pytest.mark.timeout(900)
 
