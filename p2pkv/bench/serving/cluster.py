@@ -93,6 +93,15 @@ class _Process:
         self.signal(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
+        # The children are not ours to wait for (init reaps them): return once the group
+        # is empty, so that "stopped" means no process of it is left. Bounded.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.05)
 
     def tail(self, lines: int = 30) -> str:
         try:
