@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -101,7 +100,3 @@ def run_faults(args: argparse.Namespace, workdir: Path, workload: BenchWorkload,
                       - before, rejoined_text_equal=loaded == computed)
     print(json.dumps(result, indent=1), flush=True)
     return result
-
-
-if __name__ == "__main__":  # pragma: no cover - use python -m p2pkv.bench.serving --faults
-    sys.exit("run: python -m p2pkv.bench.serving --faults")

@@ -232,6 +232,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -256,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finish(saved["sitting"], saved["runs"], workload, args)
         return 0
     # SIGTERM stops like Ctrl-C: the clusters' ``with`` blocks stop every process.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="p2pkv-serving-"))
     workload = BenchWorkload(prefix_len=args.prefix_len, suffix_len=args.suffix_len,
                              num_prefixes=args.num_prefixes, num_prompts=args.num_prompts,
