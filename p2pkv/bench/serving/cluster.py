@@ -55,7 +55,9 @@ def free_port() -> int:
 @dataclass
 class EngineSpec:
     """One ``vllm serve`` engine: its HTTP port, ``--kv-transfer-config`` (``None``: no
-    connector), the CPU cores its threads bind to, and extra arguments."""
+    connector), the CPU cores its threads bind to, extra arguments and environment, and
+    the working directory it runs in (``None``: the cluster's), against which relative
+    paths in its arguments resolve."""
 
     name: str
     port: int
@@ -63,6 +65,7 @@ class EngineSpec:
     cores: str = "nobind"
     args: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    cwd: Path | None = None
 
 
 class _Process:
@@ -259,7 +262,7 @@ class ServingCluster:
             old.stop(STOP_GRACE)
         self.engines[name] = _Process(name, self.engine_command(spec),
                                       self.workdir / f"{name}.log", self.engine_env(spec),
-                                      self.workdir)
+                                      spec.cwd or self.workdir)
         if wait:
             self._wait_healthy(name, time.monotonic() + self.start_timeout)
 
