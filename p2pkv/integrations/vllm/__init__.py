@@ -1,8 +1,10 @@
-"""p2pkv inside vLLM: a secondary tier of vLLM's offloading connector.
+"""p2pkv inside vLLM: a secondary tier of vLLM's offloading connector, loaded through
+p2pkv's connector.
 
 Turn it on with ``--kv-transfer-config`` (see the README's "vLLM" section)::
 
-    {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    {"kv_connector": "P2PKVConnector", "kv_connector_module_path": "p2pkv.integrations.vllm",
+     "kv_role": "kv_both",
      "kv_connector_extra_config": {
         "spec_name": "P2PKVTieringSpec", "spec_module_path": "p2pkv.integrations.vllm",
         "cpu_bytes_to_use": 1073741824,
@@ -10,12 +12,16 @@ Turn it on with ``--kv-transfer-config`` (see the README's "vLLM" section)::
                              "listen": "tcp://0.0.0.0:5601",
                              "peers": ["tcp://engine-b:5601"]}]}}
 
-:class:`P2PKVTier` is the tier (scheduler process); :class:`P2PKVTieringSpec` is vLLM's
-tiering spec that also runs on CPU-only builds (on GPUs it is the stock spec).
+:class:`P2PKVConnector` is vLLM's offloading connector that hands the tier the engine's
+configuration and each request's LoRA adapter; :class:`P2PKVTier` is the tier (scheduler
+process); :class:`P2PKVTieringSpec` is vLLM's tiering spec that also runs on CPU-only
+builds (on GPUs it is the stock spec).
 """
 
+from p2pkv.integrations.vllm.connector import P2PKVConnector
 from p2pkv.integrations.vllm.options import kv_transfer_config
 from p2pkv.integrations.vllm.spec import CPUCopyWorker, P2PKVTieringSpec
 from p2pkv.integrations.vllm.tier import P2PKVTier
 
-__all__ = ["CPUCopyWorker", "P2PKVTier", "P2PKVTieringSpec", "kv_transfer_config"]
+__all__ = ["CPUCopyWorker", "P2PKVConnector", "P2PKVTier", "P2PKVTieringSpec",
+           "kv_transfer_config"]

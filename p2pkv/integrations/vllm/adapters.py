@@ -11,14 +11,14 @@ miss. Requests without an adapter keep vLLM's keys and share as before, also bet
 engine with LoRA enabled and one without it.
 
 How the tier learns a request's adapter. vLLM hands a tier only a ``ReqContext`` (the
-request id, its transfer parameters and hints). The request itself, with its
-``lora_request``, is a local variable of the offloading connector's ``on_new_request``,
-which is what calls the tier's: :meth:`RequestAdapters.begin` finds it there, by its
-request id, on the calling thread's stack. An engine without LoRA enabled
-(``VllmConfig.lora_config`` unset) serves no adapter, and nothing is looked for. Where
-LoRA is enabled and the request cannot be found, or its adapter's files cannot be read,
-the request's chunks are neither stored for peers nor looked up: a miss, counted by
-reason and logged once, never a guess.
+request id, its transfer parameters and hints). p2pkv's connector
+(:class:`~p2pkv.integrations.vllm.P2PKVConnector`) receives the scheduler's ``Request``
+and hands its ``lora_request`` to :meth:`RequestAdapters.begin`. An engine without LoRA
+enabled (``VllmConfig.lora_config`` unset) serves no adapter, and nothing is asked.
+Where LoRA is enabled and a request was not handed over (the tier runs under vLLM's
+plain ``OffloadingConnector``), or its adapter's files cannot be read, the request's
+chunks are neither stored for peers nor looked up: a miss, counted by reason and logged
+once, never a guess.
 
 The digest is computed on a thread of its own the first time an adapter's files are
 met (and again when a file changes: the digest cache is keyed by stat). Until it is
@@ -31,7 +31,6 @@ on the lookup and store threads; every method is thread-safe.
 from __future__ import annotations
 
 import concurrent.futures
-import inspect
 import logging
 import os
 import threading
@@ -58,18 +57,14 @@ __all__ = ["ADAPTER_MISMATCH", "ADAPTER_UNKNOWN", "ADAPTER_UNREADABLE", "Adapter
 
 log = logging.getLogger("vllm.p2pkv")
 
-#: ``reason`` of chunks not shared because LoRA is enabled and the tier could not find
-#: the request's adapter (the request was not seen by ``on_new_request``).
+#: ``reason`` of chunks not shared because LoRA is enabled and the tier was not told the
+#: request's adapter (it runs under vLLM's plain ``OffloadingConnector``).
 ADAPTER_UNKNOWN: Final = "adapter_unknown"
 #: ``reason`` of chunks not shared because the adapter's files cannot be read or hashed.
 ADAPTER_UNREADABLE: Final = "adapter_unreadable"
 #: ``reason`` of chunks a peer computed under an adapter of the same name and path with
 #: other content (a rolling update): looked up, missed, recomputed here.
 ADAPTER_MISMATCH: Final = "adapter_mismatch"
-#: How many frames up from :meth:`RequestAdapters.begin` the request is looked for
-#: (vLLM 0.32: tier, tiering manager, connector scheduler: 3).
-_STACK_DEPTH: Final = 8
-
 
 @dataclass(frozen=True)
 class _Adapter:
@@ -80,7 +75,7 @@ class _Adapter:
     digest: Future[AdapterIdentity]
 
 
-#: A request's adapter as :meth:`RequestAdapters.begin` found it: None (no adapter), an
+#: A request's adapter as :meth:`RequestAdapters.begin` was told it: None (no adapter), an
 #: adapter, or the reason (:data:`ADAPTER_UNKNOWN`) it is not known.
 RequestAdapter = _Adapter | str | None
 
@@ -119,21 +114,20 @@ class RequestAdapters:
 
     # ------------------------------------------------------------------ scheduler thread
 
-    def begin(self, req_id: str) -> None:
-        """A new request: find its adapter (on the caller's stack; see the module doc)
-        and start hashing the adapter's files if they are not known yet."""
+    def begin(self, req_id: str, lora_request: Any) -> None:
+        """A new request and vLLM's ``LoRARequest`` it runs under (None: the base model):
+        start hashing the adapter's files if they are not known yet (a stat, and the
+        hash queued on the tier's hashing thread)."""
         if not self.lora_enabled:
             return
-        request = _find_request(req_id)
         state: RequestAdapter
-        if request is None:
-            state = ADAPTER_UNKNOWN
-        elif (lora := getattr(request, "lora_request", None)) is None:
+        if lora_request is None:
             state = None
         else:
-            path = str(lora.lora_path)
-            state = _Adapter(name=str(lora.lora_name), lora_id=int(lora.lora_int_id),
-                             path=path, digest=self._digest_of(path))
+            path = str(lora_request.lora_path)
+            state = _Adapter(name=str(lora_request.lora_name),
+                             lora_id=int(lora_request.lora_int_id), path=path,
+                             digest=self._digest_of(path))
         with self._lock:
             self._requests[req_id] = state
 
@@ -150,7 +144,7 @@ class RequestAdapters:
     # ------------------------------------------------------------------ lookup/store threads
 
     def state(self, req_id: str) -> RequestAdapter:
-        """What request ``req_id`` runs under, as :meth:`begin` found it (a request that
+        """What request ``req_id`` runs under, as :meth:`begin` was told it (a request that
         finished since keeps it: take it before handing work to another thread)."""
         if not self.lora_enabled:
             return None
@@ -169,9 +163,10 @@ class RequestAdapters:
         if state is None:
             return AdapterKeys(keys=list(keys))
         if isinstance(state, str):
-            self._log_once(state, "", f"LoRA is enabled and the tier did not see which "
-                           f"adapter request {req_id} runs under: its chunks are not "
-                           "shared (logged for the first such request only)")
+            self._log_once(state, "", f"LoRA is enabled and the tier was not told which "
+                           f"adapter request {req_id} runs under (vLLM's plain "
+                           "OffloadingConnector does not say; P2PKVConnector does): its "
+                           "chunks are not shared (logged for the first such request only)")
             return AdapterKeys(keys=None, reason=state)
         label = f"{state.name} ({state.path})"
         try:
@@ -289,21 +284,3 @@ def _resolve(path: str) -> str:
                  "Face cache (%s: %s); its digest will fail with the reason", path,
                  type(exc).__name__, exc)
         return path  # hashing fails with a clear error: not a directory here
-
-
-def _find_request(req_id: str) -> Any | None:
-    """The vLLM ``Request`` with id ``req_id`` among the locals of the callers."""
-    frame = inspect.currentframe()
-    try:
-        depth = 0
-        while frame is not None and depth < _STACK_DEPTH:
-            for name in ("request", "req"):
-                candidate = frame.f_locals.get(name)
-                if getattr(candidate, "request_id", None) == req_id and \
-                        hasattr(candidate, "lora_request"):
-                    return candidate
-            frame = frame.f_back
-            depth += 1
-    finally:
-        del frame
-    return None

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import inspect
 import logging
 import os
 import threading
@@ -180,26 +179,17 @@ def memory_layout(spec: Any) -> str | None:
 
 
 def find_vllm_config() -> Any | None:
-    """The engine's ``VllmConfig``: the current one when set, else the nearest caller
-    that holds one (the offloading connector builds its tiers inside its constructor,
-    which has ``vllm_config``); None when none is reachable."""
-    from vllm.config import VllmConfig, get_current_vllm_config_or_none
+    """The engine's ``VllmConfig``: the one :class:`~p2pkv.integrations.vllm.P2PKVConnector`
+    was built with, when it is building the calling tier; else vLLM's current one (set
+    by whoever builds a tier directly, with ``set_current_vllm_config``); else None."""
+    from vllm.config import get_current_vllm_config_or_none
 
-    current = get_current_vllm_config_or_none()
-    if current is not None:
-        return current
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            local = frame.f_locals
-            for candidate in (local.get("vllm_config"),
-                              getattr(local.get("self"), "vllm_config", None)):
-                if isinstance(candidate, VllmConfig):
-                    return candidate
-            frame = frame.f_back
-    finally:
-        del frame
-    return None
+    from p2pkv.integrations.vllm.connector import building
+
+    context = building()
+    if context is not None:
+        return context.vllm_config
+    return get_current_vllm_config_or_none()
 
 
 @dataclass(frozen=True)
@@ -309,9 +299,12 @@ def derive_engine_identity(spec: Any, vllm_config: Any | None,
     reached, the checkpoint cannot be read, or a declaration disagrees."""
     if vllm_config is None:
         raise ConfigError(
-            "P2PKVTier: the engine's configuration (VllmConfig) is not reachable where the "
-            "tier is built, so the weights, revision and overrides cannot be derived; "
-            "p2pkv refuses to start with an identity it cannot see")
+            "P2PKVTier: the engine's configuration (VllmConfig) does not reach the tier, so "
+            "the weights, revision and overrides cannot be derived, and p2pkv refuses to "
+            "start with an identity it cannot see. vLLM's plain OffloadingConnector does "
+            "not hand it over: load p2pkv's connector, with \"kv_connector\": "
+            "\"P2PKVConnector\", \"kv_connector_module_path\": \"p2pkv.integrations.vllm\" "
+            "in --kv-transfer-config")
     model_config = vllm_config.model_config
     load_config = vllm_config.load_config
     sources: dict[str, str] = {}

@@ -1,7 +1,10 @@
 """The Prometheus metrics :class:`~p2pkv.integrations.vllm.P2PKVTier` adds to vLLM's own
-output: their names and their definitions (``build_metric_definitions``)."""
+output: their names and their definitions (``build_metric_definitions``); and the time
+its request hooks take (:class:`HookTimes`, in ``stats()`` and the shutdown log)."""
 
 from __future__ import annotations
+
+import threading
 
 from vllm.v1.kv_offload.base import (
     OffloadingCounterMetadata,
@@ -11,7 +14,7 @@ from vllm.v1.kv_offload.base import (
 
 from p2pkv.node import KeyOutcome
 
-__all__ = ["Metrics", "load_failure_reason", "metric_definitions"]
+__all__ = ["HookTimes", "Metrics", "load_failure_reason", "metric_definitions"]
 
 #: ``reason`` of a chunk the tier had nowhere to load from (no connected peer holds it).
 NO_HOLDER = "no_holder"
@@ -115,3 +118,31 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             "adapter_unreadable (stored: kept from peers, its files cannot be hashed).",
             labelnames=("reason",)),
     }
+
+
+class HookTimes:
+    """How long the tier's request hooks ran, per hook: calls, total and longest, for
+    ``stats()`` and the shutdown log (vLLM 0.33 runs ``on_new_request`` under its
+    offloading manager's lock). Called on the scheduler thread; read from any."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._times: dict[str, list[float]] = {}  # hook -> [calls, total s, max s]
+
+    def add(self, hook: str, seconds: float) -> None:
+        with self._lock:
+            t = self._times.setdefault(hook, [0, 0.0, 0.0])
+            t[0] += 1
+            t[1] += seconds
+            t[2] = max(t[2], seconds)
+
+    def describe(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            return {hook: {"calls": int(n), "mean_us": total / n * 1e6 if n else 0.0,
+                           "max_us": longest * 1e6}
+                    for hook, (n, total, longest) in self._times.items()}
+
+    def describe_text(self) -> str:
+        return "; ".join(f"{hook} {d['calls']} calls, mean {d['mean_us']:.1f} us, max "
+                         f"{d['max_us']:.1f} us" for hook, d in self.describe().items()) \
+            or "no requests"

@@ -9,13 +9,19 @@ from __future__ import annotations
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from p2pkv.errors import ConfigError
 from p2pkv.loadpolicy import LoadPolicyConfig
 from p2pkv.transport import validate_address
 
+#: The two keys of ``--kv-transfer-config`` that load
+#: :class:`~p2pkv.integrations.vllm.P2PKVConnector` (``connector.py``).
+CONNECTOR_CONFIG: Final = {"kv_connector": "P2PKVConnector",
+                           "kv_connector_module_path": "p2pkv.integrations.vllm"}
+
 __all__ = [
+    "CONNECTOR_CONFIG",
     "DEFAULT_IDENTITY_TIMEOUT",
     "TIER_DEFAULTS",
     "TIER_OPTIONS",
@@ -191,10 +197,11 @@ def _check_bindable(listen: str) -> None:
 def kv_transfer_config(tier: Mapping[str, Any], *, cpu_bytes_to_use: int,
                        block_size: int | None = None, **extra: Any) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` (or ``KVTransferConfig(**...)``) that turns p2pkv
-    on: the offloading connector, :class:`P2PKVTieringSpec` with a primary region of
-    ``cpu_bytes_to_use`` bytes in chunks of ``block_size`` tokens (default: vLLM's
-    block size), and one :class:`P2PKVTier` with the options in ``tier``. ``extra``
-    goes into ``kv_connector_extra_config`` as is."""
+    on: :class:`P2PKVConnector` (vLLM's offloading connector that hands the tier the
+    engine's configuration and each request's adapter), :class:`P2PKVTieringSpec` with a
+    primary region of ``cpu_bytes_to_use`` bytes in chunks of ``block_size`` tokens
+    (default: vLLM's block size), and one :class:`P2PKVTier` with the options in
+    ``tier``. ``extra`` goes into ``kv_connector_extra_config`` as is."""
     config: dict[str, Any] = {
         "spec_name": "P2PKVTieringSpec",
         "spec_module_path": "p2pkv.integrations.vllm",
@@ -205,5 +212,4 @@ def kv_transfer_config(tier: Mapping[str, Any], *, cpu_bytes_to_use: int,
     }
     if block_size is not None:
         config["block_size"] = block_size
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": config}
+    return {**CONNECTOR_CONFIG, "kv_role": "kv_both", "kv_connector_extra_config": config}

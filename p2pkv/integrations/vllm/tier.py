@@ -2,7 +2,9 @@
 
 ``P2PKVTier`` runs in vLLM's engine-core (scheduler) process. It owns one p2pkv
 :class:`~p2pkv.node.Node` that serves the chunks this engine stored to compatible peers,
-and fetches chunks other engines stored straight into vLLM's primary (CPU) region.
+and fetches chunks other engines stored straight into vLLM's primary (CPU) region. It is
+built by :class:`~p2pkv.integrations.vllm.P2PKVConnector` (``connector.py``), which
+hands it the engine's ``VllmConfig`` and each request's LoRA adapter.
 
 Threads and what each may touch:
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -52,10 +55,16 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from p2pkv.identity import RunConfig
-from p2pkv.integrations.vllm.adapters import RequestAdapters, first_chunk, first_chunk_tokens
+from p2pkv.integrations.vllm.adapters import (
+    ADAPTER_UNKNOWN,
+    RequestAdapters,
+    first_chunk,
+    first_chunk_tokens,
+)
+from p2pkv.integrations.vllm.connector import building
 from p2pkv.integrations.vllm.identity import TierIdentity, run_config_from_spec
 from p2pkv.integrations.vllm.loads import DIRECTORY, TierLoads
-from p2pkv.integrations.vllm.metrics import Metrics, metric_definitions
+from p2pkv.integrations.vllm.metrics import HookTimes, Metrics, metric_definitions
 from p2pkv.integrations.vllm.options import (
     TIER_DEFAULTS,
     TIER_OPTIONS,
@@ -116,7 +125,9 @@ class _PeerLookup(AsyncLookupManager):
 class P2PKVTier(SecondaryTierManager):
     """A secondary tier whose chunks live in other engines' p2pkv nodes.
 
-    Tier config (``kv_connector_extra_config["secondary_tiers"]`` entry)::
+    Built by :class:`~p2pkv.integrations.vllm.P2PKVConnector` (or directly, under
+    ``set_current_vllm_config``). Tier config
+    (``kv_connector_extra_config["secondary_tiers"]`` entry)::
 
         {"type": "P2PKVTier", "module_path": "p2pkv.integrations.vllm",
          "listen": "tcp://0.0.0.0:5601", "peers": ["tcp://hostB:5601"],
@@ -175,7 +186,21 @@ class P2PKVTier(SecondaryTierManager):
         self._adapters = RequestAdapters(
             lora_enabled=self.identity.lora_enabled,
             count=lambda reason, n: self._counted(Metrics.ADAPTER_UNSHARED, n, (reason,)))
+        # P2PKVConnector hands this tier each request's adapter; the plain
+        # OffloadingConnector cannot, and the tier never guesses.
+        connector = building()
+        if connector is not None:
+            connector.tiers.append(self)
+        elif self.identity.lora_enabled:
+            log.warning("p2pkv tier: LoRA is enabled, and the tier runs under vLLM's plain "
+                        "OffloadingConnector, which does not say which adapter a request "
+                        "runs under: the chunks of every request under an adapter are "
+                        "neither shared nor looked up (counted in %s{reason=\"%s\"}). "
+                        "Load P2PKVConnector (\"kv_connector\": \"P2PKVConnector\", "
+                        "\"kv_connector_module_path\": \"p2pkv.integrations.vllm\") to share "
+                        "them.", Metrics.ADAPTER_UNSHARED, ADAPTER_UNKNOWN)
         self._first_chunk_tokens = first_chunk_tokens(offloading_spec)
+        self._hooks = HookTimes()
         self._transfers = TierTransfers(
             self._run, self._rows, row=self.block_size_bytes, peers=self._peers,
             policy=self._policy, adapters=self._adapters, lock=self._lock,
@@ -213,9 +238,19 @@ class P2PKVTier(SecondaryTierManager):
 
     # ------------------------------------------------------------------ SecondaryTierManager
 
+    def begin_request(self, req_id: str, lora_request: Any) -> None:
+        """A new request and the ``LoRARequest`` it runs under (None: the base model),
+        from :class:`~p2pkv.integrations.vllm.P2PKVConnector` before vLLM starts it."""
+        started = time.perf_counter()
+        self._adapters.begin(req_id, lora_request)
+        self._hooks.add("begin_request", time.perf_counter() - started)
+
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        # vLLM 0.33 calls this under its offloading manager's lock: nothing slow here
+        # (the adapter's stat and hash were started in begin_request, outside it).
+        started = time.perf_counter()
         self._ensure_node()
-        self._adapters.begin(req_context.req_id)
+        self._hooks.add("on_new_request", time.perf_counter() - started)
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -271,6 +306,7 @@ class P2PKVTier(SecondaryTierManager):
         self._adapters.shutdown()
         self._lookup.shutdown()
         self._run.close()
+        log.info("p2pkv tier: time in the request hooks: %s", self._hooks.describe_text())
 
     # ------------------------------------------------------------------ observability
 
@@ -290,6 +326,7 @@ class P2PKVTier(SecondaryTierManager):
             "node": self._run.node.stats() if self._run.node else None,
             "load_policy": self._policy.describe(),
             "adapters": self._adapters.describe(),
+            "hooks": self._hooks.describe(),
         }
 
     @classmethod

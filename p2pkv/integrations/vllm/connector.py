@@ -1,0 +1,98 @@
+"""p2pkv's vLLM connector: vLLM's offloading connector, handing the p2pkv tier what the
+plain one does not.
+
+vLLM builds a secondary tier from inside its offloading connector and then hands it only
+what its API carries: the offloading spec, and per request a ``ReqContext`` (the id,
+transfer parameters, hints). The tier needs two more things:
+
+- the engine's ``VllmConfig``, for its identity (weights, revision, overrides, whether
+  LoRA is enabled): :class:`P2PKVConnector` receives it in its constructor and makes it
+  known to the tiers built inside that constructor (:func:`building`);
+- each request's LoRA adapter: vLLM's block hashes name an adapter, not its files, so the
+  tier salts the keys of a request under an adapter with the files' digest
+  (:mod:`~p2pkv.integrations.vllm.adapters`). :meth:`P2PKVConnector.on_new_request`
+  receives the scheduler's ``Request`` and hands the tier its ``lora_request`` before
+  the offloading connector starts the request.
+
+Load it by module path, with the p2pkv tier in ``secondary_tiers`` as before::
+
+    {"kv_connector": "P2PKVConnector",
+     "kv_connector_module_path": "p2pkv.integrations.vllm",
+     "kv_role": "kv_both", "kv_connector_extra_config": {...}}
+
+Everything else is vLLM's ``OffloadingConnector``: the same spec, primary region,
+lookups, loads and stores. Under the plain ``OffloadingConnector`` the tier refuses to
+start (it cannot see the engine's configuration) unless the caller set vLLM's current
+configuration (``set_current_vllm_config``), and it never learns an adapter: with LoRA
+enabled it says so at start and counts those requests' chunks as ``adapter_unknown``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+__all__ = ["ConnectorContext", "P2PKVConnector", "building"]
+
+class _Tier(Protocol):
+    def begin_request(self, req_id: str, lora_request: Any) -> None: ...
+
+
+@dataclass
+class ConnectorContext:
+    """What a :class:`P2PKVConnector` hands the tiers built in its constructor."""
+
+    vllm_config: Any
+    #: The p2pkv tiers that were built, each registered by its own constructor.
+    tiers: list[_Tier] = field(default_factory=list)
+
+
+_BUILDING: contextvars.ContextVar[ConnectorContext | None] = contextvars.ContextVar(
+    "p2pkv_connector_building", default=None)
+
+
+def building() -> ConnectorContext | None:
+    """The context of the :class:`P2PKVConnector` whose constructor is running on this
+    thread (the one building the calling tier), or None: the tier was built by another
+    connector, or directly."""
+    return _BUILDING.get()
+
+
+@contextmanager
+def _building(context: ConnectorContext) -> Iterator[None]:
+    token = _BUILDING.set(context)
+    try:
+        yield
+    finally:
+        _BUILDING.reset(token)
+
+
+class P2PKVConnector(OffloadingConnector):
+    """vLLM's ``OffloadingConnector`` that hands the p2pkv tier the engine's
+    configuration and each request's LoRA adapter (see the module doc)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        context = ConnectorContext(vllm_config)
+        with _building(context):
+            super().__init__(vllm_config, role, kv_cache_config)
+        # Scheduler role: the tiers of this engine; worker role: none (tiers live in the
+        # scheduler's process only).
+        self._p2pkv_tiers: tuple[_Tier, ...] = tuple(context.tiers)
+
+    def on_new_request(self, request: Request) -> None:
+        # Before the offloading connector starts the request (vLLM 0.33 calls the
+        # tier's own hook under its manager lock): the adapter's stat and, the first
+        # time its files are met, the queueing of their digest happen here.
+        for tier in self._p2pkv_tiers:
+            tier.begin_request(request.request_id, getattr(request, "lora_request", None))
+        super().on_new_request(request)
