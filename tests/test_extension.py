@@ -118,7 +118,7 @@ def test_layout_names_fold_to_the_registry(case: dict[str, str]) -> None:
 
 def test_registry_names_the_known_layouts() -> None:
     assert IdentityExtension is ReExported
-    for name in ("NHD", "HND", "HND_K_THEN_V", "LHBNC", "BLHNC", "BLNHC", "BHLNC"):
+    for name in ("NHD", "HND", "HND_K_THEN_V", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "MLA_LATENT"):
         assert name in KV_MEMORY_LAYOUTS
     # vLLM's offload kv_cache_layout strings are registry names, folded to NHD/HND.
     assert KV_MEMORY_LAYOUT_ALIASES == {"LBNHC": "NHD", "LBHNC": "HND"}

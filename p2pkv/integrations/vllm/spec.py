@@ -61,9 +61,8 @@ class P2PKVTieringSpec(TieringOffloadingSpec):
         if _has_device_kv():
             return super().create_worker(kv_caches)
         if self.config.canonical_layout:
-            raise RuntimeError(
-                "canonical_layout is not supported by the CPU copy worker of "
-                "P2PKVTieringSpec; remove canonical_layout from kv_connector_extra_config")
+            self.all_layers_portable = _canonical_is_direct(
+                kv_caches, replicated=self.replicated_layout)
         rank = 0 if self.replicated_layout else self.config.parallel.rank
         region = SharedOffloadRegion(
             engine_id=self._engine_id,
@@ -77,6 +76,41 @@ class P2PKVTieringSpec(TieringOffloadingSpec):
         except BaseException:
             region.cleanup()
             raise
+
+
+def _canonical_is_direct(kv_caches: CanonicalKVCaches, *, replicated: bool) -> bool:
+    """Check that ``canonical_layout`` may run on the CPU copy worker, and whether every
+    layer's canonical bytes are parallelism-agnostic (vLLM's ``all_layers_portable``).
+
+    The CPU worker copies pages whole (the direct layout). It takes ``canonical_layout``
+    where vLLM certifies that a layer's canonical page *is* the engine's page: one run
+    from offset 0 to offset 0 over the whole page, and this worker the only one that
+    holds it, or, under ``replicated_layout``, every rank holds the same bytes (they all
+    map rank 0's region and write identical rows; vLLM would let them take turns). That
+    is MLA's latent rows: an all-MLA model at TP 1 or at TP > 1, whose canonical layout
+    vLLM marks replicated, so the two share. Anything else (heads split across ranks)
+    needs vLLM's fragment-wise copy plans, which this worker does not have: it refuses
+    at start rather than store direct bytes under a canonical identity."""
+    refs = [ref for group in kv_caches.group_data_refs for ref in group]
+    for ref in refs:
+        m = ref.mapping
+        page = ref.page_size_bytes
+        direct = m is not None and (m.num_writers == 1 or replicated) and \
+            m.canonical_page_size_bytes == m.local_page_size_bytes == page and \
+            len(m.runs) == 1 and (m.runs[0].local_offset, m.runs[0].canonical_offset) == (0, 0) \
+            and m.runs[0].fragment_size * m.runs[0].num_fragments == page and \
+            (m.runs[0].num_fragments == 1 or
+             m.runs[0].local_stride == m.runs[0].canonical_stride == m.runs[0].fragment_size)
+        if not direct:
+            why = "vLLM could not certify it" if m is None else (
+                f"its canonical page is not its own page ({m.num_writers} writer(s), "
+                f"{len(m.runs)} run(s), {m.canonical_page_size_bytes} vs {page} bytes)")
+            raise RuntimeError(
+                f"canonical_layout: the CPU copy worker of P2PKVTieringSpec copies whole "
+                f"pages and a KV cache tensor's layout does not allow that here ({why}); "
+                "it runs canonical_layout for MLA rows only. "
+                "Remove canonical_layout from kv_connector_extra_config")
+    return all(ref.mapping is not None and ref.mapping.parallelism_agnostic for ref in refs)
 
 
 class CPUCopyWorker(OffloadingWorker):

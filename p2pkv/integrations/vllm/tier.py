@@ -242,12 +242,14 @@ class P2PKVTier(SecondaryTierManager):
         """A new request and the ``LoRARequest`` it runs under (None: the base model),
         from :class:`~p2pkv.integrations.vllm.P2PKVConnector` before vLLM starts it."""
         started = time.perf_counter()
+        self._ensure_node()  # the first request starts the node: here, outside the lock
         self._adapters.begin(req_id, lora_request)
         self._hooks.add("begin_request", time.perf_counter() - started)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         # vLLM 0.33 calls this under its offloading manager's lock: nothing slow here
-        # (the adapter's stat and hash were started in begin_request, outside it).
+        # (under P2PKVConnector, begin_request already started the node and the
+        # adapter's stat and hash, outside the lock).
         started = time.perf_counter()
         self._ensure_node()
         self._hooks.add("on_new_request", time.perf_counter() - started)
