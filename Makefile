@@ -72,7 +72,8 @@ real-model: $(MODELS)/smollm2/.complete
 VLLM033 := .vllm033
 VLLM033_VERSION ?= 0.33.0
 $(VLLM033)/.complete: $(VLLM_VENV)/.installed tools/vllm_overlay.py
-	$(VLLM_VENV)/bin/python tools/vllm_overlay.py $(VLLM033) --version $(VLLM033_VERSION)
+	$(VLLM_VENV)/bin/python tools/vllm_overlay.py $(VLLM033) --version $(VLLM033_VERSION) \
+	    --with orjson
 
 vllm033: $(VLLM033)/.complete
 

@@ -61,11 +61,7 @@ def made() -> Iterator[list[Any]]:
             thing.close()
 
 
-@pytest.fixture
-def redis_url() -> Iterator[str]:
-    """A private redis-server on a free port, closed after the test. Under ``make test``
-    (``P2PKV_REQUIRE_VLLM=1``) a missing server fails instead of skipping: CI must not
-    pass by testing nothing."""
+def _local_redis() -> Iterator[str]:
     import os
 
     from redisprocs import LocalRedis, find_redis_server
@@ -79,3 +75,17 @@ def redis_url() -> Iterator[str]:
         yield server.url
     finally:
         server.close()
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    """A private redis-server on a free port, closed after the test. Under ``make test``
+    (``P2PKV_REQUIRE_VLLM=1``) a missing server fails instead of skipping: CI must not
+    pass by testing nothing."""
+    yield from _local_redis()
+
+
+@pytest.fixture(scope="module")
+def module_redis_url() -> Iterator[str]:
+    """:func:`redis_url` for every test of a module (engines that outlive one test)."""
+    yield from _local_redis()

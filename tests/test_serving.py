@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllmenv import MODELS, REQUIRED, ROOT, VLLM_PY, skip_without_vllm
+from vllmenv import ROOT, VLLM_PY, serve, skip_without_vllm, smollm2
 
 from p2pkv.bench.serving.clients import BenchWorkload, complete, run_vllm_bench
 from p2pkv.bench.serving.cluster import EngineSpec, ServingCluster, free_port
@@ -62,14 +62,6 @@ def engine_config(readme: dict[str, Any], listen: str, peers: list[str]) -> dict
     return config
 
 
-def model() -> Path:
-    path = MODELS / "smollm2"
-    if not (path / ".complete").exists():
-        pytest.fail(f"no model at {path}: make real-model builds it") if REQUIRED else \
-            pytest.skip(f"no model at {path}: make real-model builds it")
-    return path
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServingCluster]:
     readme = readme_kv_transfer_config()
@@ -79,13 +71,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServingCluster
                         engine_config(readme, tiers[i], [tiers[1 - i]]),
                         str(cores[i % len(cores)]) if len(cores) >= 2 else "nobind")
              for i in range(2)]
-    made = ServingCluster(model(), specs, tmp_path_factory.mktemp("serving"),
+    made = ServingCluster(smollm2(), specs, tmp_path_factory.mktemp("serving"),
                           served_name=NAME, max_model_len=2048, python=str(VLLM_PY))
-    with made:
-        yield made
-    for pid in made.pids():
-        with pytest.raises(ProcessLookupError):
-            os.killpg(pid, 0)
+    yield from serve(made)
 
 
 def peer_tokens(cluster: ServingCluster, name: str) -> float:
@@ -97,7 +85,7 @@ def test_bench_serve_through_the_balancer_loads_from_the_peer(
         cluster: ServingCluster, tmp_path: Path) -> None:
     workload = BenchWorkload(prefix_len=512, suffix_len=64, num_prefixes=4, num_prompts=16,
                              output_len=8, concurrency=4)
-    result = run_vllm_bench(cluster.url, NAME, model(), workload, tmp_path, "p2pkv",
+    result = run_vllm_bench(cluster.url, NAME, smollm2(), workload, tmp_path, "p2pkv",
                             timeout=600, python=str(VLLM_PY))
     assert result["failed"] == 0, [e for e in result["errors"] if e]
     assert result["completed"] == 16

@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 import yaml
 from loraadapters import write_adapter
-from vllmenv import MODELS, REQUIRED, ROOT, VLLM_PY, skip_without_vllm
+from vllmenv import ROOT, VLLM_PY, serve, skip_without_vllm, smollm2
 
 from p2pkv.bench.serving.clients import complete
 from p2pkv.bench.serving.cluster import EngineSpec, ServingCluster, free_port
@@ -109,29 +109,6 @@ def fleet_keys(where: Path) -> Path:
     return mount
 
 
-def model() -> Path:
-    path = MODELS / "smollm2"
-    if not (path / ".complete").exists():
-        pytest.fail(f"no model at {path}: make real-model builds it") if REQUIRED else \
-            pytest.skip(f"no model at {path}: make real-model builds it")
-    return path
-
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    from redisprocs import LocalRedis, find_redis_server
-
-    if find_redis_server() is None:
-        if REQUIRED:
-            pytest.fail("P2PKV_REQUIRE_VLLM=1 but redis-server is not installed (make redis)")
-        pytest.skip("redis-server is not installed (make redis installs it)")
-    server = LocalRedis().start()
-    try:
-        yield server.url
-    finally:
-        server.close()
-
-
 @pytest.fixture(scope="module")
 def homes(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """Each engine's working directory, with the same adapter files at ``adapters/ad``."""
@@ -144,26 +121,22 @@ def homes(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, redis_url: str,
+def cluster(tmp_path_factory: pytest.TempPathFactory, module_redis_url: str,
             homes: list[Path]) -> Iterator[ServingCluster]:
     work = tmp_path_factory.mktemp("recipe")
     curve = fleet_keys(work)
     cores = sorted(os.sched_getaffinity(0))
     specs = [EngineSpec(
         f"engine-{i}", free_port(),
-        recipe_config("127.0.0.1", redis_url, free_port(), curve),
+        recipe_config("127.0.0.1", module_redis_url, free_port(), curve),
         str(cores[i % len(cores)]) if len(cores) >= 2 else "nobind",
         args=("--enable-lora", "--max-lora-rank", "8",
               "--lora-modules", f"{ADAPTER}={ADAPTER_PATH}"),
         env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}, cwd=homes[i])
         for i in range(2)]
-    made = ServingCluster(model(), specs, work, served_name=NAME, max_model_len=2048,
+    made = ServingCluster(smollm2(), specs, work, served_name=NAME, max_model_len=2048,
                           python=str(VLLM_PY))
-    with made:
-        yield made
-    for pid in made.pids():
-        with pytest.raises(ProcessLookupError):
-            os.killpg(pid, 0)
+    yield from serve(made)
 
 
 def peer_tokens(cluster: ServingCluster, name: str) -> float:

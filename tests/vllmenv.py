@@ -5,7 +5,9 @@ model directory, and whether their absence is a failure (``make test`` sets
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,3 +42,22 @@ def vllm_env(version: str) -> dict[str, str]:
         pytest.fail(message) if REQUIRED else pytest.skip(message)
     path = os.pathsep.join(p for p in (str(VLLM033), os.environ.get("PYTHONPATH")) if p)
     return {"PYTHONPATH": path, "VLLM_TARGET_DEVICE": "cpu"}
+
+
+def smollm2() -> Path:
+    """The real chat model's directory (``make real-model`` builds it)."""
+    path = MODELS / "smollm2"
+    if not (path / ".complete").exists():
+        message = f"no model at {path}: make real-model builds it"
+        pytest.fail(message) if REQUIRED else pytest.skip(message)
+    return path
+
+
+def serve(cluster: Any) -> Iterator[Any]:
+    """Run a :class:`~p2pkv.bench.serving.cluster.ServingCluster` for a module's tests
+    (``yield from`` it in a fixture), then check that none of its processes is left."""
+    with cluster:
+        yield cluster
+    for pid in cluster.pids():
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)

@@ -13,7 +13,9 @@ forced (the overlay has no package metadata to detect it from)::
     PYTHONPATH=.vllm033 VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python ...
 
 The newer Python then runs on the older ops: whatever the newer release changed in its
-compiled kernels is not covered. Writes ``DIR/.complete`` (the versions) last; a
+compiled kernels is not covered. ``--with PKG`` installs a package the newer release
+imports and the older environment lacks into the overlay too (0.33's OpenAI server
+needs ``orjson``). Writes ``DIR/.complete`` (the versions) last; a
 directory without it is rebuilt.
 """
 
@@ -29,7 +31,8 @@ import zipfile
 from pathlib import Path
 
 
-def build(target: Path, version: str, *, wheel: Path | None = None) -> dict[str, str]:
+def build(target: Path, version: str, *, wheel: Path | None = None,
+          extra: tuple[str, ...] = ()) -> dict[str, str]:
     import vllm  # the installed build, whose compiled ops are kept
 
     ops_dir = Path(vllm.__file__).parent
@@ -52,7 +55,11 @@ def build(target: Path, version: str, *, wheel: Path | None = None) -> dict[str,
             zf.extractall(staging, members)
         for so in ops:
             shutil.copy2(so, staging / "vllm" / so.name)
-        made = {"vllm": version, "ops_from": str(vllm.__version__), "wheel": wheel.name}
+        if extra:  # what the newer release imports and the installed one did not need
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                            "--target", str(staging), *extra], check=True, timeout=1800)
+        made = {"vllm": version, "ops_from": str(vllm.__version__), "wheel": wheel.name,
+                "extra": " ".join(extra)}
         (staging / ".complete").write_text(json.dumps(made) + "\n")
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
@@ -65,8 +72,12 @@ def main() -> int:
     ap.add_argument("--version", required=True, help="the vLLM release whose Python to lay")
     ap.add_argument("--wheel", type=Path, default=None,
                     help="a wheel already downloaded (default: pip download it)")
+    ap.add_argument("--with", dest="extra", action="append", default=[], metavar="PKG",
+                    help="a package the newer release needs and the installed environment "
+                    "lacks, installed into the overlay (repeatable)")
     args = ap.parse_args()
-    print(json.dumps(build(args.target.resolve(), args.version, wheel=args.wheel)))
+    print(json.dumps(build(args.target.resolve(), args.version, wheel=args.wheel,
+                           extra=tuple(args.extra))))
     return 0
 
 

@@ -54,6 +54,10 @@ def counters(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
                                  "lookup_hits", "handshakes_refused", "loaded_bytes",
                                  "load_skipped", "lookup_keys")):
             out[k.removeprefix("vllm:")] = v
+        elif "request_hook" in k and not k.endswith("_created"):
+            # Calls and seconds add up over the engines; the longest call is the max.
+            out[k.removeprefix("vllm:")] = max(m.get(k, 0.0) for m in metrics) \
+                if "max_seconds" in k else v
     return out
 
 

@@ -1,10 +1,12 @@
 """The Prometheus metrics :class:`~p2pkv.integrations.vllm.P2PKVTier` adds to vLLM's own
 output: their names and their definitions (``build_metric_definitions``); and the time
-its request hooks take (:class:`HookTimes`, in ``stats()`` and the shutdown log)."""
+its request hooks take (:class:`HookTimes`, in the metrics, ``stats()`` and the
+shutdown log)."""
 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from vllm.v1.kv_offload.base import (
     OffloadingCounterMetadata,
@@ -45,6 +47,9 @@ class Metrics:
     PEER_BANDWIDTH = "vllm:p2pkv_peer_bandwidth_bytes_per_second"
     PREFILL_RATE = "vllm:p2pkv_prefill_tokens_per_second"
     ADAPTER_UNSHARED = "vllm:p2pkv_adapter_unshared_blocks"
+    HOOK_CALLS = "vllm:p2pkv_request_hook_calls"
+    HOOK_SECONDS = "vllm:p2pkv_request_hook_seconds"
+    HOOK_MAX_SECONDS = "vllm:p2pkv_request_hook_max_seconds"
 
 
 def load_failure_reason(cause: KeyOutcome | BaseException) -> str:
@@ -117,17 +122,27 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             "(stored: kept from peers, the tier did not see the request's adapter), "
             "adapter_unreadable (stored: kept from peers, its files cannot be hashed).",
             labelnames=("reason",)),
+        Metrics.HOOK_CALLS: OffloadingCounterMetadata(
+            "Calls of the tier's request hooks, by hook: begin_request (from "
+            "P2PKVConnector, outside vLLM's locks) and on_new_request (vLLM 0.33 holds "
+            "its offloading manager's lock through it).", labelnames=("hook",)),
+        Metrics.HOOK_SECONDS: OffloadingCounterMetadata(
+            "Seconds spent in the tier's request hooks, by hook.", labelnames=("hook",)),
+        Metrics.HOOK_MAX_SECONDS: OffloadingGaugeMetadata(
+            "The longest single call of each request hook so far, in seconds.",
+            labelnames=("hook",)),
     }
 
 
 class HookTimes:
     """How long the tier's request hooks ran, per hook: calls, total and longest, for
-    ``stats()`` and the shutdown log (vLLM 0.33 runs ``on_new_request`` under its
+    the metrics, ``stats()`` and the shutdown log (vLLM 0.33 runs ``on_new_request`` under its
     offloading manager's lock). Called on the scheduler thread; read from any."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._times: dict[str, list[float]] = {}  # hook -> [calls, total s, max s]
+        self._reported: dict[str, tuple[float, float]] = {}  # hook -> (calls, total s)
 
     def add(self, hook: str, seconds: float) -> None:
         with self._lock:
@@ -135,6 +150,17 @@ class HookTimes:
             t[0] += 1
             t[1] += seconds
             t[2] = max(t[2], seconds)
+
+    def report(self, stats: Any) -> None:
+        """Add what changed since the last report to vLLM's ``OffloadingConnectorStats``."""
+        with self._lock:
+            for hook, (n, total, longest) in self._times.items():
+                calls, seconds = self._reported.get(hook, (0, 0.0))
+                if n > calls:
+                    stats.increase_counter(Metrics.HOOK_CALLS, int(n - calls), (hook,))
+                    stats.increase_counter(Metrics.HOOK_SECONDS, total - seconds, (hook,))
+                self._reported[hook] = (n, total)
+                stats.set_gauge(Metrics.HOOK_MAX_SECONDS, longest, (hook,))
 
     def describe(self) -> dict[str, dict[str, float]]:
         with self._lock:

@@ -348,6 +348,7 @@ class P2PKVTier(SecondaryTierManager):
                                            ("inbound", reason))
             self._inbound_refusals = inbound
         stats.set_gauge(Metrics.PEERS, connected)
+        self._hooks.report(stats)
         self._policy.gauges(stats)
         if self._run.directory is not None:
             for name, delta in self._run.directory.deltas().items():
