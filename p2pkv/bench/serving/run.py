@@ -54,7 +54,7 @@ def counters(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
                                  "lookup_hits", "handshakes_refused", "loaded_bytes",
                                  "load_skipped", "lookup_keys")):
             out[k.removeprefix("vllm:")] = v
-        elif "request_hook" in k and not k.endswith("_created"):
+        elif "request_hook" in k and not k.split("{")[0].endswith("_created"):
             # Calls and seconds add up over the engines; the longest call is the max.
             out[k.removeprefix("vllm:")] = max(m.get(k, 0.0) for m in metrics) \
                 if "max_seconds" in k else v
