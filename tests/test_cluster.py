@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -468,6 +469,36 @@ def test_a_wildcard_listen_address_is_registered_as_a_reachable_one() -> None:
     assert advertised_address("tcp://10.9.9.9:5601", host="10.1.2.3") == "tcp://10.9.9.9:5601"
     guessed = advertised_address("tcp://0.0.0.0:5601")
     assert guessed.endswith(":5601") and "0.0.0.0" not in guessed
+
+
+def test_waiting_for_the_registration_wakes_on_it_and_never_waits_for_nothing(
+        redis_server: LocalRedis, nodes: Any) -> None:
+    """``wait_registered`` returns when the registration lands (woken by it, not by a
+    poll), at once for a static cluster (nothing will ever register it), and as soon as
+    the cluster closes, not at its timeout."""
+    with Cluster(nodes({**SMALL, "pool": 8})) as static:
+        t0 = time.monotonic()
+        assert not static.wait_registered(30)
+        assert time.monotonic() - t0 < 1.0
+    with Cluster(nodes({**SMALL, "pool": 8}), directory=redis_server.url) as c:
+        assert c.wait_registered(10) and c.member is not None
+    # A directory nobody answers: the wait ends when the cluster is closed.
+    silent = f"redis://127.0.0.1:{free_port()}/0"
+    c = Cluster(nodes({**SMALL, "pool": 8}), directory=silent,
+                config=ClusterConfig(redis_timeout=0.2))
+    waited: list[float] = []
+
+    def wait() -> None:
+        t = time.monotonic()
+        assert not c.wait_registered(30)
+        waited.append(time.monotonic() - t)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)
+    c.close()
+    waiter.join(10)
+    assert waited and waited[0] < 5.0, waited
 
 
 def test_advertise_must_be_an_address(redis_server: LocalRedis) -> None:

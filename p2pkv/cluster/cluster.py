@@ -230,13 +230,11 @@ class Cluster:
         return self._registration.member if self._registration is not None else None
 
     def wait_registered(self, timeout: float) -> bool:
-        """Wait until the node is registered in Redis (True) or ``timeout`` passes."""
-        deadline = time.monotonic() + timeout
-        while self.member is None:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
-        return True
+        """Wait until the node is registered in Redis (True) or ``timeout`` passes; False
+        at once without a Redis directory (a static cluster never registers)."""
+        if self._registration is None:
+            return False
+        return self._registration.wait_member(timeout) is not None
 
     def flush(self) -> None:
         """Publish the queued store changes now instead of at the next interval."""

@@ -72,6 +72,8 @@ class RedisRegistration:
         self._collecting = False
         self._flush_now = False
         self._member: Member | None = None
+        #: Notified (under ``_lock``) when a registration completes or the thread stops.
+        self._registered = threading.Condition(self._lock)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._sweep: tuple[list[bytes], int] | None = None
@@ -86,6 +88,15 @@ class RedisRegistration:
     def member(self) -> Member | None:
         """The current registration, None while unregistered."""
         with self._lock:
+            return self._member
+
+    def wait_member(self, timeout: float) -> Member | None:
+        """Wait until this node is registered (its block set published), at most
+        ``timeout`` seconds; the registration, or None (not within ``timeout``, or
+        closed)."""
+        with self._registered:
+            self._registered.wait_for(
+                lambda: self._member is not None or self._stop.is_set(), timeout)
             return self._member
 
     def changed(self, key: bytes, visible: bool) -> None:
@@ -107,6 +118,8 @@ class RedisRegistration:
         """Stop the thread; with ``deregister``, withdraw this node's claims."""
         self._stop.set()
         self._wake.set()
+        with self._registered:
+            self._registered.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
         member = self.member
@@ -196,6 +209,7 @@ class RedisRegistration:
         with self._lock:
             self._member = member
             self._reported = {}  # a fresh token has no verdicts yet
+            self._registered.notify_all()
         log.info("registered in directory %s as member %d of partition %s (%d blocks)",
                  self.directory.url, member.number, member.partition, len(held))
         self._on_event("registered", 1)

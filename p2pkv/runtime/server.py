@@ -43,6 +43,10 @@ class Server:
         self._inbound: dict[bytes, InboundConnection] = {}
         # The IO thread changes _inbound under this lock; stats() reads it under it.
         self._lock = threading.Lock()
+        # wait_sent: set by the IO thread, at the end of an IO round, once nothing is
+        # being sent while a caller waits for that.
+        self._all_sent = threading.Event()
+        self._sent_waiters = 0
         reactor.register(self._router, self._read)
 
     def ready_peers(self) -> int:
@@ -118,6 +122,8 @@ class Server:
         for peer in list(self._inbound.values()):
             peer.serve()
         self._parts.sender.ledger.reap()
+        if self._sent_waiters and not self._sending():
+            self._all_sent.set()
 
     def busy_wait_ms(self) -> int | None:
         if any(peer.can_send() for peer in self._inbound.values()):
@@ -140,19 +146,34 @@ class Server:
             deadlines.append(cut)
         return min(deadlines, default=None)
 
-    def sending(self) -> bool:
-        """Any thread: whether a fetch of some peer is still being served."""
+    def _sending(self) -> bool:
         with self._lock:
             peers = list(self._inbound.values())
         return any(p.busy for p in peers if not p.closed)
 
+    def sending(self) -> bool:
+        """Any thread: whether a fetch of some peer is still being served."""
+        return self._sending()
+
     def wait_sent(self, deadline: float) -> None:
-        """Any thread (a draining node's caller): wait until every fetch is sent, then a
-        short settle (bounded by ``deadline``). Closing the moment the last block is
+        """Any thread (a draining node's caller): wait until every fetch is sent (the IO
+        thread says so at the end of the round that sent the last block), then a short
+        settle (both bounded by ``deadline``). Closing the moment the last block is
         handed to ZeroMQ can cost the consumer that block: a connection torn down right
-        behind its data may drop it before the consumer reads it."""
-        while self.sending() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        behind its data may drop it before the consumer reads it, and ZeroMQ says
+        nothing of when the peer has read it."""
+        with self._lock:
+            self._sent_waiters += 1
+            if self._sent_waiters == 1:
+                self._all_sent.clear()
+        try:
+            # Counted as a waiter before this check: a round that finishes the last
+            # fetch after it sets the event.
+            if self._sending():
+                self._all_sent.wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            with self._lock:
+                self._sent_waiters -= 1
         time.sleep(max(0.0, min(DRAIN_SETTLE_S, deadline - time.monotonic())))
 
     def idle(self) -> bool:
