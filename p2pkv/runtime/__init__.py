@@ -12,8 +12,8 @@ Rooms, and what each holds (imports only go down this list, and never up into
   (threading model in its docstring).
 * ``landing``: the one routine that settles a landed block (destination, checksum,
   commit or drop, per-key outcome), whichever way its bytes arrived.
-* ``paths``: a connection's data path, one object per side (the two interfaces and the
-  ZeroMQ halves); ``packing`` / ``sender`` / ``receiver`` / ``shm_server`` /
+* ``paths``: a connection's data path, a fetching half chosen once and a serving half
+  per fetch (the two interfaces and the ZeroMQ halves); ``packing`` / ``sender`` / ``receiver`` / ``shm_server`` /
   ``shm_client`` / ``data_server`` / ``data_dial`` / ``data_client``: the machinery of
   each path (packed frames, zero-copy sends with their release ledger, ``recv_into``
   landings, shared memory, the data streams) and its other halves; ``path_choice``:

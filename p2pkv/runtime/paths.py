@@ -1,4 +1,5 @@
-"""The data path of a connection: one object per side, chosen once, at the handshake.
+"""The data path of a connection: a fetching half chosen once per connection, and a
+serving half chosen for each fetch as it arrives (a connection keeps a default one).
 
 Blocks move one of four ways, each a *path* with a fetching half (on the connection this
 node opened) and a serving half (on a peer connected to its ROUTER):
