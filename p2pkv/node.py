@@ -13,11 +13,12 @@ module is what users call; the work happens in :mod:`p2pkv.runtime`:
   lookup answers, fetch jobs), each owning its state; ``runtime.client`` /
   ``runtime.server`` keep them and drive them from the IO loop.
 * ``runtime.paths``: the data path of each connection (ZeroMQ frames, packed frames,
-  shared memory, the data stream): the fetching half chosen once, when the connection
-  is ready, the serving half for each fetch as it arrives. Blocks go out from the pool without a copy where the path allows and
-  stay pinned until they left; they land straight into their destination slot,
-  verified before they become visible. ``protocol.flow`` decides the credit (one
-  budget per peer, see ``protocol/SPEC.md``, "Flow control") and the batching.
+  shared memory, the data stream): the fetching half chosen once, when the connection is
+  ready, the serving half for each fetch as it arrives. Blocks go out from the pool
+  without a copy where the path allows and stay pinned until they left; they land
+  straight into their destination slot, verified before they become visible.
+  ``protocol.flow`` decides the credit (one budget per peer, see ``protocol/SPEC.md``,
+  "Flow control") and the batching.
 
 The block store is shared with the engine threads and has its own lock.
 """

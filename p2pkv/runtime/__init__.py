@@ -13,12 +13,12 @@ Rooms, and what each holds (imports only go down this list, and never up into
 * ``landing``: the one routine that settles a landed block (destination, checksum,
   commit or drop, per-key outcome), whichever way its bytes arrived.
 * ``paths``: a connection's data path, a fetching half chosen once and a serving half
-  per fetch (the two interfaces and the ZeroMQ halves); ``packing`` / ``sender`` / ``receiver`` / ``shm_server`` /
-  ``shm_client`` / ``data_server`` / ``data_dial`` / ``data_client``: the machinery of
-  each path (packed frames, zero-copy sends with their release ledger, ``recv_into``
-  landings, shared memory, the data streams) and its other halves; ``path_choice``:
-  how an outbound connection comes to its path; ``lanes``: a fetch striped over
-  several streams.
+  per fetch (the two interfaces and the ZeroMQ halves); ``packing`` / ``sender`` /
+  ``receiver`` / ``shm_server`` / ``shm_client`` / ``data_server`` / ``data_dial`` /
+  ``data_client``: the machinery of each path (packed frames, zero-copy sends with their
+  release ledger, ``recv_into`` landings, shared memory, the data streams) and its other
+  halves; ``path_choice``: how an outbound connection comes to its path; ``lanes``: a
+  fetch striped over several streams.
 * ``outbound`` / ``inbound``: one connection each, owning its socket (or routing id),
   session, requests and data path; they turn session events into futures, answers and
   fetch jobs.
