@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ConnectorContext", "P2PKVConnector", "building"]
 
+
 class _Tier(Protocol):
     def begin_request(self, req_id: str, lora_request: Any) -> None: ...
 
