@@ -326,6 +326,18 @@ def test_fetch_with_credit_and_done() -> None:
     assert pair.client.in_flight == 0 and pair.server.in_flight == 0
 
 
+def test_a_fetch_naming_stream_0_is_a_plain_fetch_without_tcp_streams() -> None:
+    """SPEC §18.6 rule 4: ``stream`` absent and ``stream: 0`` are the same fetch (vector
+    ``fetch_stream_0_written_is_absent``), so a server that did not negotiate
+    ``tcp-streams-v1`` serves an explicit 0; any other stream is UNEXPECTED 205."""
+    pair = ready_pair()
+    out = pair.server.receive(Fetch(1, (b"k",), 4, False, 0), pair.now)
+    assert [type(e) for e in out.events] == [FetchRequested] and not out.replies
+    out = pair.server.receive(Fetch(2, (b"k",), 4, False, 3), pair.now)
+    assert out.replies == (Bye(Code.UNEXPECTED, "fetch naming a stream (tcp-streams-v1 "
+                                                "was not negotiated)"),)
+
+
 def test_fetch_done_must_match_what_was_sent() -> None:
     pair = ready_pair()
     fetch = pair.client.fetch([b"a", b"b"], 4, pair.now)

@@ -812,6 +812,11 @@ def datachannel_vectors() -> dict[str, Any]:
     bad("welcome_data_key_str", {**wa, "data": {**offer, "key": "a" * 32}}, WRONG_TYPE)
     bad("fetch_stream_8", {**fs, "stream": 8}, OUT_OF_BOUNDS)
     bad("fetch_stream_negative", {**fs, "stream": -1}, OUT_OF_BOUNDS)
+    # 18.6 rule 4: an explicit 0 is the absent field (the first stream), also where the
+    # capability is not in effect; nil is not a uint.
+    f0 = {**fs, "stream": 0}
+    add("fetch_stream_0_written_is_absent", f0, expected(f0))
+    bad("fetch_stream_nil", {**fs, "stream": None}, WRONG_TYPE)
 
     # Stream bytes (SPEC 18.2, 18.3), written out by hand.
     magic = b"P2PKVDC1"
