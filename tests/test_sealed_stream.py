@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -489,7 +490,9 @@ def test_a_stranger_who_saw_the_token_can_neither_bind_nor_spend_it(
 
     def race(preface: bytes) -> None:
         # Before the client's preface goes on, a stranger presents its token: with a
-        # tag of its own (it lacks the key), and in a plaintext preface.
+        # tag of its own (it lacks the key), in a plaintext preface, in a sealed preface
+        # cut short (SPEC 18.8 rule 7), and in a plain preface inside TLS, whose
+        # handshake the server completes before it reads the preface.
         token = proto.sealed_token_of(preface)
         assert token is not None
         forged = preface[:-TAG_LEN] + bytes(TAG_LEN)
@@ -497,15 +500,26 @@ def test_a_stranger_who_saw_the_token_can_neither_bind_nor_spend_it(
             s = socket.create_connection(("127.0.0.1", dport[0]), timeout=5)
             s.sendall(attempt)
             verdicts.append(closed_unanswered(s))
+        s = socket.create_connection(("127.0.0.1", dport[0]), timeout=5)
+        s.sendall(preface[:30])
+        s.shutdown(socket.SHUT_WR)
+        verdicts.append(closed_unanswered(s))
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE
+        tls.minimum_version = ssl.TLSVersion.TLSv1_3
+        raw = socket.create_connection(("127.0.0.1", dport[0]), timeout=5)
+        wrapped = tls.wrap_socket(raw)  # the handshake completes
+        wrapped.sendall(proto.preface(token))
+        verdicts.append(closed_unanswered(wrapped))
 
     producer, consumer, mitm, address = _through_relay(made, "none", on_preface=race)
     dport.append(producer.stats().data_port or 0)
     keys = fill(producer, 6)
     peer = consumer.connect(address)
-    assert verdicts == [True, True]
+    assert verdicts == [True, True, True, True]
     assert peer.data_path == "tcp-data", peer.data_path_detail  # the token still binds
     assert consumer.fetch(peer, keys).outcomes == (KeyOutcome.LANDED,) * len(keys)
-    assert producer.stats().data_streams_refused == 2
+    assert producer.stats().data_streams_refused == 4
     # A preface replayed once the stream is bound: the token is used up.
     s = socket.create_connection(("127.0.0.1", dport[0]), timeout=5)
     s.sendall(mitm.prefaces[0])
