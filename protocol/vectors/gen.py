@@ -817,6 +817,15 @@ def datachannel_vectors() -> dict[str, Any]:
     f0 = {**fs, "stream": 0}
     add("fetch_stream_0_written_is_absent", f0, expected(f0))
     bad("fetch_stream_nil", {**fs, "stream": None}, WRONG_TYPE)
+    # 18.6 rule 2 and section 3 (nil): an empty `more` is the absent one (one stream),
+    # a nil `more` is not an array; a nil `cert` or `key` is the absent field.
+    w0 = {**ws, "data": {**offer, "more": []}}
+    add("welcome_data_more_empty_is_one_stream", w0, expected(w0, limits=None, v=1))
+    bad("welcome_data_more_nil", {**ws, "data": {**offer, "more": None}}, WRONG_TYPE)
+    wc = {**wt, "data": {**offer, "cert": None}}
+    add("welcome_data_cert_nil_is_absent", wc, expected(wc, limits=None, v=1))
+    wn = {**wa, "data": {**offer, "cert": pin, "key": None}}
+    add("welcome_data_key_nil_is_absent", wn, expected(wn, limits=None, v=1))
 
     # Stream bytes (SPEC 18.2, 18.3), written out by hand.
     magic = b"P2PKVDC1"
