@@ -33,7 +33,7 @@ from nodeproc import pooled_node as node
 from rawpeer import Acceptor, ThrottlingProxy, closed_unanswered, ipv6_loopback, wait_until
 
 from p2pkv import protocol as proto
-from p2pkv.errors import P2PKVError
+from p2pkv.errors import P2PKVError, PeerGone
 from p2pkv.node import KeyOutcome, Node
 from p2pkv.protocol.seal import (
     ANSWER_RECORD_BYTES,
@@ -466,6 +466,9 @@ def test_a_man_in_the_middle_who_changes_records_lands_nothing_wrong(
         assert result.outcomes != (KeyOutcome.LANDED,) * len(keys)
         raise AssertionError(f"the fetch did not fail: {result.outcomes}")
     said = str(failed.value)
+    # What the caller is told (SPEC 18.8 rule 5): the peer is gone, and why.
+    assert isinstance(failed.value, PeerGone), repr(failed.value)
+    assert "the sealed data stream failed" in said
     assert ("failed authentication" in said or "ended inside a record" in said), said
     assert consumer.stats().data_records_refused == 1
     assert mitm.done.wait(10)
