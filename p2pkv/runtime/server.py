@@ -122,7 +122,7 @@ class Server:
         for peer in list(self._inbound.values()):
             peer.serve()
         self._parts.sender.ledger.reap()
-        if self._sent_waiters and not self._sending():
+        if self._sent_waiters and not self.sending():
             self._all_sent.set()
 
     def busy_wait_ms(self) -> int | None:
@@ -146,14 +146,11 @@ class Server:
             deadlines.append(cut)
         return min(deadlines, default=None)
 
-    def _sending(self) -> bool:
+    def sending(self) -> bool:
+        """Any thread: whether a fetch of some peer is still being served."""
         with self._lock:
             peers = list(self._inbound.values())
         return any(p.busy for p in peers if not p.closed)
-
-    def sending(self) -> bool:
-        """Any thread: whether a fetch of some peer is still being served."""
-        return self._sending()
 
     def wait_sent(self, deadline: float) -> None:
         """Any thread (a draining node's caller): wait until every fetch is sent (the IO
@@ -169,7 +166,7 @@ class Server:
         try:
             # Counted as a waiter before this check: a round that finishes the last
             # fetch after it sets the event.
-            if self._sending():
+            if self.sending():
                 self._all_sent.wait(max(0.0, deadline - time.monotonic()))
         finally:
             with self._lock:

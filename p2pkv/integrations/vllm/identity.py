@@ -59,6 +59,7 @@ from p2pkv.identity.checkpoint import (
     modeling_code_digest,
     readable_weight_files,
 )
+from p2pkv.integrations.vllm.options import CONNECTOR_KEYS
 
 log = logging.getLogger("vllm.p2pkv")
 
@@ -307,9 +308,8 @@ def derive_engine_identity(spec: Any, vllm_config: Any | None,
             "P2PKVTier: the engine's configuration (VllmConfig) does not reach the tier, so "
             "the weights, revision and overrides cannot be derived, and p2pkv refuses to "
             "start with an identity it cannot see. vLLM's plain OffloadingConnector does "
-            "not hand it over: load p2pkv's connector, with \"kv_connector\": "
-            "\"P2PKVConnector\", \"kv_connector_module_path\": \"p2pkv.integrations.vllm\" "
-            "in --kv-transfer-config")
+            f"not hand it over: load p2pkv's connector, with {CONNECTOR_KEYS} in "
+            "--kv-transfer-config")
     model_config = vllm_config.model_config
     load_config = vllm_config.load_config
     sources: dict[str, str] = {}

@@ -6,6 +6,7 @@ Imports nothing from vLLM, so a bad tier option is explained the same way everyw
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,9 +20,12 @@ from p2pkv.transport import validate_address
 #: :class:`~p2pkv.integrations.vllm.P2PKVConnector` (``connector.py``).
 CONNECTOR_CONFIG: Final = {"kv_connector": "P2PKVConnector",
                            "kv_connector_module_path": "p2pkv.integrations.vllm"}
+#: The same, as it is written inside ``--kv-transfer-config`` (for messages).
+CONNECTOR_KEYS: Final = json.dumps(CONNECTOR_CONFIG)[1:-1]
 
 __all__ = [
     "CONNECTOR_CONFIG",
+    "CONNECTOR_KEYS",
     "DEFAULT_IDENTITY_TIMEOUT",
     "TIER_DEFAULTS",
     "TIER_OPTIONS",

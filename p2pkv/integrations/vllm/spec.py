@@ -30,6 +30,7 @@ from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCacheRef,
     CanonicalKVCaches,
+    CanonicalPageMapping,
     GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
@@ -95,13 +96,8 @@ def _canonical_is_direct(kv_caches: CanonicalKVCaches, *, replicated: bool) -> b
     for ref in refs:
         m = ref.mapping
         page = ref.page_size_bytes
-        direct = m is not None and (m.num_writers == 1 or replicated) and \
-            m.canonical_page_size_bytes == m.local_page_size_bytes == page and \
-            len(m.runs) == 1 and (m.runs[0].local_offset, m.runs[0].canonical_offset) == (0, 0) \
-            and m.runs[0].fragment_size * m.runs[0].num_fragments == page and \
-            (m.runs[0].num_fragments == 1 or
-             m.runs[0].local_stride == m.runs[0].canonical_stride == m.runs[0].fragment_size)
-        if not direct:
+        if m is None or not (m.num_writers == 1 or replicated) or \
+                not _whole_page(m, page):
             why = "vLLM could not certify it" if m is None else (
                 f"its canonical page is not its own page ({m.num_writers} writer(s), "
                 f"{len(m.runs)} run(s), {m.canonical_page_size_bytes} vs {page} bytes)")
@@ -111,6 +107,19 @@ def _canonical_is_direct(kv_caches: CanonicalKVCaches, *, replicated: bool) -> b
                 "it runs canonical_layout for MLA rows only. "
                 "Remove canonical_layout from kv_connector_extra_config")
     return all(ref.mapping is not None and ref.mapping.parallelism_agnostic for ref in refs)
+
+
+def _whole_page(m: CanonicalPageMapping, page: int) -> bool:
+    """Whether ``m`` maps the engine's ``page``-byte page onto a canonical page of the
+    same size, byte for byte: one run, from offset 0 to offset 0, contiguous."""
+    if not m.canonical_page_size_bytes == m.local_page_size_bytes == page or \
+            len(m.runs) != 1:
+        return False
+    run = m.runs[0]
+    contiguous = run.num_fragments == 1 or \
+        run.local_stride == run.canonical_stride == run.fragment_size
+    return bool(run.local_offset == run.canonical_offset == 0 and contiguous and
+                run.fragment_size * run.num_fragments == page)
 
 
 class CPUCopyWorker(OffloadingWorker):

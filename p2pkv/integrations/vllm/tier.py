@@ -66,6 +66,7 @@ from p2pkv.integrations.vllm.identity import TierIdentity, run_config_from_spec
 from p2pkv.integrations.vllm.loads import DIRECTORY, TierLoads
 from p2pkv.integrations.vllm.metrics import HookTimes, Metrics, metric_definitions
 from p2pkv.integrations.vllm.options import (
+    CONNECTOR_KEYS,
     TIER_DEFAULTS,
     TIER_OPTIONS,
     load_policy_config,
@@ -196,9 +197,8 @@ class P2PKVTier(SecondaryTierManager):
                         "OffloadingConnector, which does not say which adapter a request "
                         "runs under: the chunks of every request under an adapter are "
                         "neither shared nor looked up (counted in %s{reason=\"%s\"}). "
-                        "Load P2PKVConnector (\"kv_connector\": \"P2PKVConnector\", "
-                        "\"kv_connector_module_path\": \"p2pkv.integrations.vllm\") to share "
-                        "them.", Metrics.ADAPTER_UNSHARED, ADAPTER_UNKNOWN)
+                        "Load P2PKVConnector (%s) to share them.", Metrics.ADAPTER_UNSHARED,
+                        ADAPTER_UNKNOWN, CONNECTOR_KEYS)
         self._first_chunk_tokens = first_chunk_tokens(offloading_spec)
         self._hooks = HookTimes()
         self._transfers = TierTransfers(
