@@ -61,7 +61,9 @@ def made() -> Iterator[list[Any]]:
             thing.close()
 
 
-def _local_redis() -> Iterator[str]:
+def _local_redis(*, optional: bool = False) -> Iterator[str | None]:
+    """A private redis-server's URL. Where none is installed: None when ``optional``,
+    else a skip; under ``make test`` (``P2PKV_REQUIRE_VLLM=1``) a failure either way."""
     import os
 
     from redisprocs import LocalRedis, find_redis_server
@@ -69,6 +71,9 @@ def _local_redis() -> Iterator[str]:
     if find_redis_server() is None:
         if os.environ.get("P2PKV_REQUIRE_VLLM") == "1":
             pytest.fail("redis-server is not installed (make redis installs it)")
+        if optional:
+            yield None
+            return
         pytest.skip("redis-server is not installed (make redis installs it)")
     server = LocalRedis().start()
     try:
@@ -77,15 +82,28 @@ def _local_redis() -> Iterator[str]:
         server.close()
 
 
+def _required_redis() -> Iterator[str]:
+    for url in _local_redis():
+        assert url is not None
+        yield url
+
+
 @pytest.fixture
 def redis_url() -> Iterator[str]:
     """A private redis-server on a free port, closed after the test. Under ``make test``
     (``P2PKV_REQUIRE_VLLM=1``) a missing server fails instead of skipping: CI must not
     pass by testing nothing."""
-    yield from _local_redis()
+    yield from _required_redis()
 
 
 @pytest.fixture(scope="module")
 def module_redis_url() -> Iterator[str]:
     """:func:`redis_url` for every test of a module (engines that outlive one test)."""
-    yield from _local_redis()
+    yield from _required_redis()
+
+
+@pytest.fixture(scope="module")
+def module_redis_url_if_installed() -> Iterator[str | None]:
+    """:func:`module_redis_url`, or None where redis-server is missing outside ``make
+    test``: a module whose engines use a directory only in some tests runs the others."""
+    yield from _local_redis(optional=True)

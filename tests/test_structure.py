@@ -1,10 +1,10 @@
-"""The package's shape, as the README's Design section states it.
+"""The package's shape, as the module map of docs/architecture.md states it.
 
 Checked from the source with ``ast`` (nothing is imported): no module of ``p2pkv`` over
 :data:`MAX_MODULE_LINES` lines, no class over :data:`MAX_CLASS_LINES`, and no cycle
 among the modules' import-time imports (module level, ``if TYPE_CHECKING`` excluded;
-imports inside functions are deferred on purpose and do not count). The Design list is
-read from the README: every module is named in it, import-time imports go only to the
+imports inside functions are deferred on purpose and do not count). The module map is
+read from docs/architecture.md: every module is named in it, import-time imports go only to the
 module's own entry or to entries above it, and what it marks "(pure)" imports nothing of
 :data:`IMPURE`. No module reads the call stack (the vLLM integration takes what it needs
 from vLLM's API, never from its callers' locals). The checkers are tested on small
@@ -24,7 +24,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "p2pkv"
 MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 400
-README = PACKAGE.parent / "README.md"
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 #: What a module marked "(pure)" may not import (anywhere in it): IO, processes, threads,
 #: clocks, the GPU stack.
 IMPURE = frozenset({"zmq", "torch", "socket", "threading", "subprocess", "multiprocessing",
@@ -159,7 +159,7 @@ def long_classes(root: Path, limit: int) -> list[str]:
 
 @dataclass
 class Entry:
-    """One top-level line of the Design list and the lines under it."""
+    """One top-level line of the module map and the lines under it."""
 
     paths: list[str]  # "p2pkv/x.py" or "p2pkv/pkg/" (a package)
     text: str = ""
@@ -167,10 +167,10 @@ class Entry:
     pure_files: set[str] = field(default_factory=set)  # sub-entries marked "(pure)"
 
 
-def design_entries(readme: str, package: str = "p2pkv") -> list[Entry]:
-    """The README's Design list, bottom layer first."""
-    match = re.search(r"^## Design\n.*?^```\n(.*?)^```", readme, re.S | re.M)
-    assert match, "the README has no Design list"
+def design_entries(doc: str, package: str = "p2pkv") -> list[Entry]:
+    """The module map of ``doc`` (docs/architecture.md), bottom layer first."""
+    match = re.search(r"^## The module map\n.*?^```\n(.*?)^```", doc, re.S | re.M)
+    assert match, "the architecture page has no module map"
     entries: list[Entry] = []
     for line in match.group(1).splitlines():
         if line.startswith(package + "/"):
@@ -180,7 +180,7 @@ def design_entries(readme: str, package: str = "p2pkv") -> list[Entry]:
             entries.append(Entry([first, *(base + n for n in names[1:])],
                                  pure="(pure)" in line))
         else:
-            assert entries, f"a Design line before any entry: {line!r}"
+            assert entries, f"a module-map line before any entry: {line!r}"
             sub = re.match(r"^ {4}(\S.*?)(?:\s{2,}|$)", line)
             if sub and "(pure)" in line:
                 entries[-1].pure_files.update(sub.group(1).split(", "))
@@ -197,9 +197,9 @@ def _entry_of(rel: str, entries: list[Entry]) -> int | None:
     return None
 
 
-def design_problems(root: Path, readme: str) -> list[str]:
-    """Every way the package differs from what the Design list says."""
-    entries = design_entries(readme, root.name)
+def design_problems(root: Path, doc: str) -> list[str]:
+    """Every way the package differs from what the module map says."""
+    entries = design_entries(doc, root.name)
     mods = modules(root)
     rel = {name: path.relative_to(root.parent).as_posix() for name, path in mods.items()}
     layer: dict[str, int] = {}
@@ -207,7 +207,7 @@ def design_problems(root: Path, readme: str) -> list[str]:
     for name, path in rel.items():
         i = _entry_of(path, entries)
         if i is None:
-            problems.append(f"{path}: not in the Design list")
+            problems.append(f"{path}: not in the module map")
             continue
         layer[name] = i
         base = path.rsplit("/", 1)[-1]
@@ -267,7 +267,7 @@ def test_no_caller_frame_is_read() -> None:
 
 
 def test_the_design_list_is_true() -> None:
-    assert design_problems(PACKAGE, README.read_text(encoding="utf-8")) == []
+    assert design_problems(PACKAGE, ARCHITECTURE.read_text(encoding="utf-8")) == []
 
 
 def test_no_module_is_too_long() -> None:
@@ -286,7 +286,7 @@ def test_no_import_cycle() -> None:
 
 
 def test_lower_layers_never_import_the_node_or_the_tools() -> None:
-    # Implied by the Design list (the node and the tools are listed above these layers);
+    # Implied by the module map (the node and the tools are listed above these layers);
     # kept as its own statement of the rule that matters most.
     graph = import_graph(PACKAGE)
     upper = {"p2pkv.node", "p2pkv.cli", "p2pkv.demo"} | {
@@ -360,8 +360,8 @@ def test_checker_reads_the_design_list(tmp_path: Path) -> None:
         "sub/b.py": "",
         "stray.py": "",
     })
-    readme = (
-        "## Design\n\ntext\n\n```\n"
+    doc = (
+        "## The module map\n\ntext\n\n```\n"
         "pkg/__init__.py    the root\n"
         "pkg/sub/           a package (pure):\n"
         "    a.py                first\n"
@@ -369,17 +369,17 @@ def test_checker_reads_the_design_list(tmp_path: Path) -> None:
         "                      (pure) mentioned on a continuation line only\n"
         "```\n"
     )
-    entries = design_entries(readme, "pkg")
+    entries = design_entries(doc, "pkg")
     assert [e.paths for e in entries] == [["pkg/__init__.py"], ["pkg/sub/"],
                                           ["pkg/low.py", "pkg/high.py"]]
     assert entries[1].pure and not entries[2].pure
-    assert design_problems(root, readme) == [
-        "pkg/stray.py: not in the Design list",
+    assert design_problems(root, doc) == [
+        "pkg/stray.py: not in the module map",
         "pkg/sub/b.py: its entry does not name b.py",
         "pkg/sub/a.py imports pkg/high.py, listed below it",
     ]
-    pure_low = readme.replace("pkg/low.py, high.py   two modules",
-                              "pkg/low.py, high.py   two modules (pure)")
+    pure_low = doc.replace("pkg/low.py, high.py   two modules",
+                           "pkg/low.py, high.py   two modules (pure)")
     assert "pkg/low.py is marked pure but imports os" in design_problems(root, pure_low)
 
 

@@ -44,7 +44,7 @@ from typing import Any
 import msgpack
 import pytest
 from rawpeer import CorruptingProxy, Frames, free_port
-from vllmenv import MODELS, REQUIRED, ROOT, VERSIONS, VLLM_PY, skip_without_vllm, vllm_env
+from vllmenv import MODELS, ROOT, VERSIONS, VLLM_PY, skip_without_vllm, vllm_env
 
 HARNESS = Path(__file__).with_name("vllm_engine.py")
 IDENTITY_CHECK = Path(__file__).with_name("vllm_identity_check.py")
@@ -278,23 +278,6 @@ def baseline(model_dir: Path, logs: Path, engines: list[Engine]) -> dict[str, st
     return texts
 
 
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str | None]:
-    """A private redis-server for the directory test (None when it is not installed)."""
-    from redisprocs import LocalRedis, find_redis_server
-
-    if find_redis_server() is None:
-        if REQUIRED:
-            pytest.fail("P2PKV_REQUIRE_VLLM=1 but redis-server is not installed (make redis)")
-        yield None
-        return
-    server = LocalRedis().start()
-    try:
-        yield server.url
-    finally:
-        server.close()
-
-
 #: The adapter every LoRA request names: the same name, id and path on every engine. The
 #: path is relative, so each engine (started in a working directory of its own) finds
 #: its own files under it, as two hosts do during a rolling update.
@@ -317,14 +300,15 @@ def adapter_homes(logs: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def producer_engine(model_dir: Path, logs: Path, engines: list[Engine],
-                    baseline: dict[str, str], redis_url: str | None,
+                    baseline: dict[str, str], module_redis_url_if_installed: str | None,
                     adapter_homes: dict[str, Path]) -> Engine:
     """The producer serves its static peers and, when Redis is there, registers in it.
     Nothing about its identity is declared: the tier derives all of it. It runs with
     LoRA enabled (adapter ``v1``): its base-model requests are shared with the plain
     consumers as they would be without LoRA."""
     address = f"tcp://127.0.0.1:{free_port()}"
-    directory = {"directory": redis_url} if redis_url else {}
+    directory = ({"directory": module_redis_url_if_installed}
+                 if module_redis_url_if_installed else {})
     engine = Engine("producer", model_dir, logs, tier={"listen": address, **directory},
                     lora=True, cwd=adapter_homes["v1"])
     engines.append(engine)
@@ -539,12 +523,12 @@ def test_consumer_loads_shared_prefix_from_producer(
 
 def test_consumer_finds_the_producer_through_the_redis_directory(
         model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, str],
-        producer: str, redis_url: str | None) -> None:
+        producer: str, module_redis_url_if_installed: str | None) -> None:
     """No peer list at all: the consumer learns from Redis who holds the prefix."""
-    if redis_url is None:
+    if module_redis_url_if_installed is None:
         pytest.skip("redis-server is not installed")
     engine = consumer("consumer-directory", model_dir, logs, engines, None,
-                      tier={"directory": redis_url})
+                      tier={"directory": module_redis_url_if_installed})
     out = engine.chat("japan")
     assert out["texts"] == [baseline["japan"]]
     shared = shared_tokens(out["prompt_tokens"][0])
