@@ -4,8 +4,10 @@ A :class:`BlockWriter` is exclusive access to a slot being filled (invisible to 
 until it commits); a :class:`BlockReader` is one pin on a committed block (its slot is
 neither evicted nor reused until every reader has released it). Both alias the slot's
 memory with one ``memoryview`` per segment, and both finish through the store that made
-them: this module holds what a handle is, the store holds the bookkeeping (per slot: the
-pin count, the checksum computed once) and the lock.
+them: this module holds what a handle is; the store's book (:mod:`p2pkv.store_book`)
+holds the bookkeeping (per slot: the pin count, the checksum computed once) and the
+lock, and a handle's calls are wrappers of the batch slot calls
+(:mod:`p2pkv.store_slots`).
 
 :func:`split_segments` cuts a block given as one buffer into its segments (for
 :meth:`~p2pkv.store.BlockStore.put`).

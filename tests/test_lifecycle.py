@@ -45,7 +45,8 @@ from p2pkv.runtime.data_server import BoundStream
 from p2pkv.runtime.packing import PackedSender
 from p2pkv.runtime.sender import Sender
 from p2pkv.settings import load_settings
-from p2pkv.store import BlockStore, BlockWriter
+from p2pkv.store import BlockWriter
+from p2pkv.store_slots import SlotBatches
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -268,17 +269,17 @@ def test_unexpected_error_while_receiving_leaks_no_writer_slot(
     calls = {"n": 0}
     if packed:
         # Packed messages commit through commit_many, the stream's slots through
-        # commit_slots; the first is the second's wrapper.
-        real_many = BlockStore.commit_slots
+        # store.slots.commit; the first is the second's wrapper.
+        real_many = SlotBatches.commit
 
-        def failing_many(self: BlockStore, keys: Any, slots: Any, sums: Any,
+        def failing_many(self: SlotBatches, keys: Any, slots: Any, sums: Any,
                          actual: Any = None) -> Any:
             calls["n"] += 1
             if calls["n"] == 1:
                 raise RuntimeError("injected failure in the receive path")
             return real_many(self, keys, slots, sums, actual)
 
-        monkeypatch.setattr(BlockStore, "commit_slots", failing_many)
+        monkeypatch.setattr(SlotBatches, "commit", failing_many)
     else:
         real_commit = BlockWriter.commit
 

@@ -512,44 +512,44 @@ def test_a_failed_checksum_is_never_heard_and_removed_listeners_go_quiet() -> No
 
 
 def test_slots_taken_without_writer_objects_commit_verify_and_abort() -> None:
-    """The data stream's batch API: begin_write_slots / commit_slots / abort_slots keep
+    """The data stream's batch API: slots.begin_write / commit / abort keep
     every rule of the writer objects (a slot commits once, a bad checksum drops its
     block and frees its slot, a slot given back is free again, a full store says so)."""
     store = make_store(4)
     bpb = store.pool.bytes_per_block
     keys = [bytes([i]) * 16 for i in range(5)]
-    slots = store.begin_write_slots(keys)
+    slots = store.slots.begin_write(keys)
     assert [type(s) for s in slots[:4]] == [int] * 4
     assert isinstance(slots[4], StoreFullError)  # 4 slots, all being written
-    assert store.begin_write_slots(keys[:1]) == [None]  # being written already
+    assert store.slots.begin_write(keys[:1]) == [None]  # being written already
     good = [int(s) for s in slots[:4]]  # type: ignore[call-overload]
     for i, slot in enumerate(good):
         for view in store.pool.slot_views(slot):
             view[:] = bytes([i + 1]) * view.nbytes
     sums = [block_checksum(store.pool.slot_views(s)) for s in good]
     with pytest.raises(StoreError, match="not being written"):  # commits nothing
-        store.commit_slots(keys[:2], [good[1], good[0]], sums[:2])
+        store.slots.commit(keys[:2], [good[1], good[0]], sums[:2])
     assert store.stats().used == 4 and not store.contains(keys[0])
     wrong = [sums[0], sums[1] ^ 1]
-    out = store.commit_slots(keys[:2], good[:2], wrong)
+    out = store.slots.commit(keys[:2], good[:2], wrong)
     assert out[0] is None and isinstance(out[1], ChecksumMismatch)
     assert store.get(keys[0]) == bytes([1]) * bpb and not store.contains(keys[1])
     with pytest.raises(StoreError):  # committed (or dropped) already
-        store.commit_slots(keys[:1], good[:1], sums[:1])
-    store.abort_slots(keys[2:4], good[2:4])
-    store.abort_slots(keys[2:4], good[2:4])  # finished already: left alone
+        store.slots.commit(keys[:1], good[:1], sums[:1])
+    store.slots.abort(keys[2:4], good[2:4])
+    store.slots.abort(keys[2:4], good[2:4])  # finished already: left alone
     assert store.stats().used == 1 and store.stats().checksum_failures == 1
     assert not store.contains(keys[2]) and not store.contains(keys[3])
-    assert [type(s) for s in store.begin_write_slots(keys[1:4])] == [int] * 3
+    assert [type(s) for s in store.slots.begin_write(keys[1:4])] == [int] * 3
 
 
 @pytest.mark.parametrize("layout", [V1, V2], ids=["one segment", "segments"])
 def test_a_batch_commit_of_slots_is_the_same_block_by_block_or_at_once(layout: KVLayout
                                                                         ) -> None:
-    """commit_slots takes one pass for a batch whose blocks all pass (the data stream's
-    common case), and goes block by block when some block fails or listeners hear each
-    commit: both give the same blocks, outcomes and notices, and mixed or bad expected
-    checksums keep their rules."""
+    """slots.commit gives the same blocks and outcomes whether or not listeners hear
+    each commit, and whether a batch's blocks all pass (the data stream's common case)
+    or some fail; each commit is heard, and mixed or bad expected checksums keep their
+    rules."""
     heard: list[tuple[bytes, bool]] = []
     results = []
     for listening in (False, True):
@@ -557,7 +557,7 @@ def test_a_batch_commit_of_slots_is_the_same_block_by_block_or_at_once(layout: K
         if listening:
             store.add_listener(lambda key, visible: heard.append((key, visible)))
         keys = [bytes([i]) * 16 for i in range(6)]
-        slots = [int(s) for s in store.begin_write_slots(keys)]  # type: ignore[call-overload]
+        slots = [int(s) for s in store.slots.begin_write(keys)]  # type: ignore[call-overload]
         for key, slot in zip(keys, slots, strict=True):
             parts = split_segments(payload(key, store.pool.bytes_per_block),
                                    store.pool.segment_sizes, store.pool.bytes_per_block)
@@ -565,11 +565,11 @@ def test_a_batch_commit_of_slots_is_the_same_block_by_block_or_at_once(layout: K
                 view[:] = part
         sums = [block_checksum(store.pool.slot_views(s)) for s in slots]
         with pytest.raises(ValueError, match="must be a u64"):  # commits nothing
-            store.commit_slots(keys[:2], slots[:2], [sums[0], -1])
+            store.slots.commit(keys[:2], slots[:2], [sums[0], -1])
         with pytest.raises(ValueError, match="must be a u64"):
-            store.commit_slots(keys[:2], slots[:2], [sums[0], 1 << 64])
-        assert store.commit_slots(keys[:3], slots[:3], sums[:3]) == [None] * 3
-        out = store.commit_slots(keys[3:], slots[3:], [None, sums[4] ^ 1, sums[5]])
+            store.slots.commit(keys[:2], slots[:2], [sums[0], 1 << 64])
+        assert store.slots.commit(keys[:3], slots[:3], sums[:3]) == [None] * 3
+        out = store.slots.commit(keys[3:], slots[3:], [None, sums[4] ^ 1, sums[5]])
         assert out[0] is None and isinstance(out[1], ChecksumMismatch) and out[2] is None
         results.append(([store.get(k) for k in keys], store.stats().used))
     assert results[0] == results[1]
@@ -578,24 +578,24 @@ def test_a_batch_commit_of_slots_is_the_same_block_by_block_or_at_once(layout: K
 
 
 def test_a_commit_of_slots_with_checksums_computed_as_they_landed() -> None:
-    """The data stream hashes blocks as they land and hands the sums to commit_slots:
+    """The data stream hashes blocks as they land and hands the sums to slots.commit:
     a computed sum that differs from the expected one drops its block just as a hash
     taken by the store would; the store keeps the computed sum (also where none was
     expected); a wrong count of computed sums commits nothing."""
     store = make_store(4)
     keys = [bytes([i]) * 16 for i in range(3)]
-    slots = [int(s) for s in store.begin_write_slots(keys)]  # type: ignore[call-overload]
+    slots = [int(s) for s in store.slots.begin_write(keys)]  # type: ignore[call-overload]
     for slot, key in zip(slots, keys, strict=True):
         store.pool.slot_views(slot)[0][:] = payload(key, store.pool.bytes_per_block)
     real = [block_checksum(store.pool.slot_views(s)) for s in slots]
     with pytest.raises(ValueError, match="2 computed"):
-        store.commit_slots(keys, slots, real, real[:2])
+        store.slots.commit(keys, slots, real, real[:2])
     assert store.stats().stored == 0
-    out = store.commit_slots(keys, slots, [real[0], real[1], None],
+    out = store.slots.commit(keys, slots, [real[0], real[1], None],
                              [real[0], real[1] ^ 1, real[2]])
     assert out[0] is None and isinstance(out[1], ChecksumMismatch) and out[2] is None
     assert store.contains(keys[0]) and not store.contains(keys[1]) and store.contains(keys[2])
-    assert store.slot_checksums([slots[0], slots[2]]) == [real[0], real[2]]
+    assert store.slots.checksums([slots[0], slots[2]]) == [real[0], real[2]]
     assert store.stats().checksum_failures == 1
 
 
@@ -611,27 +611,70 @@ def test_the_views_of_a_batch_of_slots_are_each_slots_views() -> None:
 
 
 def test_slots_pinned_without_reader_objects_hold_their_bytes_until_unpinned() -> None:
-    """The data stream sender's batch API: pin_slots / slot_checksums / unpin_slots
+    """The data stream sender's batch API: slots.pin / checksums / unpin
     keep every rule of the reader objects (a pinned block is neither evicted nor
     reused, a discarded one frees its slot at its last unpin, a pin is released once)."""
     store = make_store(2)
     a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
     store.put(a, payload(a))
     store.put(b, payload(b))
-    slots = store.pin_slots([a, c, b, a])
+    slots = store.slots.pin([a, c, b, a])
     assert slots[1] == -1 and slots[0] == slots[3] and slots[0] != slots[2]
     pinned = [slots[0], slots[2], slots[3]]
-    assert store.slot_checksums(pinned) == [block_checksum([payload(a)]),
-                                            block_checksum([payload(b)]),
-                                            block_checksum([payload(a)])]
+    assert store.slots.checksums(pinned) == [block_checksum([payload(a)]),
+                                             block_checksum([payload(b)]),
+                                             block_checksum([payload(a)])]
     assert store.discard(a)  # pinned twice: its slot stays taken, its bytes still
     with pytest.raises(StoreFullError):  # nothing to evict: b pinned, a's slot held
         store.put(c, payload(c))
     assert bytes(store.pool.slot_views(slots[0])[0]) == payload(a)
     with pytest.raises(StoreError, match="not pinned"):  # three pins of a's slot: no
-        store.unpin_slots([slots[0]] * 3)
-    store.unpin_slots(pinned)
+        store.slots.unpin([slots[0]] * 3)
+    store.slots.unpin(pinned)
     assert store.stats().pinned == 0
     with pytest.raises(StoreError, match="not pinned"):  # released once only
-        store.unpin_slots([slots[2]])
+        store.slots.unpin([slots[2]])
     assert store.put(c, payload(c)) and store.get(c) == payload(c)  # a's slot is free
+
+
+def test_the_slot_calls_and_the_handles_share_one_store() -> None:
+    """``store.slots`` works on the store's own bookkeeping: a key being written through
+    it is being written for the handles too (and the other way round), a wrong checksum
+    leaves no block and frees its slot, its commits are heard and counted like any
+    other, a block it pins is skipped by eviction even when least recently used, and a
+    discarded block's slot comes back at its unpin."""
+    store = make_store(3)
+    assert store.slots is store.slots
+    heard: list[tuple[bytes, bool]] = []
+    store.add_listener(lambda key, visible: heard.append((key, visible)))
+    a, b, c, d = (bytes([ch]) * 16 for ch in b"abcd")
+    sa, sb = (int(s) for s in store.slots.begin_write([a, b]))  # type: ignore[call-overload]
+    assert store.begin_write(a) is None  # being written through the slot calls
+    writer = store.begin_write(c)
+    assert writer is not None
+    assert store.slots.begin_write([c]) == [None]  # being written through a handle
+    for slot, key in ((sa, a), (sb, b)):
+        store.pool.slot_views(slot)[0][:] = payload(key)
+    good = [block_checksum([payload(a)]), block_checksum([payload(b)])]
+    out = store.slots.commit([a, b], [sa, sb], [good[0], good[1] ^ 1])
+    assert out[0] is None and isinstance(out[1], ChecksumMismatch)
+    assert not store.contains(b) and store.get(a) == payload(a)
+    stats = store.stats()
+    assert (stats.used, stats.pinned, stats.checksum_failures) == (2, 1, 1)
+    writer.views[0][:] = payload(c)
+    writer.commit()
+    assert heard == [(a, True), (c, True)]
+
+    (pa,) = store.slots.pin([a])
+    assert store.put(b, payload(b))  # b's dropped write left its slot free
+    assert store.lookup([c]) == [True]  # LRU now: a (pinned), b, c
+    assert store.put(d, payload(d))  # evicts b, not a
+    assert store.lookup([a, b, c, d]) == [True, False, True, True]
+    assert heard[2:] == [(b, True), (b, False), (d, True)]
+    assert store.discard(a)
+    assert store.stats().used == 3  # a's slot stays taken while pinned
+    assert bytes(store.pool.slot_views(pa)[0]) == payload(a)
+    store.slots.unpin([pa])
+    stats = store.stats()
+    assert (stats.used, stats.pinned, stats.evictions) == (2, 0, 1)
+    assert store.put(b, payload(b)) and store.stats().evictions == 1  # a's slot, freed

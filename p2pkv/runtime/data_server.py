@@ -492,7 +492,7 @@ class DataSender:
                 continue
             unpin = self._unpin(slots)
             try:
-                sums = store.slot_checksums(slots) if checksums else None
+                sums = store.slots.checksums(slots) if checksums else None
                 head = proto.encode_head(session.block(job.req, idx, sums))
                 segments: list[memoryview] = []
                 for slot in slots:
@@ -516,7 +516,7 @@ class DataSender:
 
         def unpin() -> None:
             if held:
-                store.unpin_slots(held.pop())
+                store.slots.unpin(held.pop())
 
         return unpin
 

@@ -133,7 +133,7 @@ class Landing:
         :meth:`abandon_slots`, whatever happens."""
         assert recv.destinations is None
         keys = recv.keys
-        taken = self._store.begin_write_slots([keys[ki] for ki in key_indices])
+        taken = self._store.slots.begin_write([keys[ki] for ki in key_indices])
         if set(map(type, taken)) == {int}:
             return taken  # type: ignore[return-value]
         out: list[int] = []
@@ -153,7 +153,7 @@ class Landing:
         computed as they landed) and write their outcomes; how many landed. Inside
         :meth:`guard`."""
         keys = recv.keys
-        mismatches = self._store.commit_slots([keys[ki] for ki in key_indices], slots,
+        mismatches = self._store.slots.commit([keys[ki] for ki in key_indices], slots,
                                               expected, actual)
         return self._mark_all_landed(recv, self._intact(recv, key_indices, mismatches))
 
@@ -163,7 +163,7 @@ class Landing:
         pairs = [(recv.keys[ki], slot) for ki, slot in zip(key_indices, slots, strict=True)
                  if slot >= 0]
         if pairs:
-            self._store.abort_slots([k for k, _ in pairs], [s for _, s in pairs])
+            self._store.slots.abort([k for k, _ in pairs], [s for _, s in pairs])
 
     def abandon(self, blocks: Sequence[Landed | None]) -> None:
         """Blocks opened with :meth:`open_kept` that will not be settled (their fetch is

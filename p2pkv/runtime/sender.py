@@ -191,7 +191,7 @@ def pin_next_slots(store: BlockStore, job: Sending, credit: int,
     start = job.next_index
     stop = proto.next_batch(start, len(job.keys), credit, limit)
     job.next_index = stop
-    slots = store.pin_slots(job.keys[start:stop])
+    slots = store.slots.pin(job.keys[start:stop])
     if min(slots, default=0) >= 0:
         return list(range(start, stop)), slots
     idx: list[int] = []
