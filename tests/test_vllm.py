@@ -46,6 +46,8 @@ import pytest
 from rawpeer import CorruptingProxy, Frames, free_port
 from vllmenv import MODELS, ROOT, VERSIONS, VLLM_PY, skip_without_vllm, vllm_env
 
+from p2pkv.bench.serving.leftovers import remove_vllm_shm, vllm_shm, wait_group_empty
+
 HARNESS = Path(__file__).with_name("vllm_engine.py")
 IDENTITY_CHECK = Path(__file__).with_name("vllm_identity_check.py")
 TIER_CHECK = Path(__file__).with_name("vllm_tier_check.py")
@@ -111,6 +113,7 @@ class Engine:
         cmd += args
         full_env = {**os.environ, **SEED_ENV, **(env or {}), "VLLM_CPU_KVCACHE_SPACE": "1",
                     "P2PKV_CACHE_DIR": str(logs / "digest-cache")}
+        self._shm = vllm_shm()
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=log, text=True, env=full_env,
@@ -178,6 +181,7 @@ class Engine:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
+        self._clear()
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -189,6 +193,12 @@ class Engine:
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(30)
+        self._clear()
+
+    def _clear(self) -> None:
+        """Once no process of the engine is left, remove what vLLM left in /dev/shm."""
+        if wait_group_empty(self.proc.pid, 30):
+            remove_vllm_shm(self._shm)
 
 
 def p2p_hits(metrics: dict[str, float]) -> float:
@@ -867,8 +877,13 @@ def test_producer_killed_mid_load(
         engine = consumer("consumer-kill", model_dir, logs, engines, proxy.address)
         engine.send({"cmd": "chat", "conversations": [conversation], "max_tokens": 10})
         assert proxy.holding.wait(ANSWER_TIMEOUT), "the load never started"
+        region = re.search(r"Created mmap file (/dev/shm/vllm_offload_\S+?\.mmap)",
+                           producer_engine.log_text())
+        assert region, "the producer's log does not name its offload region"
+        # Unlinked at start (P2PKVTieringSpec): a kill -9 cannot leave it in /dev/shm.
+        assert not Path(region.group(1)).exists()
         started = time.monotonic()
-        [p.kill() for p in engines if p.name == "producer"]
+        os.killpg(producer_engine.proc.pid, signal.SIGKILL)
         out = engine.read(ANSWER_TIMEOUT)
         waited = time.monotonic() - started
         assert out["texts"] == expected
@@ -885,6 +900,7 @@ def test_producer_killed_mid_load(
         engine.close()
     finally:
         proxy.close()
+        producer_engine.kill()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -55,9 +55,14 @@ def smollm2() -> Path:
 
 def serve(cluster: Any) -> Iterator[Any]:
     """Run a :class:`~p2pkv.bench.serving.cluster.ServingCluster` for a module's tests
-    (``yield from`` it in a fixture), then check that none of its processes is left."""
+    (``yield from`` it in a fixture), then check that none of its processes is left, and
+    nothing its engines made in /dev/shm (a killed engine's included)."""
+    from p2pkv.bench.serving.leftovers import in_use, vllm_shm
+
+    before = vllm_shm()
     with cluster:
         yield cluster
     for pid in cluster.pids():
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)
+    assert vllm_shm() - before - in_use() == set()

@@ -9,8 +9,9 @@ engines: the usual balancer, and the worst case for cache locality.
 Every wait is bounded: :meth:`ServingCluster.start` waits for each engine's ``/health``
 up to ``start_timeout`` and stops everything it started when one does not come up (its
 log tail is in the error). :meth:`ServingCluster.stop` ends every process group it
-started, first with SIGTERM, then with SIGKILL; it runs on ``with`` exit, whatever the
-reason (an exception, Ctrl-C).
+started, first with SIGTERM, then with SIGKILL, and then removes what the killed
+engines left in ``/dev/shm`` (:mod:`~p2pkv.bench.serving.leftovers`); it runs on
+``with`` exit, whatever the reason (an exception, Ctrl-C).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from p2pkv.bench.serving.leftovers import remove_vllm_shm, vllm_shm, wait_group_empty
 
 __all__ = ["EngineSpec", "ServingCluster", "ServingStartError", "free_port", "scrape"]
 
@@ -74,6 +77,7 @@ class _Process:
         self.name = name
         self.cmd = cmd
         self.log = log
+        self._shm = vllm_shm()  # what /dev/shm held before: not this process's to remove
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
                                          stderr=subprocess.STDOUT, env=dict(env), cwd=cwd,
@@ -98,13 +102,8 @@ class _Process:
             self.proc.wait(10)
         # The children are not ours to wait for (init reaps them): return once the group
         # is empty, so that "stopped" means no process of it is left. Bounded.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(self.proc.pid, 0)
-            except (ProcessLookupError, PermissionError):
-                return
-            time.sleep(0.05)
+        if wait_group_empty(self.proc.pid, 10):
+            remove_vllm_shm(self._shm)
 
     def tail(self, lines: int = 30) -> str:
         try:

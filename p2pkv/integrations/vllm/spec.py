@@ -8,17 +8,26 @@ supported on CUDA-alike and XPU GPUs".
 
 :class:`P2PKVTieringSpec` is that spec with one change: where the engine's KV cache lives
 in host memory, the worker copies with :class:`CPUCopyWorker` (plain tensor copies on the
-calling thread). On GPUs it is the stock spec, unchanged. Load it by name::
+calling thread). On GPUs it is the stock spec, otherwise unchanged. Load it by name::
 
     "kv_connector_extra_config": {
         "spec_name": "P2PKVTieringSpec",
         "spec_module_path": "p2pkv.integrations.vllm",
         ...
     }
+
+On every platform it also removes the region's name from ``/dev/shm`` once the engine's
+workers and its scheduler have mapped it (:meth:`P2PKVTieringSpec.get_manager`). The
+stock spec removes it only when a worker shuts down cleanly, so an engine that is killed
+(``kill -9``, the OOM killer) leaves the whole region behind in ``/dev/shm`` until the
+host reboots; without the name, the kernel frees it with the engine's last process.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -41,15 +50,54 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 __all__ = ["CPUCopyWorker", "P2PKVTieringSpec"]
 
+log = logging.getLogger("vllm.p2pkv")
+
 
 def _has_device_kv() -> bool:
     return bool(current_platform.is_cuda_alike() or current_platform.is_xpu())
 
 
+def _unlink_region(path: str) -> None:
+    """Remove the region's file, and the files of its further segments (``PATH.1``, ...,
+    where vLLM splits a large region) where there are any."""
+    removed = []
+    for i in itertools.count():
+        name = f"{path}.{i}" if i else path
+        try:
+            os.unlink(name)
+        except FileNotFoundError:
+            if i:
+                break
+            continue
+        removed.append(name)
+    if removed:
+        log.info("p2pkv: unlinked %s, mapped by every worker and the scheduler: its "
+                 "memory is freed with the engine's last process", ", ".join(removed))
+
+
 class P2PKVTieringSpec(TieringOffloadingSpec):
-    """``TieringOffloadingSpec`` with a host-memory copy worker on CPU-only platforms."""
+    """``TieringOffloadingSpec`` with a host-memory copy worker on CPU-only platforms,
+    whose primary region leaves nothing in ``/dev/shm`` however the engine exits."""
 
     _worker: Any
+    _region_unlinked = False
+
+    def get_manager(self) -> Any:
+        """The stock manager; the first call also unlinks the primary region's file.
+
+        vLLM builds the scheduler, and with it this manager, only after every worker has
+        initialised its KV cache, which is where each worker maps the region (by its
+        path, ``/dev/shm/vllm_offload_<engine id>.mmap``). Once the scheduler side has
+        mapped it too, nobody opens the path again, so it can go: the mappings stay
+        valid, and the kernel frees the memory when the last of the engine's processes
+        exits, whether it shut down or was killed.
+        """
+        manager = super().get_manager()
+        region = getattr(self, "_scheduler_mmap", None)
+        if not self._region_unlinked and region is not None:
+            self._region_unlinked = True
+            _unlink_region(region.mmap_path)
+        return manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if _has_device_kv():
@@ -174,6 +222,11 @@ class CPUCopyWorker(OffloadingWorker):
         self._engine.clear()
         self._chunks.clear()
         if self._region is not None:
+            if not os.path.exists(self._region.mmap_path):
+                # The scheduler side unlinked the name (P2PKVTieringSpec.get_manager):
+                # this worker, its creator, has nothing left to remove, and vLLM's
+                # cleanup would otherwise log the missing file as a failure.
+                self._region._creator = False
             self._region.cleanup()
             self._region = None
 
