@@ -4,6 +4,7 @@ since the snapshot that no live process uses, and nothing else."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,6 @@ def test_a_group_that_does_not_end_is_reported(tmp_path: Path) -> None:
     try:
         assert not wait_group_empty(sleeper.pid, 0.2)
     finally:
-        os.killpg(sleeper.pid, 9)
+        os.killpg(sleeper.pid, signal.SIGKILL)
         sleeper.wait(30)
     assert wait_group_empty(sleeper.pid, 10)
