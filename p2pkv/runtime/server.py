@@ -158,7 +158,8 @@ class Server:
         settle (both bounded by ``deadline``). Closing the moment the last block is
         handed to ZeroMQ can cost the consumer that block: a connection torn down right
         behind its data may drop it before the consumer reads it, and ZeroMQ says
-        nothing of when the peer has read it."""
+        nothing of when the peer has read it. Meant for one caller at a time (the
+        drain): a second caller meanwhile may find the event set by an earlier round."""
         with self._lock:
             self._sent_waiters += 1
             if self._sent_waiters == 1:
