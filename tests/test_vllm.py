@@ -387,7 +387,8 @@ def test_tier_identity_equals_vllm_file_mapper(vllm: str) -> None:
 @pytest.mark.parametrize(("path", "vllm"), [("tcp", "0.32"), ("shm", "0.32"), ("tcp", "0.33")])
 def test_tier_driven_like_vllms_tiering_manager(path: str, vllm: str) -> None:
     """Two tiers without an engine, called as vLLM's tiering manager calls them: a store
-    survives the primary slots being reused, lookups answer RETRY then HIT/MISS, a load
+    survives the primary slots being reused, lookups answer RETRY then HIT/MISS (and
+    HIT/MISS at once for a request whose block hashes came at arrival), a load
     lands byte-exact in other slots, a key nobody holds fails alone, and a peer with
     another model revision is refused with the reason in stats() and in the metrics.
     With ``"shm": true`` (engines on one host) the chunks come over shared memory."""
@@ -464,6 +465,27 @@ def test_tier_driven_like_vllms_tiering_manager(path: str, vllm: str) -> None:
     peer = policy["bandwidth_bytes_per_s"][checks["metrics"]["address_a"]]
     assert peer["samples"] == 2 and peer["per_second"] > 0, policy
     assert any(m.startswith("vllm:p2pkv_peer_bandwidth_bytes_per_second:") for m in metrics_b)
+    # A request the tier heard of at arrival (P2PKVConnector hands over its block
+    # hashes) is answered in the step that first asks it: not one key answers RETRY.
+    early = checks["early"]
+    assert early["first_step"] == ["HIT", "HIT", "HIT", "HIT", "MISS"], early
+    assert not any("deferred" in m for m in early["metrics"]), early
+    assert any("lookup_steps:('waited',)" in m or "lookup_steps:('ready',)" in m
+               for m in early["metrics"]), early
+    # Without it (vLLM's plain OffloadingConnector), the request waits a step.
+    assert "vllm:p2pkv_lookup_steps:('deferred',)=1" in metrics_b, metrics_b
+    rules = checks["lookup_rules"]
+    assert rules["arrival"] == [True, False] and rules["arrival_seconds"] < 2.0, rules
+    assert rules["later_first_step"] is None and rules["later_next_step"] is True, rules
+    assert rules["asked"] == [["r1", ["held-1", "cold-1"], True],
+                              ["r1", ["held-later"], False]], rules
+    assert rules["after_failed_load"] is False, rules
+    assert rules["steps"] == {"deferred": 1, "waited": 1}, rules
+    # Two asks slower than the wait in one step: both RETRY after one wait, not two.
+    assert rules["slow"] == [None, None] and 0.15 < rules["slow_seconds"] < 0.35, rules
+    assert rules["slow_next_step"] is True, rules
+    assert rules["no_wait"] is None and rules["broken"] is False, rules
+    assert rules["asked_after_finish"], rules
     assert checks["shutdown"]["has_pending"] == [False, False, False]
 
 

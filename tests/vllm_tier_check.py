@@ -115,6 +115,87 @@ def canonical_checks() -> dict[str, Any]:
     return out
 
 
+def lookup_rules() -> dict[str, Any]:
+    """The rules of the tier's lookups (lookups.py), with asks that answer when told:
+    an arrival ask answered in the step it is asked, a wait bounded per step for all
+    requests together, keys met later asked at the end of the step, a failed load never
+    promised again, a failed ask a miss."""
+    import threading
+
+    from p2pkv.integrations.vllm.lookups import RequestLookups
+
+    gates: dict[str, threading.Event] = {}
+    asked: list[tuple[str, list[bytes], bool]] = []
+
+    def ask(req_id: str, keys: list[bytes], first: bool) -> list[bool]:
+        asked.append((req_id, keys, first))
+        gate = gates.get(req_id)
+        if gate is not None:
+            gate.wait(10)
+        if req_id == "broken":
+            raise RuntimeError("peer answered garbage")
+        return [k.startswith(b"held") for k in keys]
+
+    out: dict[str, Any] = {}
+    held, cold, later = b"held-1", b"cold-1", b"held-later"
+    # The ask came back within the wait: answered in the first call.
+    lookups = RequestLookups(ask, wait=2.0)
+    lookups.begin("r1", [held, cold])
+    started = time.monotonic()
+    out["arrival"] = [lookups.lookup("r1", k, lambda: False) for k in (held, cold)]
+    out["arrival_seconds"] = time.monotonic() - started
+    # A key the arrival ask did not cover: RETRY, asked at the step's end, answered next.
+    out["later_first_step"] = lookups.lookup("r1", later, lambda: False)
+    lookups.flush()
+    deadline = time.monotonic() + 10
+    while lookups.lookup("r1", later, lambda: False) is None and time.monotonic() < deadline:
+        lookups.flush()
+        time.sleep(0.01)
+    out["later_next_step"] = lookups.lookup("r1", later, lambda: False)
+    out["asked"] = [[r, [k.decode() for k in keys], first] for r, keys, first in asked]
+    # The load of a key answered HIT failed: MISS from now on.
+    lookups.mark_miss([held])
+    out["after_failed_load"] = lookups.lookup("r1", held, lambda: False)
+    lookups.flush()
+    out["steps"] = lookups.take_counts().steps
+    # Two slow asks in one step: the scheduler waits at most `wait` for both together.
+    slow = RequestLookups(ask, wait=0.2)
+    gates["s1"], gates["s2"] = threading.Event(), threading.Event()
+    slow.begin("s1", [held])
+    slow.begin("s2", [held])
+    started = time.monotonic()
+    out["slow"] = [slow.lookup("s1", held, lambda: True), slow.lookup("s2", held, lambda: True)]
+    out["slow_seconds"] = time.monotonic() - started
+    gates["s1"].set()
+    gates["s2"].set()
+    slow.flush()
+    deadline = time.monotonic() + 10
+    while slow.lookup("s1", held, lambda: True) is None and time.monotonic() < deadline:
+        slow.flush()
+    out["slow_next_step"] = slow.lookup("s1", held, lambda: True)
+    slow.flush()
+    out["slow_steps"] = slow.take_counts().steps
+    # wait 0: never blocks the scheduler.
+    never = RequestLookups(ask, wait=0.0)
+    gates["n1"] = threading.Event()
+    never.begin("n1", [held])
+    out["no_wait"] = never.lookup("n1", held, lambda: True)
+    gates["n1"].set()
+    # A failed ask: misses.
+    lookups.begin("broken", [held])
+    out["broken"] = lookups.lookup("broken", held, lambda: True)
+    # A finished request is forgotten: its keys are asked anew.
+    lookups.finished("r1")
+    asked.clear()
+    lookups.lookup("r1", held, lambda: True)
+    lookups.flush()
+    out["asked_after_finish"] = len(asked) > 0 or lookups.lookup("r1", held, lambda: True) \
+        is not None
+    for m in (lookups, slow, never):
+        m.shutdown()
+    return out
+
+
 def main() -> int:
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.utils.hashing import sha256
@@ -232,6 +313,7 @@ def main() -> int:
     report("identity_errors", **errors)
     report("lora_handover", **lora_handover(spec, view_c, vllm_config, free_address))
     report("canonical", **canonical_checks())
+    report("lookup_rules", **lookup_rules())
     # Until its weights digest is known a tier shares nothing (lookups miss); the
     # checks below start once it is.
     for tier in (a, b, c):
@@ -295,6 +377,19 @@ def main() -> int:
                server_metrics=sorted(str(k) for k in metrics_a.reduce()))
         report("metrics", b=sorted(f"{k}={v}" for k, v in b.get_stats().reduce().items()),
                policy=b.stats()["load_policy"], address_a=addr_a)
+
+        # Under P2PKVConnector the tier hears of a request when it arrives, with its
+        # block hashes (two per chunk here): its first lookups answer at once.
+        hashes = [h for k in keys for h in (b"\x01" * 32, k[:-4])]
+        b.begin_request("e", None, [*hashes, b"\x02" * 32, absent[:-4]])
+        req_e = ReqContext(req_id="e")
+        b.on_new_request(req_e)
+        first_step = [b.lookup(k, req_e).name for k in [*keys, absent]]
+        b.on_schedule_end(ScheduleEndContext((), ()))
+        b.on_request_finished(req_e)
+        report("early", first_step=first_step,
+               metrics=sorted(f"{k}={v}" for k, v in b.get_stats().reduce().items()
+                              if "lookup_steps" in str(k)))
     finally:
         for tier in (c, b, a):
             tier.drain_jobs()

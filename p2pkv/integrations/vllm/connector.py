@@ -8,6 +8,9 @@ transfer parameters, hints). The tier needs two more things:
 - the engine's ``VllmConfig``, for its identity (weights, revision, overrides, whether
   LoRA is enabled): :class:`P2PKVConnector` receives it in its constructor and makes it
   known to the tiers built inside that constructor (:func:`building`);
+- each request's block hashes, known at arrival: the tier asks its peers about the
+  prompt's chunks then, so that the scheduler's first lookup can answer HIT or MISS
+  instead of deferring the request a step (:mod:`~p2pkv.integrations.vllm.lookups`);
 - each request's LoRA adapter: vLLM's block hashes name an adapter, not its files, so the
   tier salts the keys of a request under an adapter with the files' digest
   (:mod:`~p2pkv.integrations.vllm.adapters`). :meth:`P2PKVConnector.on_new_request`
@@ -30,7 +33,7 @@ enabled it says so at start and counts those requests' chunks as ``adapter_unkno
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -46,7 +49,8 @@ __all__ = ["ConnectorContext", "P2PKVConnector", "building"]
 
 
 class _Tier(Protocol):
-    def begin_request(self, req_id: str, lora_request: Any) -> None: ...
+    def begin_request(self, req_id: str, lora_request: Any,
+                      block_hashes: Sequence[bytes] = ()) -> None: ...
 
 
 @dataclass
@@ -93,7 +97,10 @@ class P2PKVConnector(OffloadingConnector):
     def on_new_request(self, request: Request) -> None:
         # Before the offloading connector starts the request (vLLM 0.33 calls the
         # tier's own hook under its manager lock): the adapter's stat and, the first
-        # time its files are met, the queueing of their digest happen here.
+        # time its files are met, the queueing of their digest happen here, and the
+        # lookup of the prompt's chunks starts, so that the scheduler's first lookup
+        # finds its answer.
         for tier in self._p2pkv_tiers:
-            tier.begin_request(request.request_id, getattr(request, "lora_request", None))
+            tier.begin_request(request.request_id, getattr(request, "lora_request", None),
+                               request.block_hashes)
         super().on_new_request(request)

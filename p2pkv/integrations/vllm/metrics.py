@@ -47,6 +47,8 @@ class Metrics:
     PEER_BANDWIDTH = "vllm:p2pkv_peer_bandwidth_bytes_per_second"
     PREFILL_RATE = "vllm:p2pkv_prefill_tokens_per_second"
     ADAPTER_UNSHARED = "vllm:p2pkv_adapter_unshared_blocks"
+    LOOKUP_STEPS = "vllm:p2pkv_lookup_steps"
+    LOOKUP_WAIT_SECONDS = "vllm:p2pkv_lookup_wait_seconds"
     HOOK_CALLS = "vllm:p2pkv_request_hook_calls"
     HOOK_SECONDS = "vllm:p2pkv_request_hook_seconds"
     HOOK_MAX_SECONDS = "vllm:p2pkv_request_hook_max_seconds"
@@ -122,6 +124,14 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             "(stored: kept from peers, the tier did not see the request's adapter), "
             "adapter_unreadable (stored: kept from peers, its files cannot be hashed).",
             labelnames=("reason",)),
+        Metrics.LOOKUP_STEPS: OffloadingCounterMetadata(
+            "Scheduler steps in which a request was looked up, by outcome: ready (every "
+            "key answered at once, from the ask made when the request arrived), waited "
+            "(answered after the scheduler waited, within lookup_wait), deferred (a key "
+            "answered RETRY: vLLM skipped the request for the step).",
+            labelnames=("outcome",)),
+        Metrics.LOOKUP_WAIT_SECONDS: OffloadingCounterMetadata(
+            "Seconds the scheduler thread waited for lookups (at most lookup_wait a step)."),
         Metrics.HOOK_CALLS: OffloadingCounterMetadata(
             "Calls of the tier's request hooks, by hook: begin_request (from "
             "P2PKVConnector, outside vLLM's locks) and on_new_request (vLLM 0.33 holds "

@@ -51,6 +51,7 @@ TIER_OPTIONS: tuple[str, ...] = (
     "drain_timeout",
     "refused_retry_interval", "drain_grace", "load_policy", "load_min_tokens",
     "load_min_speedup", "load_probe_interval", "load_probe_chunks", "load_probe_budget",
+    "lookup_wait",
 )
 _DEFAULT_RECONNECT = 2.0
 #: Seconds before a peer that refused the handshake is tried again (the configuration
@@ -62,10 +63,14 @@ DEFAULT_DRAIN_GRACE = 5.0
 #: Seconds a store may wait for the weights digest before it is dropped (the first start
 #: of a large checkpoint hashes it; later starts read the digest cache).
 DEFAULT_IDENTITY_TIMEOUT = 600.0
+#: Seconds per scheduler step the scheduler thread may wait for the answers of lookups
+#: asked when their requests arrived (a peer on the same network answers in about a
+#: millisecond; a step under load takes a forward pass, which a RETRY costs whole).
+DEFAULT_LOOKUP_WAIT = 0.05
 _TIER_ONLY = ("peers", "reconnect_interval", "locality", "identity_timeout",
               "refused_retry_interval", "drain_grace", "load_policy", "load_min_tokens",
               "load_min_speedup", "load_probe_interval", "load_probe_chunks",
-              "load_probe_budget")
+              "load_probe_budget", "lookup_wait")
 #: Defaults that differ from ``serve``'s: a scheduler waits on lookups, so silence
 #: becomes a miss sooner; a load that takes longer than recomputing is not worth waiting.
 TIER_DEFAULTS: Mapping[str, Any] = {"lookup_timeout": 1.0, "fetch_timeout": 10.0}
@@ -79,6 +84,7 @@ class TierWaits:
     refused_retry: float = DEFAULT_REFUSED_RETRY
     drain_grace: float = DEFAULT_DRAIN_GRACE
     identity: float = DEFAULT_IDENTITY_TIMEOUT
+    lookup_wait: float = DEFAULT_LOOKUP_WAIT
 
 
 def tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], TierWaits]:
@@ -102,7 +108,8 @@ def tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], Tier
         refused_retry=_positive_seconds(params, "refused_retry_interval",
                                         DEFAULT_REFUSED_RETRY),
         drain_grace=_positive_seconds(params, "drain_grace", DEFAULT_DRAIN_GRACE),
-        identity=_positive_seconds(params, "identity_timeout", DEFAULT_IDENTITY_TIMEOUT))
+        identity=_positive_seconds(params, "identity_timeout", DEFAULT_IDENTITY_TIMEOUT),
+        lookup_wait=_seconds(params, "lookup_wait", DEFAULT_LOOKUP_WAIT))
     try:
         settings = load_settings(flags, environ={})
         for address in settings["peer"]:
@@ -174,6 +181,15 @@ def _positive_seconds(params: Mapping[str, Any], name: str, default: float) -> f
     value = params.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ConfigError(f"P2PKVTier: {name} must be a positive number of seconds, got "
+                          f"{value!r}")
+    return float(value)
+
+
+def _seconds(params: Mapping[str, Any], name: str, default: float) -> float:
+    value = params.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not 0 <= value < float("inf"):
+        raise ConfigError(f"P2PKVTier: {name} must be a number of seconds >= 0, got "
                           f"{value!r}")
     return float(value)
 

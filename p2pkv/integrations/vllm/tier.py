@@ -4,17 +4,17 @@
 :class:`~p2pkv.node.Node` that serves the chunks this engine stored to compatible peers,
 and fetches chunks other engines stored straight into vLLM's primary (CPU) region. It is
 built by :class:`~p2pkv.integrations.vllm.P2PKVConnector` (``connector.py``), which
-hands it the engine's ``VllmConfig`` and each request's LoRA adapter.
+hands it the engine's ``VllmConfig`` and each request's LoRA adapter and block hashes.
 
 Threads and what each may touch:
 
 - the **scheduler thread** calls every ``SecondaryTierManager`` method; none blocks
-  (lookups answer RETRY until the background lookup has an answer, loads and stores
-  only submit work);
-- the **lookup thread** (vLLM's ``AsyncLookupManager``) asks every connected peer about
-  one step's keys at once, with one deadline, and records which peer holds each key;
-  the load policy (``loads.py``) then answers MISS for held chunks whose load would take
-  longer than recomputing them;
+  beyond ``lookup_wait`` per step (a lookup whose answer has not come back by then
+  answers RETRY, loads and stores only submit work);
+- the **lookup threads** (``lookups.py``) ask every connected peer about a request's
+  keys at once, with one deadline: all of its prompt's keys when it arrives, keys met
+  later at the end of the step; the load policy (``loads.py``) then answers MISS for
+  held chunks whose load would take longer than recomputing them;
 - the **store thread** copies stored chunks out of the primary region into the node's
   pool (the region's slots are reused as soon as the store job is reported);
 - the node's **IO thread** lands fetched chunks in the primary region with ``recv_into``
@@ -25,7 +25,7 @@ The loads and stores themselves (the jobs, their futures, what they report) are
 
 Nothing is ever loaded that was not verified: a refused, dead, slow or corrupt source
 fails only its keys (reported through ``successful_keys``), vLLM recomputes them, and the
-lookup cache marks them as misses so the scheduler does not retry a doomed load.
+lookups answer them MISS from then on, so the scheduler does not retry a doomed load.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -49,8 +49,8 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
+    make_offload_key,
 )
-from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -64,6 +64,7 @@ from p2pkv.integrations.vllm.adapters import (
 from p2pkv.integrations.vllm.connector import building
 from p2pkv.integrations.vllm.identity import TierIdentity, run_config_from_spec
 from p2pkv.integrations.vllm.loads import DIRECTORY, TierLoads
+from p2pkv.integrations.vllm.lookups import RequestLookups
 from p2pkv.integrations.vllm.metrics import HookTimes, Metrics, metric_definitions
 from p2pkv.integrations.vllm.options import (
     CONNECTOR_KEYS,
@@ -83,45 +84,6 @@ from p2pkv.node import Node
 log = logging.getLogger("vllm.p2pkv")
 
 __all__ = ["TIER_DEFAULTS", "TIER_OPTIONS", "Metrics", "P2PKVTier"]
-
-class _PeerLookup(AsyncLookupManager):
-    """The tier's lookups: each step's keys of one request, asked on vLLM's lookup
-    thread of every connected peer (see :meth:`Peers.ask`) or of the directory, under
-    the keys the request's adapter shares them under; the load policy then keeps only
-    the hits worth loading (see :class:`TierLoads`)."""
-
-    def __init__(self, tier: P2PKVTier, tier_type: str) -> None:
-        super().__init__(tier_type=tier_type)
-        self._tier = tier
-
-    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        tier = self._tier
-        node = tier._run.node
-        if node is None or not keys:
-            return [False] * len(keys)
-        shared = tier._adapters.keys(req_context.req_id, keys)
-        if shared.keys is None:  # counted once, where its chunks are kept from peers
-            return [False] * len(keys)
-        found, holders = self._ask(node, shared.keys)
-        # A miss on a prompt's first chunk: does a peer hold it under another version
-        # of this adapter (its name-and-path key)? Then say so; nothing is loaded.
-        if shared.name_keys and not found[0] and \
-                first_chunk(keys[0], req_context, tier._first_chunk_tokens) and \
-                self._ask(node, shared.name_keys[:1])[0][0]:
-            tier._adapters.mismatch(str(shared.adapter), len(keys))
-        return tier._policy.advise(req_context.req_id, keys, found, holders)
-
-    def _ask(self, node: Node, keys: list[bytes]) -> tuple[list[bool], list[str | None]]:
-        """Which of ``keys`` a peer (or the directory) holds, and who."""
-        tier = self._tier
-        if tier._run.directory is not None:
-            found = tier._run.directory.ask(keys)
-            with tier._lock:
-                tier._count(Metrics.LOOKUP_KEYS, len(keys), ())
-                tier._count(Metrics.LOOKUP_HITS, sum(found), ())
-            return list(found), [DIRECTORY] * len(keys)
-        return list(tier._peers.ask(node, keys)), list(tier._peers.route(keys)[1])
-
 
 class P2PKVTier(SecondaryTierManager):
     """A secondary tier whose chunks live in other engines' p2pkv nodes.
@@ -174,7 +136,9 @@ class P2PKVTier(SecondaryTierManager):
                 "peers": peers, "ttl": float(settings["directory_ttl"]),
                 "lookup_timeout": float(settings["lookup_timeout"]),
                 "fetch_timeout": self._fetch_timeout, "advertise": settings["advertise"]})
-        self._lookup = _PeerLookup(self, tier_type)
+        self._lookups = RequestLookups(self._ask, wait=waits.lookup_wait)
+        #: Per KV-cache group: its index and the block hashes behind one chunk key.
+        self._chunk_hashes = _chunk_hashes(offloading_spec)
         self._policy = TierLoads(load_policy_config(params),
                                  chunk_bytes=self.block_size_bytes,
                                  chunk_tokens=_chunk_tokens(offloading_spec),
@@ -238,12 +202,22 @@ class P2PKVTier(SecondaryTierManager):
 
     # ------------------------------------------------------------------ SecondaryTierManager
 
-    def begin_request(self, req_id: str, lora_request: Any) -> None:
-        """A new request and the ``LoRARequest`` it runs under (None: the base model),
-        from :class:`~p2pkv.integrations.vllm.P2PKVConnector` before vLLM starts it."""
+    def begin_request(self, req_id: str, lora_request: Any,
+                      block_hashes: Sequence[bytes] = ()) -> None:
+        """A new request, the ``LoRARequest`` it runs under (None: the base model) and
+        its prompt's block hashes, from :class:`~p2pkv.integrations.vllm.P2PKVConnector`
+        before vLLM starts it: every chunk key of the prompt is asked now, so that the
+        scheduler's first lookup can be answered (see :mod:`.lookups`)."""
         started = time.perf_counter()
-        self._ensure_node()  # the first request starts the node: here, outside the lock
+        node = self._ensure_node()  # the first request starts the node: here, outside the lock
         self._adapters.begin(req_id, lora_request)
+        # A request whose adapter digest is still being computed is asked later, as
+        # the scheduler meets its keys (until then its lookups answer RETRY).
+        if node is not None and block_hashes and not self._adapters.pending(req_id):
+            for group, per_chunk in self._chunk_hashes:
+                self._lookups.begin(req_id, [
+                    make_offload_key(h, group)
+                    for h in block_hashes[per_chunk - 1::per_chunk]])
         self._hooks.add("begin_request", time.perf_counter() - started)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -260,7 +234,9 @@ class P2PKVTier(SecondaryTierManager):
             return LookupResult.MISS
         if self._adapters.pending(req_context.req_id):
             return LookupResult.RETRY  # its adapter's digest is being computed
-        found = self._lookup.lookup(key, req_context)
+        found = self._lookups.lookup(
+            req_context.req_id, key,
+            lambda: first_chunk(key, req_context, self._first_chunk_tokens))
         if found is None:
             return LookupResult.RETRY
         return LookupResult.HIT if found else LookupResult.MISS
@@ -278,19 +254,19 @@ class P2PKVTier(SecondaryTierManager):
             if failed:
                 # Never promise these keys again in this request's lookups: vLLM
                 # recomputes them instead of retrying a load that just failed.
-                self._lookup.mark_miss(failed)
+                self._lookups.mark_miss(failed)
         return results
 
     def has_pending_work(self) -> bool:
         return self._transfers.pending()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._lookup.cleanup(req_context.req_id)
+        self._lookups.finished(req_context.req_id)
         self._policy.finished(req_context.req_id)
         self._adapters.finished(req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        self._lookup.flush()
+        self._lookups.flush()
         self._policy.scheduled(context)
         self._maintain()
 
@@ -306,9 +282,42 @@ class P2PKVTier(SecondaryTierManager):
         self.drain_jobs()
         self._transfers.close()
         self._adapters.shutdown()
-        self._lookup.shutdown()
+        self._lookups.shutdown()
         self._run.close()
         log.info("p2pkv tier: time in the request hooks: %s", self._hooks.describe_text())
+
+    # ------------------------------------------------------------------ lookup threads
+
+    def _ask(self, req_id: str, keys: list[bytes], first: bool) -> list[bool]:
+        """Which of one request's ``keys`` to answer HIT: asked of every connected peer
+        (see :meth:`Peers.ask`) or of the directory, under the keys the request's
+        adapter shares them under; the load policy then keeps only the hits worth
+        loading (see :class:`TierLoads`). ``first``: ``keys[0]`` is the request's first
+        chunk."""
+        node = self._run.node
+        if node is None or not keys:
+            return [False] * len(keys)
+        shared = self._adapters.keys(req_id, keys)
+        if shared.keys is None:  # counted once, where its chunks are kept from peers
+            return [False] * len(keys)
+        found, holders = self._ask_holders(node, shared.keys)
+        # A miss on a prompt's first chunk: does a peer hold it under another version
+        # of this adapter (its name-and-path key)? Then say so; nothing is loaded.
+        if shared.name_keys and not found[0] and first and \
+                self._ask_holders(node, shared.name_keys[:1])[0][0]:
+            self._adapters.mismatch(str(shared.adapter), len(keys))
+        return self._policy.advise(req_id, keys, found, holders)
+
+    def _ask_holders(self, node: Node, keys: list[bytes]
+                     ) -> tuple[list[bool], list[str | None]]:
+        """Which of ``keys`` a peer (or the directory) holds, and who."""
+        if self._run.directory is not None:
+            found = self._run.directory.ask(keys)
+            with self._lock:
+                self._count(Metrics.LOOKUP_KEYS, len(keys), ())
+                self._count(Metrics.LOOKUP_HITS, sum(found), ())
+            return list(found), [DIRECTORY] * len(keys)
+        return list(self._peers.ask(node, keys)), list(self._peers.route(keys)[1])
 
     # ------------------------------------------------------------------ observability
 
@@ -349,12 +358,27 @@ class P2PKVTier(SecondaryTierManager):
             self._inbound_refusals = inbound
         stats.set_gauge(Metrics.PEERS, connected)
         self._hooks.report(stats)
+        lookups = self._lookups.take_counts()
+        for outcome, steps in lookups.steps.items():
+            stats.increase_counter(Metrics.LOOKUP_STEPS, steps, (outcome,))
+        if lookups.wait_seconds:
+            stats.increase_counter(Metrics.LOOKUP_WAIT_SECONDS, lookups.wait_seconds)
         self._policy.gauges(stats)
         if self._run.directory is not None:
             for name, delta in self._run.directory.deltas().items():
                 stats.increase_counter(name, delta)
             stats.set_gauge(Metrics.DIRECTORY_REGISTERED, int(self._run.directory.registered()))
         return stats
+
+
+def _chunk_hashes(spec: OffloadingSpec) -> tuple[tuple[int, int], ...]:
+    """Per KV-cache group: its index, and how many block hashes one chunk key covers
+    (chunk key i is the group's index appended to block hash ``(i + 1) * n - 1``, as
+    vLLM's offloading scheduler makes it)."""
+    per_hash = spec.tokens_per_hash
+    return tuple((g.group_id, g.tokens_per_block * spec.blocks_per_chunk // per_hash)
+                 for g in spec.config.groups
+                 if g.tokens_per_block * spec.blocks_per_chunk >= per_hash > 0)
 
 
 def _chunk_tokens(spec: OffloadingSpec) -> int:

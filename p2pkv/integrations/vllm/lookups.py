@@ -1,0 +1,236 @@
+"""The lookups of a :class:`~p2pkv.integrations.vllm.P2PKVTier`: answered in the
+scheduler step that asks them.
+
+vLLM's scheduler asks a secondary tier about a request's chunk keys one at a time, and
+any RETRY skips the request for the whole step (under load, a forward pass). vLLM's own
+helper (``AsyncLookupManager``) answers RETRY to every new key and asks it during the
+next forward pass, so every request, hit or miss, loses a step. The contract
+(``SecondaryTierManager.lookup``) allows HIT or MISS on the first call, and a request's
+block hashes are known when it arrives. So:
+
+- **at arrival** (:meth:`RequestLookups.begin`, from
+  :class:`~p2pkv.integrations.vllm.P2PKVConnector`'s ``on_new_request``, outside
+  vLLM 0.33's manager lock) every chunk key of the prompt is asked at once, on the
+  tier's lookup threads;
+- the scheduler's lookups of that request **answer from that ask**: HIT or MISS when it
+  has come back; when it has not, the scheduler thread waits for it, at most ``wait``
+  seconds per step for all requests together (``lookup_wait``; 0: never wait), then
+  answers RETRY and the answer is used at the next step;
+- keys the arrival ask did not cover (a request the connector did not hand over, a
+  request that grew after a preemption) are asked as vLLM's helper asks them: gathered
+  during the step, asked together at its end (:meth:`RequestLookups.flush`), answered
+  from the next step on;
+- a key whose load failed is answered MISS for as long as the requests that know it
+  live (:meth:`RequestLookups.mark_miss`): vLLM recomputes it instead of retrying a
+  doomed load.
+
+Threads: every method runs on the scheduler thread (under vLLM 0.33's manager lock);
+the asks run on the tier's lookup threads and hand their answers back through futures
+only. A failed ask answers MISS for its keys (logged), never an error to vLLM.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+__all__ = ["DEFERRED", "READY", "WAITED", "Ask", "LookupCounts", "RequestLookups"]
+
+log = logging.getLogger("vllm.p2pkv")
+
+#: Runs on a lookup thread: which of ``keys`` (one request's, in prompt order) to answer
+#: HIT. ``first`` says whether ``keys[0]`` is the request's first chunk.
+Ask = Callable[[str, list[bytes], bool], list[bool]]
+
+#: Threads that ask peers. An ask mostly waits on the node's IO thread; a few let the
+#: requests that arrive together be asked together.
+_ASK_THREADS = 4
+#: Live requests kept (far above any engine's running and waiting requests).
+_MAX_REQUESTS = 1 << 16
+
+
+#: How a request's lookups went in one step, worst last: every key answered at once;
+#: answered after the scheduler thread waited; some key answered RETRY (the request
+#: was skipped for the step).
+READY, WAITED, DEFERRED = "ready", "waited", "deferred"
+_RANK = {READY: 0, WAITED: 1, DEFERRED: 2}
+
+
+@dataclass
+class LookupCounts:
+    """What the lookups did since the last :meth:`RequestLookups.take_counts`."""
+
+    #: Requests per outcome, one count per request per step it was looked up in.
+    steps: dict[str, int] = field(default_factory=dict)
+    #: Seconds the scheduler thread waited for asks.
+    wait_seconds: float = 0.0
+
+
+@dataclass
+class _Request:
+    """One live request's keys: answered, being asked, or gathered for this step's ask."""
+
+    answers: dict[bytes, bool] = field(default_factory=dict)
+    #: Keys being asked, each with the future of its ask and its index in that ask.
+    asking: dict[bytes, tuple[Future[list[bool]], int]] = field(default_factory=dict)
+    #: Keys met this step that nobody asked yet, in the order met; the first one's
+    #: ``first`` flag.
+    gathered: dict[bytes, None] = field(default_factory=dict)
+    gathered_first: bool = False
+    #: Keys whose load failed: MISS from now on.
+    failed: set[bytes] = field(default_factory=set)
+    #: How its lookups went this step (READY, WAITED, DEFERRED), or None.
+    outcome: str | None = None
+
+
+class RequestLookups:
+    """Each live request's lookups (see the module doc)."""
+
+    def __init__(self, ask: Ask, *, wait: float) -> None:
+        self._ask = ask
+        self._wait = wait
+        self._requests: dict[str, _Request] = {}
+        self._asks = concurrent.futures.ThreadPoolExecutor(_ASK_THREADS, "p2pkv-lookup")
+        #: When this step's waiting ends (set by its first wait), or None.
+        self._step_deadline: float | None = None
+        self._counts = LookupCounts()
+
+    def begin(self, req_id: str, keys: Sequence[bytes]) -> None:
+        """Request ``req_id`` arrived: ask ``keys`` (its prompt's chunk keys of one
+        group, in order, the first chunk first) now. Called once per group."""
+        if not keys:
+            return
+        self._submit(req_id, self._request(req_id), list(keys), first=True)
+
+    def lookup(self, req_id: str, key: bytes, first: Callable[[], bool]) -> bool | None:
+        """True (HIT), False (MISS) or None (RETRY) for ``key`` of request ``req_id``.
+        ``first()`` says whether ``key`` is the request's first chunk (asked only for
+        a key nobody asked yet)."""
+        req = self._request(req_id)
+        if key in req.failed:
+            return False
+        answer = self._answer(req, key)
+        if answer is not None:
+            _note(req, READY)
+            return answer
+        asking = req.asking.get(key)
+        if asking is None:
+            if not req.gathered:
+                req.gathered_first = first()
+            req.gathered[key] = None
+            _note(req, DEFERRED)
+            return None
+        remaining = self._remaining()
+        if remaining > 0:
+            started = time.perf_counter()
+            concurrent.futures.wait([asking[0]], timeout=remaining)
+            self._counts.wait_seconds += time.perf_counter() - started
+            answer = self._answer(req, key)
+            if answer is not None:
+                _note(req, WAITED)
+                return answer
+        _note(req, DEFERRED)
+        return None
+
+    def flush(self) -> None:
+        """The step's lookups are over: ask what was gathered, one ask per request."""
+        for req_id, req in self._requests.items():
+            if req.gathered:
+                keys, req.gathered = list(req.gathered), {}
+                self._submit(req_id, req, keys, first=req.gathered_first)
+            if req.outcome is not None:
+                steps = self._counts.steps
+                steps[req.outcome] = steps.get(req.outcome, 0) + 1
+                req.outcome = None
+        self._step_deadline = None
+
+    def take_counts(self) -> LookupCounts:
+        """What the lookups did since the last call (steps counted at their end)."""
+        counts, self._counts = self._counts, LookupCounts()
+        return counts
+
+    def mark_miss(self, keys: Collection[bytes]) -> None:
+        """The loads of ``keys`` failed: every live request that knows one of them is
+        answered MISS for it from now on."""
+        if not keys:
+            return
+        failed = set(keys)
+        for req in self._requests.values():
+            req.failed.update(failed.intersection(req.answers.keys() | req.asking.keys()))
+
+    def finished(self, req_id: str) -> None:
+        """Forget request ``req_id``; its asks still running end unread."""
+        req = self._requests.pop(req_id, None)
+        if req is not None:
+            for fut, _ in set(req.asking.values()):
+                fut.cancel()
+
+    def shutdown(self) -> None:
+        self._asks.shutdown(wait=False, cancel_futures=True)
+        self._requests.clear()
+
+    # ------------------------------------------------------------------ internals
+
+    def _request(self, req_id: str) -> _Request:
+        req = self._requests.get(req_id)
+        if req is None:
+            # A request vLLM never finished (one dropped before it started) must not
+            # stay forever: past the bound, the oldest is forgotten.
+            while len(self._requests) >= _MAX_REQUESTS:
+                self.finished(next(iter(self._requests)))
+            req = self._requests[req_id] = _Request()
+        return req
+
+    def _submit(self, req_id: str, req: _Request, keys: list[bytes], *, first: bool) -> None:
+        keys = [k for k in keys if k not in req.answers and k not in req.asking]
+        if not keys:
+            return
+        try:
+            fut = self._asks.submit(self._ask, req_id, keys, first)
+        except RuntimeError:  # shut down: nothing more is asked
+            return
+        for i, key in enumerate(keys):
+            req.asking[key] = (fut, i)
+
+    def _answer(self, req: _Request, key: bytes) -> bool | None:
+        """The key's answer, settling its ask if that came back."""
+        answer = req.answers.get(key)
+        if answer is not None:
+            return answer
+        asking = req.asking.get(key)
+        if asking is None or not asking[0].done():
+            return None
+        self._settle(req, asking[0])
+        return req.answers.get(key)
+
+    def _settle(self, req: _Request, fut: Future[list[bool]]) -> None:
+        """Move every key of the finished ask ``fut`` to the request's answers."""
+        keys = [(k, i) for k, (f, i) in req.asking.items() if f is fut]
+        try:
+            found = fut.result(timeout=0)
+        except BaseException as exc:  # an ask that failed (or was cancelled): misses
+            log.warning("p2pkv tier: a lookup of %d key(s) failed, answered as misses: %s",
+                        len(keys), exc)
+            found = []
+        for key, i in keys:
+            del req.asking[key]
+            req.answers[key] = bool(found[i]) if i < len(found) else False
+
+    def _remaining(self) -> float:
+        """Seconds this step may still wait."""
+        if self._wait <= 0:
+            return 0.0
+        now = time.monotonic()
+        if self._step_deadline is None:
+            self._step_deadline = now + self._wait
+        return max(0.0, self._step_deadline - now)
+
+
+def _note(req: _Request, outcome: str) -> None:
+    """Keep the worst outcome of the request's lookups this step."""
+    if req.outcome is None or _RANK[outcome] > _RANK[req.outcome]:
+        req.outcome = outcome
