@@ -211,6 +211,16 @@ def shared_tokens(prompt_tokens: int) -> int:
     return (prompt_tokens - 1) // OFFLOAD_TOKENS * OFFLOAD_TOKENS
 
 
+#: vLLM's count of requests whose lookup it deferred (a RETRY, or a load under way).
+DEFERRED_LOOKUPS = "vllm:kv_offload_lookup_async_delay_seconds_count"
+
+
+def lookup_steps(metrics: dict[str, float]) -> float:
+    """Request-steps the tier answered without a RETRY (at once, or after waiting)."""
+    return sum(v for k, v in metrics.items() if k.startswith("vllm:p2pkv_lookup_steps")
+               and ("outcome=ready" in k or "outcome=waited" in k))
+
+
 def refused_fields(metrics: dict[str, float], side: str = "outbound") -> set[str]:
     return {k.split("reason=", 1)[1].split(",", 1)[0].rstrip("}") for k, v in metrics.items()
             if k.startswith("vllm:p2pkv_handshakes_refused") and f"side={side}" in k
@@ -546,6 +556,18 @@ def test_consumer_loads_shared_prefix_from_producer(
     assert p2p_hits(metrics) == shared, metrics
     assert metrics["vllm:p2pkv_loaded_blocks"] == shared // OFFLOAD_TOKENS
     assert metrics["vllm:p2pkv_peers"] == 1
+    # The peer's answer came while the scheduler asked: the tier never answered RETRY
+    # (the request waited for its load only, not a step for its lookup).
+    assert metrics.get("vllm:p2pkv_lookup_steps{outcome=deferred}", 0) == 0, metrics
+    assert lookup_steps(metrics) >= 1, metrics
+    # A prompt nobody holds: the peer says so in time, the request is not deferred at
+    # all (vLLM's own deferred-lookup histogram does not move).
+    deferred = metrics.get(DEFERRED_LOOKUPS, 0)
+    cold = engine.generate([1000 + i * 7 % 4000 for i in range(5 * OFFLOAD_TOKENS)])
+    assert cold["cached"] == [0], cold
+    metrics = engine.metrics()
+    assert metrics.get(DEFERRED_LOOKUPS, 0) == deferred, metrics
+    assert metrics.get("vllm:p2pkv_lookup_steps{outcome=deferred}", 0) == 0, metrics
     # The tier says at start what it derived, and from where.
     log = engine.log_text()
     assert "model_weights=" in log and "SHA-256 of 1 weight file" in log

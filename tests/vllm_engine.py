@@ -13,7 +13,7 @@ with its tokenizer) ``{"cmd": "chat", "conversations": [[{"role": ..., "content"
 "seconds": [s]}`` (chat template, greedy; with ``--lora`` a chat command may add
 ``"lora": {"name": ..., "id": n, "path": ...}`` to answer under that adapter);
 ``{"cmd": "metrics"}`` →
-``{"metrics": {name: value}}``; ``{"cmd": "exit"}`` ends it. Engine logs go to stderr.
+``{"metrics": {name: value}}`` (a histogram as ``name_count`` and ``name_sum``); ``{"cmd": "exit"}`` ends it. Engine logs go to stderr.
 """
 
 from __future__ import annotations
@@ -114,11 +114,15 @@ def main() -> int:
         elif cmd["cmd"] == "metrics":
             values: dict[str, float] = {}
             for m in llm.get_metrics():
+                labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items())
+                                  if k not in ("engine", "model_name"))
+                suffix = f"{{{labels}}}" if labels else ""
                 value = getattr(m, "value", None)
                 if isinstance(value, (int, float)):
-                    labels = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items())
-                                      if k not in ("engine", "model_name"))
-                    values[m.name + (f"{{{labels}}}" if labels else "")] = value
+                    values[m.name + suffix] = value
+                elif isinstance(getattr(m, "count", None), int):  # a histogram
+                    values[m.name + "_count" + suffix] = m.count
+                    values[m.name + "_sum" + suffix] = m.sum
             reply({"metrics": values})
         else:
             reply({"error": f"unknown command {cmd['cmd']!r}"})

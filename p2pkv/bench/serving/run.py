@@ -48,11 +48,20 @@ def counters(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
     out["prompt_tokens"] = sum(_sum(metrics, "vllm:prompt_tokens_total").values())
     for k, v in offload.items():
         out["offload_bytes[" + k.split("transfer_type=", 1)[1].rstrip("}") + "]"] = v
+    # vLLM's own lookup timings: a synchronous lookup per scheduler visit, and a
+    # deferred one per request it skipped (a RETRY, or a load under way) until answered.
+    for kind in ("sync", "async"):
+        name = f"vllm:kv_offload_lookup_{kind}_delay_seconds"
+        for part in ("count", "sum"):
+            total = sum(_sum(metrics, f"{name}_{part}").values())
+            if total:
+                out[f"lookup_{kind}_delay_{part}"] = total
     for k, v in p2pkv.items():
         if not k.endswith("_created") and any(
                 s in k for s in ("loaded_blocks", "stored_blocks", "load_failures",
                                  "lookup_hits", "handshakes_refused", "loaded_bytes",
-                                 "load_skipped", "lookup_keys")):
+                                 "load_skipped", "lookup_keys", "lookup_steps",
+                                 "lookup_wait_seconds")):
             out[k.removeprefix("vllm:")] = v
         elif "request_hook" in k and not k.split("{")[0].endswith("_created"):
             # Calls and seconds add up over the engines; the longest call is the max.
