@@ -18,6 +18,7 @@ import pytest
 from p2pkv.identity import RunConfig
 from p2pkv.protocol import (
     CAP_CHECKSUM_XXH3_64,
+    CAP_PENDING_V1,
     CAP_SHM_V1,
     IMPLEMENTED,
     TRANSITIONS,
@@ -290,6 +291,39 @@ def test_lookup_round_trip() -> None:
     (answer,) = of_type(pair.client_events, LookupAnswered)
     assert answer == LookupAnswered(msg.req, (True, False, True))
     assert not pair.client.is_pending(msg.req) and pair.server.in_flight == 0
+
+
+def test_a_lookup_answer_says_when_pending_keys_will_be_held_only_under_pending_v1() -> None:
+    """pending-v1 (SPEC §19): with it, ``due`` reaches the client; without it, a server
+    cannot send it, and a ``hits`` that carries it anyway is a violation."""
+    pair = Pair(hello("client", caps=[CAP_PENDING_V1]), hello("server", caps=[CAP_PENDING_V1]))
+    pair.handshake()
+    assert pair.client.pending_answers and pair.server.pending_answers
+    msg = pair.client.lookup([b"k1", b"k2", b"k3"], pair.now)
+    pair.deliver(pair.client, [msg])
+    (asked,) = of_type(pair.server_events, LookupRequested)
+    with pytest.raises(ValueError, match="0 for every hit"):
+        pair.server.answer_lookup(asked.req, [True, False, False], due=[5, 0, 1200])
+    pair.deliver(pair.server, [pair.server.answer_lookup(asked.req, [True, False, False],
+                                                         due=[0, 0, 1200])])
+    (answer,) = of_type(pair.client_events, LookupAnswered)
+    assert answer == LookupAnswered(msg.req, (True, False, False), (0, 0, 1200))
+    # Nothing pending: nothing is sent, as a node without the capability answers.
+    msg = pair.client.lookup([b"k4"], pair.now)
+    pair.deliver(pair.client, [msg])
+    asked = of_type(pair.server_events, LookupRequested)[-1]
+    assert pair.server.answer_lookup(asked.req, [False], due=[0]) == Hits(asked.req, (False,))
+
+    plain = ready_pair()
+    assert not plain.client.pending_answers
+    msg = plain.client.lookup([b"k1"], plain.now)
+    plain.deliver(plain.client, [msg])
+    (asked,) = of_type(plain.server_events, LookupRequested)
+    with pytest.raises(LocalProtocolError, match="pending-v1"):
+        plain.server.answer_lookup(asked.req, [False], due=[30])
+    out = plain.client.receive(Hits(msg.req, (False,), (30,)), plain.now)
+    assert out.replies == (Bye(Code.UNEXPECTED, "lookup answer with pending keys "
+                               "(pending-v1 was not negotiated)"),)
 
 
 def test_fetch_with_credit_and_done() -> None:

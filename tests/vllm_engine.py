@@ -13,7 +13,8 @@ with its tokenizer) ``{"cmd": "chat", "conversations": [[{"role": ..., "content"
 "seconds": [s]}`` (chat template, greedy; with ``--lora`` a chat command may add
 ``"lora": {"name": ..., "id": n, "path": ...}`` to answer under that adapter);
 ``{"cmd": "metrics"}`` →
-``{"metrics": {name: value}}`` (a histogram as ``name_count`` and ``name_sum``); ``{"cmd": "exit"}`` ends it. Engine logs go to stderr.
+``{"metrics": {name: value}}`` (a histogram as ``name_count`` and ``name_sum``);
+``{"cmd": "exit"}`` ends it. Engine logs go to stderr.
 """
 
 from __future__ import annotations

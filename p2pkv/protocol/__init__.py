@@ -20,6 +20,7 @@ from p2pkv.protocol.codec import (
 from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
     CAP_PACKED_V1,
+    CAP_PENDING_V1,
     CAP_SHM_V1,
     CAP_TCP_DATA_AEAD_V1,
     CAP_TCP_DATA_TLS_V1,
@@ -131,6 +132,7 @@ __all__ = [
     "BATCH_BYTES",
     "CAP_CHECKSUM_XXH3_64",
     "CAP_PACKED_V1",
+    "CAP_PENDING_V1",
     "CAP_SHM_V1",
     "CAP_TCP_DATA_AEAD_V1",
     "CAP_TCP_DATA_TLS_V1",

@@ -25,6 +25,7 @@ from p2pkv.checksum import block_checksum
 from p2pkv.errors import ProtocolError
 from p2pkv.protocol.codes import (
     MAX_BLOCKS_PER_MESSAGE,
+    MAX_DUE_MS,
     MAX_HEAD_BYTES,
     MAX_KEYS,
     MAX_MAP_LEN,
@@ -171,7 +172,21 @@ def _d_hits(m: dict[Any, Any], v: int) -> Message:
         for h in hits:
             if type(h) is not bool:
                 raise f.wrong("hits[]", "a bool", h)
-    return Hits(f.u64(m, "req"), hits)
+    due = m.get("due")
+    return Hits(f.u64(m, "req"), hits, None if due is None else _due(due, hits))
+
+
+def _due(value: object, hits: tuple[bool, ...]) -> tuple[int, ...]:
+    """``hits.due`` (``pending-v1``): one u32 per key, 0 where the key is a hit."""
+    due = f.array(value, "due", len(hits), len(hits))
+    for d, hit in zip(due, hits, strict=True):
+        if type(d) is not int:
+            raise f.wrong("due[]", "a u32", d)
+        if not 0 <= d <= MAX_DUE_MS:
+            raise f.bounds("due[]", f"must be in 0..{MAX_DUE_MS}, got {d}")
+        if hit and d:
+            raise f.bounds("due[]", f"must be 0 for a key that is a hit, got {d}")
+    return due
 
 
 def _d_fetch(m: dict[Any, Any], v: int) -> Message:

@@ -21,6 +21,7 @@ from p2pkv.keys import MAX_KEY_LEN
 __all__ = [
     "CAP_CHECKSUM_XXH3_64",
     "CAP_PACKED_V1",
+    "CAP_PENDING_V1",
     "CAP_SHM_V1",
     "CAP_TCP_DATA_AEAD_V1",
     "CAP_TCP_DATA_TLS_V1",
@@ -34,6 +35,7 @@ __all__ = [
     "MAX_CAPS",
     "MAX_CAP_LEN",
     "MAX_CODE",
+    "MAX_DUE_MS",
     "MAX_HEAD_BYTES",
     "MAX_IN_FLIGHT",
     "MAX_KEYS",
@@ -151,6 +153,11 @@ CAP_TCP_STREAMS_V1: Final = "tcp-streams-v1"
 """Capability (with ``tcp-data-v1``): several data streams per session, each bound by a
 token of its own (``welcome.data.more``); a ``fetch`` names the stream it goes on
 (``stream``), so one caller's fetch can be striped over them (SPEC §18.6)."""
+CAP_PENDING_V1: Final = "pending-v1"
+"""Capability: a ``hits`` may say, per key not held, in how many milliseconds the server
+expects to hold it (``due``): the keys of a prefix it is computing now (SPEC §19)."""
+MAX_DUE_MS: Final = U32_MAX
+"""Largest ``due`` entry of a ``hits`` (``pending-v1``), in milliseconds."""
 MAX_STREAMS: Final = 8
 """Most data streams one session may bind (``tcp-streams-v1``): the first token and at
 most seven more."""

@@ -93,10 +93,12 @@ class LookupRequested(Event):
 
 @dataclass(frozen=True, slots=True)
 class LookupAnswered(Event):
-    """Client: one bool per key of lookup ``req``."""
+    """Client: one bool per key of lookup ``req``; with ``pending-v1``, ``due``: per key
+    the milliseconds until the server expects to hold it (0: not pending), or None."""
 
     req: int
     hits: tuple[bool, ...]
+    due: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

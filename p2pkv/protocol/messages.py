@@ -303,12 +303,17 @@ class Lookup:
 
 @dataclass(frozen=True, slots=True)
 class Hits:
-    """Server → client: one bool per key of the lookup ``req``."""
+    """Server → client: one bool per key of the lookup ``req``.
+
+    ``due`` (``pending-v1``, SPEC §19): one entry per key, the milliseconds until the
+    server expects to hold a key it does not hold yet but is computing; 0 for a key
+    that is held or not being computed. None (absent): nothing pending."""
 
     TAG: ClassVar[str] = "hits"
 
     req: int
     hits: tuple[bool, ...]
+    due: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

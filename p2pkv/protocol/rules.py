@@ -23,6 +23,7 @@ from typing import Final
 from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
     CAP_PACKED_V1,
+    CAP_PENDING_V1,
     CAP_TCP_STREAMS_V1,
     OUTCOME_SENT,
     U64_MAX,
@@ -69,6 +70,7 @@ FIELD_CAPABILITIES: Final[dict[str, tuple[FieldCapability, ...]]] = {
               FieldCapability("sums", CAP_CHECKSUM_XXH3_64, "checksum", exactly=True)),
     "located": (FieldCapability("sums", CAP_CHECKSUM_XXH3_64, "checksum", exactly=True),),
     "fetch": (FieldCapability("stream", CAP_TCP_STREAMS_V1, "fetch naming a stream"),),
+    "hits": (FieldCapability("due", CAP_PENDING_V1, "lookup answer with pending keys"),),
 }
 """Which fields of which message need a capability. The offers a greeting carries
 (``welcome.shm``, ``welcome.data``) and a fetch's ``shm`` are not here: they are ignored,

@@ -35,6 +35,8 @@ from p2pkv.identity import IDENTITY_POLICIES
 from p2pkv.keys import check_keys
 from p2pkv.protocol.codec import decode, decode_head
 from p2pkv.protocol.codes import (
+    CAP_PENDING_V1,
+    MAX_DUE_MS,
     MAX_KEY_LEN,
     MAX_KEYS,
     MAX_PACKED_BYTES,
@@ -352,16 +354,29 @@ class Session(SessionView):
 
     # ------------------------------------------------------------------ server calls
 
-    def answer_lookup(self, req: int, hits: Sequence[bool]) -> Hits:
-        """Server: the answer to lookup ``req``, one bool per key."""
+    def answer_lookup(self, req: int, hits: Sequence[bool],
+                      due: Sequence[int] | None = None) -> Hits:
+        """Server: the answer to lookup ``req``, one bool per key; ``due``, with
+        ``pending-v1`` negotiated: per key the milliseconds until this node expects to
+        hold a key it is computing (0: not pending; all 0 or None: nothing is sent)."""
         r = self._served(req, "lookup", "answer_lookup")
         hits_t = tuple(hits)
         if len(hits_t) != len(r.keys) or not set(map(type, hits_t)) <= {bool}:
             raise ValueError(
                 f"answer_lookup: need {len(r.keys)} bools for request {req}, got {hits_t!r}"[:300]
             )
+        due_t = None if due is None or not any(due) else tuple(due)
+        if due_t is not None:
+            if CAP_PENDING_V1 not in self._m.caps:
+                raise LocalProtocolError(Code.UNEXPECTED, "answer_lookup: due needs "
+                                         "pending-v1, which was not negotiated")
+            if len(due_t) != len(hits_t) or any(
+                    type(d) is not int or not 0 <= d <= MAX_DUE_MS or (d and h)
+                    for d, h in zip(due_t, hits_t, strict=False)):
+                raise ValueError(f"answer_lookup: due must be {len(hits_t)} ints in "
+                                 f"0..{MAX_DUE_MS}, 0 for every hit; got {due_t!r}"[:300])
         self._m.requests.finish(req)
-        return Hits(req, hits_t)
+        return Hits(req, hits_t, due_t)
 
     def block(
         self,

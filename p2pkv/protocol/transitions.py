@@ -44,6 +44,7 @@ from p2pkv.protocol.codec import MajorVersionMismatch
 from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
     CAP_PACKED_V1,
+    CAP_PENDING_V1,
     CAP_SHM_V1,
     CAP_TCP_DATA_AEAD_V1,
     CAP_TCP_DATA_TLS_V1,
@@ -115,7 +116,7 @@ __all__ = ["CALLS", "IMPLEMENTED", "TRANSITIONS", "Call", "Handler", "Rule", "al
 
 IMPLEMENTED: Final = frozenset({CAP_CHECKSUM_XXH3_64, CAP_SHM_V1, CAP_PACKED_V1,
                                 CAP_TCP_DATA_V1, CAP_TCP_DATA_TLS_V1, CAP_TCP_DATA_AEAD_V1,
-                                CAP_TCP_STREAMS_V1})
+                                CAP_TCP_STREAMS_V1, CAP_PENDING_V1})
 """The capabilities whose rules this table holds (a session implements these by default)."""
 
 
@@ -258,7 +259,7 @@ def _on_hits(m: Machine, msg: Hits, now: float) -> Output:
     if isinstance(checked, Output):
         return checked
     m.requests.finish(msg.req)
-    return Output(events=(LookupAnswered(msg.req, msg.hits),))
+    return Output(events=(LookupAnswered(msg.req, msg.hits, msg.due),))
 
 
 def _on_block(m: Machine, msg: Block, now: float) -> Output:

@@ -9,7 +9,7 @@ lifecycle and the calls that build messages.
 
 from __future__ import annotations
 
-from p2pkv.protocol.codes import CAP_PACKED_V1, CAP_SHM_V1
+from p2pkv.protocol.codes import CAP_PACKED_V1, CAP_PENDING_V1, CAP_SHM_V1
 from p2pkv.protocol.flow import FetchCredit
 from p2pkv.protocol.machine import TERMINAL_STATES, Machine, Role, State
 from p2pkv.protocol.messages import DataOffer, Greeting, ShmOffer
@@ -55,6 +55,12 @@ class SessionView:
     def packed_blocks(self) -> bool:
         """Whether a ``block`` may carry its blocks in one frame (``packed-v1``)."""
         return CAP_PACKED_V1 in self._m.caps
+
+    @property
+    def pending_answers(self) -> bool:
+        """Whether a lookup's answer may say when a key being computed will be held
+        (``pending-v1``)."""
+        return CAP_PENDING_V1 in self._m.caps
 
     @property
     def shm_negotiated(self) -> bool:

@@ -99,6 +99,8 @@ def expected(wire: dict[str, Any], **overrides: Any) -> dict[str, Any]:
             fields["data"] = {**fields["data"], "more": fields["data"].get("more", []),
                               "cert": fields["data"].get("cert"),
                               "key": fields["data"].get("key")}  # 18.8: no secret
+    if wire["t"] == "hits":
+        fields.setdefault("due", None)  # pending-v1 (section 19): nothing pending
     if wire["t"] == "fetch":
         fields.setdefault("shm", False)  # shm-v1: absent = served with block messages
         fields.setdefault("stream", 0)  # tcp-streams-v1: absent = the first stream
@@ -192,6 +194,12 @@ def message_vectors() -> list[dict[str, Any]]:
     add("hits", hi, expected(hi))
     hi0 = {"t": "hits", "v": 1, "req": 2**64 - 1, "hits": []}
     add("hits_empty_max_req", hi0, expected(hi0))
+    # pending-v1 (section 19): the third key is being computed, held in about 1.5 s.
+    hid = {"t": "hits", "v": 1, "req": 7, "hits": [True, False, False],
+           "due": [0, 0, 1500]}
+    add("hits_pending_due", hid, expected(hid))
+    hin = {"t": "hits", "v": 1, "req": 7, "hits": [False], "due": None}
+    add("hits_due_nil_is_absent", hin, expected(hin))
     fe = {"t": "fetch", "v": 1, "req": 9, "keys": [b"a", b"b", b"c"], "window": 16}
     add("fetch", fe, expected(fe))
     cr = {"t": "credit", "v": 1, "req": 9, "n": 3}
@@ -259,6 +267,15 @@ def error_vectors() -> list[dict[str, Any]]:
     add("too_many_keys", [m(t="lookup", v=1, req=1, keys=[b"k"] * 16385)], MALFORMED)
     add("keys_not_array", [m(t="fetch", v=1, req=1, keys=b"k", window=1)], WRONG_TYPE)
     add("hit_is_int", [m(t="hits", v=1, req=1, hits=[1])], WRONG_TYPE)
+    # pending-v1 (section 19): due has one u32 per key, 0 for every hit.
+    add("due_shorter_than_hits", [m(t="hits", v=1, req=1, hits=[False, False],
+                                    due=[5])], OUT_OF_BOUNDS)
+    add("due_entry_is_float", [m(t="hits", v=1, req=1, hits=[False], due=[1.5])],
+        WRONG_TYPE)
+    add("due_entry_above_u32", [m(t="hits", v=1, req=1, hits=[False], due=[2**32])],
+        OUT_OF_BOUNDS)
+    add("due_for_a_hit", [m(t="hits", v=1, req=1, hits=[True], due=[10])], OUT_OF_BOUNDS)
+    add("due_not_an_array", [m(t="hits", v=1, req=1, hits=[False], due=10)], WRONG_TYPE)
     add("window_zero", [m(t="fetch", v=1, req=1, keys=[b"k"], window=0)], OUT_OF_BOUNDS)
     add("credit_zero", [m(t="credit", v=1, req=1, n=0)], OUT_OF_BOUNDS)
     add("done_outcome_3", [m(t="done", v=1, req=1, outcomes=[3])], OUT_OF_BOUNDS)
