@@ -44,6 +44,7 @@ from p2pkv.identity import IdentityExtension, RunConfig
 from p2pkv.keys import MAX_KEY_LEN, check_keys
 from p2pkv.layout import Layout
 from p2pkv.pool import BlockPool
+from p2pkv.runtime.pending import LookupAnswer
 from p2pkv.runtime.public import FetchResult, KeyOutcome, NodeConfig, NodeStats, PeerHandle
 from p2pkv.runtime.receiver import check_destinations
 from p2pkv.runtime.state import FetchTicket
@@ -57,6 +58,7 @@ from p2pkv.transport import validate_address
 __all__ = [
     "FetchResult",
     "KeyOutcome",
+    "LookupAnswer",
     "Node",
     "NodeConfig",
     "NodeStats",
@@ -206,6 +208,32 @@ class Node:
         once for a non-empty ``keys``, nothing is sent)."""
         t = _seconds(timeout, self.config.lookup_timeout)
         return self._wait(self.lookup_async(peer, keys, timeout=t), t)
+
+    def lookup_pending_async(self, peer: PeerHandle, keys: Sequence[bytes], *,
+                             timeout: float | None = None) -> Future[LookupAnswer]:
+        """:meth:`lookup_async`, answered with the peer's whole answer: which of
+        ``keys`` it holds and, for those it is computing, in how many seconds it expects
+        to hold them (``pending-v1``; a peer without it reports nothing pending)."""
+        keys = self._check_keys(keys)
+        fut: Future[LookupAnswer] = Future()
+        if not keys:
+            fut.set_result(LookupAnswer((), ()))
+            return fut
+        deadline = time.monotonic() + _seconds(timeout, self.config.lookup_timeout)
+        self._reactor.submit(fut, lambda: self._client.lookup(
+            peer.peer_id, keys, fut, deadline, whole=True))
+        return fut
+
+    def announce_pending(self, keys: Sequence[bytes], seconds: Sequence[float]) -> None:
+        """This node is computing the blocks of ``keys`` and expects to hold ``keys[i]``
+        in ``seconds[i]`` seconds: peers that look them up are told so (``pending-v1``,
+        SPEC §19) until they are stored, withdrawn, or overdue by their own estimate.
+        Announce only what a computation that waits on no peer produces (§19 rule 4)."""
+        self._rt.inbound.pending.announce(self._check_keys(keys), seconds)
+
+    def withdraw_pending(self, keys: Sequence[bytes]) -> None:
+        """The computation of ``keys`` stopped: they are no longer reported pending."""
+        self._rt.inbound.pending.withdraw(self._check_keys(keys))
 
     def fetch_async(self, peer: PeerHandle, keys: Sequence[bytes], *,
                     timeout: float | None = None) -> Future[FetchResult]:

@@ -195,3 +195,36 @@ def test_empty_requests_and_close_from_a_callback(nodes: Any) -> None:
     assert closed.wait(10)
     assert fut.result(timeout=5) == [False]
     client.close()  # idempotent from the caller's thread too
+
+
+def test_a_peer_is_told_when_keys_being_computed_will_be_held(nodes: Any) -> None:
+    """pending-v1 (SPEC §19): a key a node announced as being computed is answered
+    "not held, due in about t" until it is stored (then a hit), withdrawn, or overdue
+    by its own estimate; the plain lookup of the same keys says only what is held."""
+    small = {"layout": "v2", "geometry": "small"}
+    holder = nodes(small)
+    asker = nodes(small)
+    peer = asker.connect(holder.address)
+    keys = keys_for(4)
+    bpb = holder.layout.bytes_per_block
+    holder.put(keys[0], content(keys[0], bpb))
+    holder.announce_pending(keys[1:3], [2.0, 30.0])
+    answer = asker.lookup_pending_async(peer, keys).result(timeout=10)
+    assert answer.hits == (True, False, False, False)
+    assert answer.due[0] == 0.0 and answer.due[3] == 0.0
+    assert 1.0 < answer.due[1] <= 2.0 and 25.0 < answer.due[2] <= 30.0, answer
+    assert asker.lookup(peer, keys) == [True, False, False, False]
+    # Stored: a hit, no longer pending. Withdrawn: neither.
+    holder.put(keys[1], content(keys[1], bpb))
+    holder.withdraw_pending([keys[2]])
+    answer = asker.lookup_pending_async(peer, keys).result(timeout=10)
+    assert answer.hits == (True, True, False, False) and answer.due == (0.0,) * 4
+    # An estimate overdue by itself is forgotten: the computation fell behind.
+    holder.announce_pending([keys[3]], [0.1])
+    assert asker.lookup_pending_async(peer, keys[3:]).result(timeout=10).due[0] > 0
+    assert wait_until(lambda: asker.lookup_pending_async(peer, keys[3:]).result(
+        timeout=10).due == (0.0,), 5)
+    with pytest.raises(ValueError, match="finite number of seconds"):
+        holder.announce_pending(keys[:1], [float("nan")])
+    with pytest.raises(ValueError, match="2 keys but 1 estimates"):
+        holder.announce_pending(keys[:2], [1.0])

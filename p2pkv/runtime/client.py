@@ -16,6 +16,7 @@ from concurrent.futures import Future
 
 from p2pkv.errors import LocalLimitExceeded, PeerGone, PeerTimeout
 from p2pkv.runtime.outbound import OutboundConnection, OutboundParts
+from p2pkv.runtime.pending import LookupAnswer
 from p2pkv.runtime.public import FetchResult, PeerHandle
 from p2pkv.runtime.state import FetchTicket
 
@@ -62,10 +63,11 @@ class Client:
             self._outbound[conn.peer_id] = conn
         conn.open(now)
 
-    def lookup(self, peer_id: int, keys: tuple[bytes, ...], fut: Future[list[bool]],
-               deadline: float) -> None:
+    def lookup(self, peer_id: int, keys: tuple[bytes, ...],
+               fut: Future[list[bool]] | Future[LookupAnswer], deadline: float, *,
+               whole: bool = False) -> None:
         if fut.set_running_or_notify_cancel():
-            self._ready(peer_id).lookup(keys, fut, deadline)
+            self._ready(peer_id).lookup(keys, fut, deadline, whole=whole)
 
     def fetch(self, peer_id: int, keys: tuple[bytes, ...],
               destinations: Sequence[Sequence[memoryview]] | None,

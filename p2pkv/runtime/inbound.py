@@ -33,6 +33,7 @@ from p2pkv.protocol.codes import OUTCOME_FAILED
 from p2pkv.reports import reason_name
 from p2pkv.runtime.data_server import BoundStream, DataListener, DataSender, StreamOut
 from p2pkv.runtime.paths import FramesOut, ServePath, serving_frames
+from p2pkv.runtime.pending import PendingKeys
 from p2pkv.runtime.sender import Sender
 from p2pkv.runtime.shm_server import SharedOut, SharedSender
 from p2pkv.runtime.state import Sending
@@ -78,6 +79,8 @@ class InboundParts:
     data_sender: DataSender | None = None
     #: Set by :meth:`Node.drain`: new fetches are declined, lookups answer misses.
     draining: threading.Event = field(default_factory=threading.Event)
+    #: Keys this node is computing (``pending-v1``): lookups say when they are due.
+    pending: PendingKeys = field(default_factory=PendingKeys)
     #: Connections to cut once their ``bye`` had time to leave (time, fd, address):
     #: run by :meth:`cut_due`.
     cuts: list[tuple[float, int, tuple[str, int]]] = field(default_factory=list)
@@ -211,13 +214,16 @@ class InboundConnection:
 
     def _on_lookup(self, ev: proto.LookupRequested) -> None:
         # A draining node promises nothing: its blocks are about to go away.
-        hits = ([False] * len(ev.keys) if self._parts.draining.is_set()
-                else self._parts.store.lookup(list(ev.keys)))
+        draining = self._parts.draining.is_set()
+        keys = list(ev.keys)
+        hits = [False] * len(keys) if draining else self._parts.store.lookup(keys)
+        due = (self._parts.pending.due_ms(keys, hits)
+               if self.session.pending_answers and not draining else None)
         counters = self._parts.counters
         counters.add(Count.LOOKUPS_SERVED)
         counters.add(Count.LOOKUP_KEYS_SERVED, len(ev.keys))
         counters.add(Count.LOOKUP_HITS_SERVED, sum(hits))
-        self.send([self.session.answer_lookup(ev.req, hits)])
+        self.send([self.session.answer_lookup(ev.req, hits, due)])
 
     def _on_fetch(self, ev: proto.FetchRequested) -> None:
         if self._parts.draining.is_set():

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeVar, cast
 
 import zmq
 
@@ -43,6 +43,7 @@ from p2pkv.runtime.data_client import DataReceiver, StreamOwner
 from p2pkv.runtime.lanes import open_lanes, take_others
 from p2pkv.runtime.path_choice import PathChoice
 from p2pkv.runtime.paths import HANDLE_PATHS, FramesIn
+from p2pkv.runtime.pending import LookupAnswer
 from p2pkv.runtime.public import FetchResult, KeyOutcome, PeerHandle, PeerOwner
 from p2pkv.runtime.reactor import Reactor, fail, resolve
 from p2pkv.runtime.receiver import Receiver, drain
@@ -209,12 +210,18 @@ class OutboundConnection:
             raise PeerGone(f"peer {self.address} is not ready (state "
                            f"{self.session.state.name})")
 
-    def lookup(self, keys: tuple[bytes, ...], fut: Future[list[bool]], deadline: float) -> None:
+    def lookup(self, keys: tuple[bytes, ...], fut: Future[list[bool]] | Future[LookupAnswer],
+               deadline: float, *, whole: bool = False) -> None:
+        """Ask the peer about ``keys``; ``fut`` gets the hits, or with ``whole`` the
+        whole answer (:class:`LookupAnswer`, with the keys pending on the peer)."""
         session = self.session
         msg = opened(session, self.address,
                      lambda: session.lookup(keys, time.monotonic(), deadline=deadline),
                      "lookup", deadline)
-        self._waiting.lookups[msg.req] = fut
+        if whole:
+            self._waiting.answers[msg.req] = cast("Future[LookupAnswer]", fut)
+        else:
+            self._waiting.lookups[msg.req] = cast("Future[list[bool]]", fut)
         self._send([msg])
 
     def fetch(self, keys: tuple[bytes, ...], destinations: Sequence[Sequence[memoryview]] | None,
@@ -442,7 +449,7 @@ class OutboundConnection:
         self.close(exc)
 
     def _on_lookup_answered(self, ev: proto.LookupAnswered, now: float) -> None:
-        self._waiting.answered(ev.req, ev.hits)
+        self._waiting.answered(ev.req, ev.hits, ev.due)
 
     def _on_fetch_finished(self, ev: proto.FetchFinished, now: float) -> None:
         recv = self._fetches.pop(ev.req, None)

@@ -18,6 +18,7 @@ from p2pkv.keys import KEY_HASH_ALGORITHM
 from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
     CAP_PACKED_V1,
+    CAP_PENDING_V1,
     CAP_SHM_V1,
     CAP_TCP_DATA_AEAD_V1,
     CAP_TCP_DATA_TLS_V1,
@@ -223,7 +224,9 @@ class NodeConfig:
     @property
     def capabilities(self) -> tuple[str, ...]:
         """The capabilities this node offers in its greeting."""
+        # pending-v1 commits to nothing: a node with nothing pending answers as before.
         caps = [CAP_CHECKSUM_XXH3_64] if self.checksums else []
+        caps.append(CAP_PENDING_V1)
         if self.shm:
             caps.append(CAP_SHM_V1)
         if self.packed_blocks:

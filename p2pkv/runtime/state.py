@@ -17,6 +17,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from p2pkv.runtime.pending import LookupAnswer
 from p2pkv.runtime.public import FetchResult, KeyOutcome
 
 if TYPE_CHECKING:
@@ -124,22 +125,30 @@ class Waiting:
     """What waits on one outbound connection: its lookups' futures, its running fetches,
     and the tickets of fetches aborted by their callers until the peer confirms."""
 
-    __slots__ = ("aborting", "fetches", "lookups")
+    __slots__ = ("aborting", "answers", "fetches", "lookups")
 
     def __init__(self) -> None:
+        #: Lookups whose callers want the hits only, and those that want the whole
+        #: answer (with the keys pending on the peer, ``pending-v1``).
         self.lookups: dict[int, Future[list[bool]]] = {}
+        self.answers: dict[int, Future[LookupAnswer]] = {}
         self.fetches: dict[int, Receiving] = {}
         self.aborting: dict[int, FetchTicket] = {}
 
     def __bool__(self) -> bool:
         """Whether a lookup or a fetch is waiting."""
-        return bool(self.lookups or self.fetches)
+        return bool(self.lookups or self.answers or self.fetches)
 
-    def answered(self, req: int, hits: Sequence[bool]) -> None:
+    def answered(self, req: int, hits: Sequence[bool],
+                 due: Sequence[int] | None = None) -> None:
         fut = self.lookups.pop(req, None)
         if fut is not None and not fut.done():
             with contextlib.suppress(InvalidStateError):
                 fut.set_result(list(hits))
+        whole = self.answers.pop(req, None)
+        if whole is not None and not whole.done():
+            with contextlib.suppress(InvalidStateError):
+                whole.set_result(LookupAnswer.of(hits, due))
 
     def confirmed(self, req: int) -> None:
         """The peer acknowledged the abort of ``req``: its caller stops waiting once
@@ -150,9 +159,10 @@ class Waiting:
 
     def fail(self, req: int, exc: BaseException) -> Receiving | None:
         """Request ``req`` failed: its caller gets ``exc``; the fetch, if it was one."""
-        fut = self.lookups.pop(req, None)
-        if fut is not None:
-            _fail(fut, exc)
+        for waiting in (self.lookups, self.answers):
+            fut = waiting.pop(req, None)
+            if fut is not None:
+                _fail(fut, exc)
         recv = self.fetches.pop(req, None)
         if recv is not None:
             _fail(recv.future, exc)
@@ -161,8 +171,9 @@ class Waiting:
 
     def fail_all(self, exc: BaseException) -> None:
         """The connection ended: everyone waiting gets ``exc``, nothing more arrives."""
-        for fut in self.lookups.values():
-            _fail(fut, exc)
+        for waiting in (self.lookups, self.answers):
+            for fut in waiting.values():
+                _fail(fut, exc)
         for recv in self.fetches.values():
             _fail(recv.future, exc)
             if recv.ticket is not None:
@@ -170,6 +181,7 @@ class Waiting:
         for ticket in self.aborting.values():
             ticket.stopped.set()
         self.lookups.clear()
+        self.answers.clear()
         self.fetches.clear()
         self.aborting.clear()
 
