@@ -496,6 +496,22 @@ def test_tier_driven_like_vllms_tiering_manager(path: str, vllm: str) -> None:
     assert rules["slow_next_step"] is True, rules
     assert rules["no_wait"] is None and rules["broken"] is False, rules
     assert rules["asked_after_finish"], rules
+    # pending-v1: a prefix a peer is computing is waited for, then loaded; withdrawn,
+    # or its holder gone, the wait ends in a MISS at once; on one engine, the second
+    # request waits for the first instead of computing the prefix beside it.
+    pending = checks["pending"]
+    assert pending["first"] == ["MISS"] * 3, pending
+    assert pending["while_computing"] == ["RETRY"] * 3, pending
+    assert pending["stored"] and pending["after_store"] == ["HIT"] * 3, pending
+    assert pending["waited_s"] < 2.0, pending
+    assert pending["withdrawn_before"] == ["RETRY"] * 3, pending
+    assert pending["withdrawn_after"] == ["MISS"] * 3, pending
+    assert pending["dying_before"] == ["RETRY"] * 3, pending
+    assert pending["dying_after"] == ["MISS"] * 3 and pending["dying_s"] < 3.0, pending
+    assert pending["local_before"] == ["RETRY"] * 3, pending
+    assert pending["local_after"] == ["MISS"] * 3, pending
+    assert any("('pending',)" in d for d in pending["decisions"]), pending
+    assert any("('pending_no_estimate',)" in d for d in pending["decisions"]), pending
     assert checks["shutdown"]["has_pending"] == [False, False, False]
 
 

@@ -196,6 +196,82 @@ def lookup_rules() -> dict[str, Any]:
     return out
 
 
+def pending_checks(a: Any, b: Any, row: int, raw_a: bytearray,
+                   wait_finished: Any) -> dict[str, Any]:
+    """pending-v1 between two tiers: a prefix A computes (scheduled, not stored yet) is
+    waited for by B (RETRY, not MISS) and loaded once A stores it; withdrawn, or on A's
+    own engine, the wait ends in a MISS; the first request of a prefix never waits."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    def prompt(tag: int) -> tuple[list[bytes], list[bytes]]:
+        keys = [bytes([tag, i]) * 16 + (0).to_bytes(4, "big") for i in range(3)]
+        return keys, [h for k in keys for h in (b"\x03" * 32, k[:-4])]
+
+    def start(tier: Any, req_id: str, tag: int) -> tuple[Any, list[bytes], list[str]]:
+        keys, hashes = prompt(tag)
+        tier.begin_request(req_id, None, hashes)
+        req = ReqContext(req_id=req_id)
+        tier.on_new_request(req)
+        return req, keys, [tier.lookup(k, req).name for k in keys]
+
+    def settle(tier: Any, req: Any, keys: list[bytes], limit: float = 15.0) -> list[str]:
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            answers = [tier.lookup(k, req) for k in keys]
+            if LookupResult.RETRY not in answers:
+                return [x.name for x in answers]
+            tier.on_schedule_end(ScheduleEndContext((), ()))
+            time.sleep(0.02)
+        return ["RETRY"]
+
+    out: dict[str, Any] = {}
+    # A is first: nobody holds or computes the prefix, so it computes it (MISS).
+    req_a, keys, out["first"] = start(a, "pa", 7)
+    a.on_schedule_end(ScheduleEndContext(("pa",), ()))
+    # B meets it while A computes it: RETRY, not MISS.
+    req_b, _, out["while_computing"] = start(b, "pb", 7)
+    b.on_schedule_end(ScheduleEndContext((), ()))
+    # A stores it: B's next ask finds it held, and loads it.
+    for cid in range(3):
+        raw_a[cid * row:(cid + 1) * row] = bytes([cid + 40]) * row
+    a.submit_store(TransferJob(50, keys, np.arange(3), False, req_a))
+    out["stored"] = wait_finished(a, 50).success
+    started = time.monotonic()
+    out["after_store"] = settle(b, req_b, keys)
+    out["waited_s"] = time.monotonic() - started
+    a.on_request_finished(req_a)
+    b.on_request_finished(req_b)
+    # Withdrawn: A's request ends without storing; B stops waiting and computes.
+    req_a, keys, _ = start(a, "pc", 8)
+    a.on_schedule_end(ScheduleEndContext(("pc",), ()))
+    req_b, _, out["withdrawn_before"] = start(b, "pd", 8)
+    a.on_request_finished(req_a)
+    out["withdrawn_after"] = settle(b, req_b, keys)
+    b.on_request_finished(req_b)
+    # The holder dies while B waits: B computes within a lookup's deadline.
+    req_a, keys, _ = start(a, "pe", 10)
+    a.on_schedule_end(ScheduleEndContext(("pe",), ()))
+    req_b, _, out["dying_before"] = start(b, "pf", 10)
+    a.shutdown()  # (the caller's cleanup shuts it down again: a no-op)
+    started = time.monotonic()
+    out["dying_after"] = settle(b, req_b, keys)
+    out["dying_s"] = time.monotonic() - started
+    # The same engine: B computes a prefix for one request; another waits for it, and
+    # computes nothing twice; once stored (here: vLLM's own cache has it), MISS.
+    req_1, keys, _ = start(b, "l1", 9)
+    b.on_schedule_end(ScheduleEndContext(("l1",), ()))
+    req_2, _, out["local_before"] = start(b, "l2", 9)
+    b.submit_store(TransferJob(51, keys, np.arange(3), False, req_1))
+    wait_finished(b, 51)
+    out["local_after"] = settle(b, req_2, keys)
+    for req in (req_1, req_2):
+        b.on_request_finished(req)
+    out["decisions"] = sorted(f"{k}={v}" for k, v in b.get_stats().reduce().items()
+                              if "load_decisions" in str(k) or "lookup_steps" in str(k))
+    return out
+
+
 def main() -> int:
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.utils.hashing import sha256
@@ -390,6 +466,7 @@ def main() -> int:
         report("early", first_step=first_step,
                metrics=sorted(f"{k}={v}" for k, v in b.get_stats().reduce().items()
                               if "lookup_steps" in str(k)))
+        report("pending", **pending_checks(a, b, row, raw_a, wait_finished))
     finally:
         for tier in (c, b, a):
             tier.drain_jobs()

@@ -32,7 +32,8 @@ from p2pkv.integrations.vllm.peers import Count
 from p2pkv.loadpolicy import LOAD_PROBE, Advice, LoadPolicy, LoadPolicyConfig
 from p2pkv.node import FetchResult
 
-__all__ = ["DIRECTORY", "TierLoads"]
+__all__ = ["DIRECTORY", "PENDING_NO_ESTIMATE", "PENDING_PAYS", "PENDING_SLOWER",
+           "UNMEASURED_PREFILL_RATE", "TierLoads"]
 
 log = logging.getLogger("vllm.p2pkv")
 
@@ -40,6 +41,14 @@ log = logging.getLogger("vllm.p2pkv")
 LOG_EVERY = 60.0
 #: The bandwidth estimate of loads through the cluster directory (striped over holders).
 DIRECTORY = "directory"
+#: ``vllm:p2pkv_load_decisions`` reasons of chunks a peer is computing (pending-v1):
+#: waited for (it pays, or nothing is measured yet), or computed here (waiting and
+#: loading would be slower than computing them).
+PENDING_PAYS = "pending_pays"
+PENDING_NO_ESTIMATE = "pending_no_estimate"
+PENDING_SLOWER = "pending_slower_than_recompute"
+#: Tokens/s an engine announces its prefills at (pending-v1) until it measured its own.
+UNMEASURED_PREFILL_RATE = 1000.0
 
 
 class TierLoads:
@@ -93,6 +102,33 @@ class TierLoads:
                     f"(estimate older than {cfg.probe_interval:g} s: {estimate})")
         verdict = "recomputing" if advice.load == 0 else f"loading {advice.load} of"
         return f"{advice.reason}: {verdict} {what}: {estimate}"
+
+    def compute_seconds(self, chunks: int) -> list[float]:
+        """Scheduler thread: for a prefill of ``chunks`` chunks starting now, when each
+        is expected to be computed (seconds from now), at this engine's measured
+        prefill rate (:data:`UNMEASURED_PREFILL_RATE` until it has one)."""
+        tokens = self.policy.chunk_tokens
+        with self._lock:
+            rate = self.policy.prefill_rate(chunks * tokens) or UNMEASURED_PREFILL_RATE
+        return [(i + 1) * tokens / rate for i in range(chunks)]
+
+    def wait_pays(self, chunks: int, due: float) -> bool:
+        """Lookup thread: whether waiting ``due`` seconds for ``chunks`` chunks a peer is
+        computing, then loading them, is estimated to be faster than computing them
+        here (the load policy's rule; without a prefill estimate, waiting is taken,
+        bounded by ``pending_wait``). Counted in the load decisions."""
+        with self._lock:
+            tokens = chunks * self.policy.chunk_tokens
+            rate = self.policy.prefill_rate(tokens)
+            if rate is None:
+                reason = PENDING_NO_ESTIMATE
+            else:
+                rates = [r.value for r in self.policy.bandwidth.values()]
+                load = chunks * self.policy.chunk_bytes / min(rates) if rates else 0.0
+                slower = (due + load) * self.policy.config.min_speedup >= tokens / rate
+                reason = PENDING_SLOWER if slower else PENDING_PAYS
+            self._count(Metrics.LOAD_DECISIONS, 1, (reason,))
+        return reason != PENDING_SLOWER
 
     def fetched(self, peer: str, result: FetchResult) -> None:
         """IO thread: a fetch from ``peer`` completed."""

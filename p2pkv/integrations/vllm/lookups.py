@@ -22,7 +22,11 @@ block hashes are known when it arrives. So:
   from the next step on;
 - a key whose load failed is answered MISS for as long as the requests that know it
   live (:meth:`RequestLookups.mark_miss`): vLLM recomputes it instead of retrying a
-  doomed load.
+  doomed load;
+- a key an ask found **pending** (being computed by a peer or by this engine, SPEC §19)
+  is answered RETRY until the time the ask named (:class:`Pending`), then asked again;
+  a request waits on pending keys at most ``pending_limit`` seconds in all, then they
+  are MISS (vLLM computes them). Whether waiting pays at all is the ask's decision.
 
 Threads: every method runs on the scheduler thread (under vLLM 0.33's manager lock);
 the asks run on the tier's lookup threads and hand their answers back through futures
@@ -38,13 +42,25 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-__all__ = ["DEFERRED", "READY", "WAITED", "Ask", "LookupCounts", "RequestLookups"]
+__all__ = ["DEFERRED", "PENDING", "READY", "WAITED", "Answer", "Ask", "LookupCounts",
+           "Pending", "RequestLookups"]
 
 log = logging.getLogger("vllm.p2pkv")
 
-#: Runs on a lookup thread: which of ``keys`` (one request's, in prompt order) to answer
-#: HIT. ``first`` says whether ``keys[0]`` is the request's first chunk.
-Ask = Callable[[str, list[bytes], bool], list[bool]]
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """An ask's answer for a key being computed elsewhere: RETRY until ``recheck`` (a
+    ``time.monotonic()`` time), then ask again."""
+
+    recheck: float
+
+
+#: An ask's answer for one key: HIT (True), MISS (False), or wait for it (Pending).
+Answer = bool | Pending
+
+#: Runs on a lookup thread: the answer for each of ``keys`` (one request's, in prompt
+#: order). ``first`` says whether ``keys[0]`` is the request's first chunk.
+Ask = Callable[[str, list[bytes], bool], list[Answer]]
 
 #: Threads that ask peers. An ask mostly waits on the node's IO thread; a few let the
 #: requests that arrive together be asked together.
@@ -54,10 +70,11 @@ _MAX_REQUESTS = 1 << 16
 
 
 #: How a request's lookups went in one step, worst last: every key answered at once;
-#: answered after the scheduler thread waited; some key answered RETRY (the request
-#: was skipped for the step).
-READY, WAITED, DEFERRED = "ready", "waited", "deferred"
-_RANK = {READY: 0, WAITED: 1, DEFERRED: 2}
+#: answered after the scheduler thread waited; some key answered RETRY because its
+#: answer had not come (the request was skipped for the step); some key answered RETRY
+#: because it is being computed elsewhere (skipped, on purpose).
+READY, WAITED, DEFERRED, PENDING = "ready", "waited", "deferred", "pending"
+_RANK = {READY: 0, WAITED: 1, DEFERRED: 2, PENDING: 3}
 
 
 @dataclass
@@ -74,9 +91,13 @@ class LookupCounts:
 class _Request:
     """One live request's keys: answered, being asked, or gathered for this step's ask."""
 
-    answers: dict[bytes, bool] = field(default_factory=dict)
+    answers: dict[bytes, Answer] = field(default_factory=dict)
+    #: The keys the scheduler asked about, in the order it asked.
+    looked: dict[bytes, None] = field(default_factory=dict)
+    #: When the request first waited on a pending key (``time.monotonic()``), or None.
+    pending_since: float | None = None
     #: Keys being asked, each with the future of its ask and its index in that ask.
-    asking: dict[bytes, tuple[Future[list[bool]], int]] = field(default_factory=dict)
+    asking: dict[bytes, tuple[Future[list[Answer]], int]] = field(default_factory=dict)
     #: Keys met this step that nobody asked yet, in the order met; the first one's
     #: ``first`` flag.
     gathered: dict[bytes, None] = field(default_factory=dict)
@@ -90,9 +111,10 @@ class _Request:
 class RequestLookups:
     """Each live request's lookups (see the module doc)."""
 
-    def __init__(self, ask: Ask, *, wait: float) -> None:
+    def __init__(self, ask: Ask, *, wait: float, pending_limit: float = 0.0) -> None:
         self._ask = ask
         self._wait = wait
+        self._pending_limit = pending_limit
         self._requests: dict[str, _Request] = {}
         self._asks = concurrent.futures.ThreadPoolExecutor(_ASK_THREADS, "p2pkv-lookup")
         #: When this step's waiting ends (set by its first wait), or None.
@@ -111,9 +133,12 @@ class RequestLookups:
         ``first()`` says whether ``key`` is the request's first chunk (asked only for
         a key nobody asked yet)."""
         req = self._request(req_id)
+        req.looked[key] = None
         if key in req.failed:
             return False
         answer = self._answer(req, key)
+        if isinstance(answer, Pending):
+            return self._pending(req_id, req, answer)
         if answer is not None:
             _note(req, READY)
             return answer
@@ -130,11 +155,21 @@ class RequestLookups:
             concurrent.futures.wait([asking[0]], timeout=remaining)
             self._counts.wait_seconds += time.perf_counter() - started
             answer = self._answer(req, key)
+            if isinstance(answer, Pending):
+                return self._pending(req_id, req, answer)
             if answer is not None:
                 _note(req, WAITED)
                 return answer
         _note(req, DEFERRED)
         return None
+
+    def computing(self, req_id: str) -> list[bytes]:
+        """The keys the scheduler asked about for ``req_id`` that were answered MISS, in
+        the order it asked: what the engine computes once it schedules the request."""
+        req = self._requests.get(req_id)
+        if req is None:
+            return []
+        return [k for k in req.looked if k in req.failed or req.answers.get(k) is False]
 
     def flush(self) -> None:
         """The step's lookups are over: ask what was gathered, one ask per request."""
@@ -196,7 +231,26 @@ class RequestLookups:
         for i, key in enumerate(keys):
             req.asking[key] = (fut, i)
 
-    def _answer(self, req: _Request, key: bytes) -> bool | None:
+    def _pending(self, req_id: str, req: _Request, answer: Pending) -> bool | None:
+        """A key being computed elsewhere: RETRY until its recheck, then ask again; MISS
+        once the request has waited ``pending_limit`` in all."""
+        now = time.monotonic()
+        if req.pending_since is None:
+            req.pending_since = now
+        waiting = [k for k, a in req.answers.items() if isinstance(a, Pending)]
+        if now - req.pending_since >= self._pending_limit:
+            for k in waiting:
+                req.answers[k] = False
+            _note(req, READY)
+            return False
+        if now >= answer.recheck:
+            for k in waiting:
+                del req.answers[k]
+            self._submit(req_id, req, waiting, first=False)
+        _note(req, PENDING)
+        return None
+
+    def _answer(self, req: _Request, key: bytes) -> Answer | None:
         """The key's answer, settling its ask if that came back."""
         answer = req.answers.get(key)
         if answer is not None:
@@ -207,7 +261,7 @@ class RequestLookups:
         self._settle(req, asking[0])
         return req.answers.get(key)
 
-    def _settle(self, req: _Request, fut: Future[list[bool]]) -> None:
+    def _settle(self, req: _Request, fut: Future[list[Answer]]) -> None:
         """Move every key of the finished ask ``fut`` to the request's answers."""
         keys = [(k, i) for k, (f, i) in req.asking.items() if f is fut]
         try:
@@ -218,7 +272,8 @@ class RequestLookups:
             found = []
         for key, i in keys:
             del req.asking[key]
-            req.answers[key] = bool(found[i]) if i < len(found) else False
+            answer = found[i] if i < len(found) else False
+            req.answers[key] = answer if isinstance(answer, Pending) else bool(answer)
 
     def _remaining(self) -> float:
         """Seconds this step may still wait."""

@@ -104,7 +104,9 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         Metrics.LOAD_DECISIONS: OffloadingCounterMetadata(
             "Load-or-recompute decisions of the load policy (one per lookup with a hit), "
             "by reason: pays, no_estimate, probe, policy_off, below_floor, "
-            "slower_than_recompute.", labelnames=("reason",)),
+            "slower_than_recompute; and for chunks a peer is computing (pending-v1): "
+            "pending_pays, pending_no_estimate (waited for), "
+            "pending_slower_than_recompute (computed here).", labelnames=("reason",)),
         Metrics.LOAD_SKIPPED: OffloadingCounterMetadata(
             "Chunks a peer held that the load policy answered MISS (vLLM recomputed "
             "them), by reason: below_floor, slower_than_recompute.",
@@ -128,7 +130,8 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             "Scheduler steps in which a request was looked up, by outcome: ready (every "
             "key answered at once, from the ask made when the request arrived), waited "
             "(answered after the scheduler waited, within lookup_wait), deferred (a key "
-            "answered RETRY: vLLM skipped the request for the step).",
+            "answered RETRY: vLLM skipped the request for the step), pending (a key "
+            "answered RETRY because a peer or this engine is computing it).",
             labelnames=("outcome",)),
         Metrics.LOOKUP_WAIT_SECONDS: OffloadingCounterMetadata(
             "Seconds the scheduler thread waited for lookups (at most lookup_wait a step)."),

@@ -51,7 +51,7 @@ TIER_OPTIONS: tuple[str, ...] = (
     "drain_timeout",
     "refused_retry_interval", "drain_grace", "load_policy", "load_min_tokens",
     "load_min_speedup", "load_probe_interval", "load_probe_chunks", "load_probe_budget",
-    "lookup_wait",
+    "lookup_wait", "pending_wait",
 )
 _DEFAULT_RECONNECT = 2.0
 #: Seconds before a peer that refused the handshake is tried again (the configuration
@@ -67,10 +67,14 @@ DEFAULT_IDENTITY_TIMEOUT = 600.0
 #: asked when their requests arrived (a peer on the same network answers in about a
 #: millisecond; a step under load takes a forward pass, which a RETRY costs whole).
 DEFAULT_LOOKUP_WAIT = 0.05
+#: Seconds a request may wait in all for chunks a peer (or this engine) is computing
+#: before it computes them itself (pending-v1); the load policy stops it sooner when
+#: waiting would be slower than computing.
+DEFAULT_PENDING_WAIT = 10.0
 _TIER_ONLY = ("peers", "reconnect_interval", "locality", "identity_timeout",
               "refused_retry_interval", "drain_grace", "load_policy", "load_min_tokens",
               "load_min_speedup", "load_probe_interval", "load_probe_chunks",
-              "load_probe_budget", "lookup_wait")
+              "load_probe_budget", "lookup_wait", "pending_wait")
 #: Defaults that differ from ``serve``'s: a scheduler waits on lookups, so silence
 #: becomes a miss sooner; a load that takes longer than recomputing is not worth waiting.
 TIER_DEFAULTS: Mapping[str, Any] = {"lookup_timeout": 1.0, "fetch_timeout": 10.0}
@@ -85,6 +89,7 @@ class TierWaits:
     drain_grace: float = DEFAULT_DRAIN_GRACE
     identity: float = DEFAULT_IDENTITY_TIMEOUT
     lookup_wait: float = DEFAULT_LOOKUP_WAIT
+    pending_wait: float = DEFAULT_PENDING_WAIT
 
 
 def tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], TierWaits]:
@@ -109,7 +114,8 @@ def tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], Tier
                                         DEFAULT_REFUSED_RETRY),
         drain_grace=_positive_seconds(params, "drain_grace", DEFAULT_DRAIN_GRACE),
         identity=_positive_seconds(params, "identity_timeout", DEFAULT_IDENTITY_TIMEOUT),
-        lookup_wait=_seconds(params, "lookup_wait", DEFAULT_LOOKUP_WAIT))
+        lookup_wait=_seconds(params, "lookup_wait", DEFAULT_LOOKUP_WAIT),
+        pending_wait=_seconds(params, "pending_wait", DEFAULT_PENDING_WAIT))
     try:
         settings = load_settings(flags, environ={})
         for address in settings["peer"]:

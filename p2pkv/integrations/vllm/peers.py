@@ -22,7 +22,7 @@ from typing import Any
 
 from p2pkv.errors import P2PKVError, PeerGone, PeerIncompatible
 from p2pkv.integrations.vllm.metrics import Metrics
-from p2pkv.node import Node, PeerHandle
+from p2pkv.node import LookupAnswer, Node, PeerHandle
 
 __all__ = ["Peer", "Peers"]
 
@@ -125,9 +125,11 @@ class Peers:
 
     # ------------------------------------------------------------------ lookups
 
-    def ask(self, node: Node, keys: list[bytes]) -> list[bool]:
+    def ask(self, node: Node, keys: list[bytes]) -> tuple[list[bool], list[float]]:
         """Runs on the lookup thread: one lookup per connected peer, in parallel, one
-        deadline for all. Silence, errors and refusals are misses."""
+        deadline for all. Silence, errors and refusals are misses. Per key: whether a
+        peer holds it, and for a key none holds, the soonest a peer computing it expects
+        to (seconds from now; 0.0: nobody is computing it, ``pending-v1``)."""
         deadline = time.monotonic() + self._lookup_timeout
         with self._lock:
             connecting = [p.connecting for p in self._peers.values() if p.connecting]
@@ -135,28 +137,31 @@ class Peers:
             concurrent.futures.wait(connecting, timeout=self._lookup_timeout)
         with self._lock:
             handles = [p.handle for p in self._peers.values() if p.handle is not None]
-        asks: list[tuple[PeerHandle, Future[list[bool]]]] = []
+        asks: list[tuple[PeerHandle, Future[LookupAnswer]]] = []
         for handle in handles:
             try:
-                asks.append((handle, node.lookup_async(
+                asks.append((handle, node.lookup_pending_async(
                     handle, keys, timeout=max(0.001, deadline - time.monotonic()))))
             except P2PKVError as exc:
                 self.lost(handle, exc)
         found = [False] * len(keys)
+        due = [0.0] * len(keys)
         holders: dict[bytes, str] = {}
         for handle, fut in asks:
             try:
-                answer = fut.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+                whole = fut.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
             except PeerGone as exc:
                 self.lost(handle, exc)
                 continue
             except (P2PKVError, concurrent.futures.TimeoutError) as exc:
                 log.debug("p2pkv tier: lookup at %s failed: %s", handle.address, exc)
                 continue
-            for i, hit in enumerate(answer):
+            for i, hit in enumerate(whole.hits):
                 if hit and not found[i]:
                     found[i] = True
                     holders[keys[i]] = handle.address
+                elif whole.due[i] and (not due[i] or whole.due[i] < due[i]):
+                    due[i] = whole.due[i]
         with self._lock:
             for key, address in holders.items():
                 self._holders[key] = address
@@ -165,7 +170,7 @@ class Peers:
                 self._holders.popitem(last=False)
             self._count(Metrics.LOOKUP_KEYS, len(keys), ())
             self._count(Metrics.LOOKUP_HITS, sum(found), ())
-        return found
+        return found, [0.0 if f else d for f, d in zip(found, due, strict=True)]
 
     def route(self, keys: Sequence[bytes]) -> tuple[dict[str, PeerHandle], list[str | None]]:
         """The connected peers by address, and for each key the connected peer that said

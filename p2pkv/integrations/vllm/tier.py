@@ -61,10 +61,11 @@ from p2pkv.integrations.vllm.adapters import (
     first_chunk,
     first_chunk_tokens,
 )
+from p2pkv.integrations.vllm.computing import Computing
 from p2pkv.integrations.vllm.connector import building
 from p2pkv.integrations.vllm.identity import TierIdentity, run_config_from_spec
 from p2pkv.integrations.vllm.loads import DIRECTORY, TierLoads
-from p2pkv.integrations.vllm.lookups import RequestLookups
+from p2pkv.integrations.vllm.lookups import Answer, Pending, RequestLookups
 from p2pkv.integrations.vllm.metrics import HookTimes, Metrics, metric_definitions
 from p2pkv.integrations.vllm.options import (
     CONNECTOR_KEYS,
@@ -118,6 +119,7 @@ class P2PKVTier(SecondaryTierManager):
         # identity that is not yet known.
         self.identity = TierIdentity(offloading_spec, self._declared)
         self._identity_timeout = waits.identity
+        self._waits = waits
         self._drain_grace = waits.drain_grace
         self.layout = EngineRowLayout.of_bytes(self.block_size_bytes)
         self._fetch_timeout = float(settings["fetch_timeout"])
@@ -136,7 +138,11 @@ class P2PKVTier(SecondaryTierManager):
                 "peers": peers, "ttl": float(settings["directory_ttl"]),
                 "lookup_timeout": float(settings["lookup_timeout"]),
                 "fetch_timeout": self._fetch_timeout, "advertise": settings["advertise"]})
-        self._lookups = RequestLookups(self._ask, wait=waits.lookup_wait)
+        self._lookups = RequestLookups(self._ask, wait=waits.lookup_wait,
+                                       pending_limit=waits.pending_wait)
+        # pending-v1: the prompt chunks this engine is computing, announced to peers
+        # (and to its own later requests) until they are stored or the request stops.
+        self._computing = Computing(lambda: self._run.node, self._lock)
         #: Per KV-cache group: its index and the block hashes behind one chunk key.
         self._chunk_hashes = _chunk_hashes(offloading_spec)
         self._policy = TierLoads(load_policy_config(params),
@@ -245,6 +251,7 @@ class P2PKVTier(SecondaryTierManager):
         self._transfers.load(job_metadata)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
+        self._computing.stored(job_metadata.req_context.req_id, job_metadata.keys)
         self._transfers.store(job_metadata)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -261,11 +268,16 @@ class P2PKVTier(SecondaryTierManager):
         return self._transfers.pending()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        self._computing.withdraw(req_context.req_id)
         self._lookups.finished(req_context.req_id)
         self._policy.finished(req_context.req_id)
         self._adapters.finished(req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        for req_id in context.preempted_req_ids:
+            self._computing.withdraw(req_id)
+        for req_id in context.new_req_ids:
+            self._announce(req_id)
         self._lookups.flush()
         self._policy.scheduled(context)
         self._maintain()
@@ -288,36 +300,70 @@ class P2PKVTier(SecondaryTierManager):
 
     # ------------------------------------------------------------------ lookup threads
 
-    def _ask(self, req_id: str, keys: list[bytes], first: bool) -> list[bool]:
-        """Which of one request's ``keys`` to answer HIT: asked of every connected peer
+    def _ask(self, req_id: str, keys: list[bytes], first: bool) -> list[Answer]:
+        """The answer for each of one request's ``keys``: asked of every connected peer
         (see :meth:`Peers.ask`) or of the directory, under the keys the request's
         adapter shares them under; the load policy then keeps only the hits worth
-        loading (see :class:`TierLoads`). ``first``: ``keys[0]`` is the request's first
-        chunk."""
+        loading (see :class:`TierLoads`), and keys being computed right after them are
+        waited for when that pays (:meth:`_wait_for`). ``first``: ``keys[0]`` is the
+        request's first chunk."""
         node = self._run.node
         if node is None or not keys:
             return [False] * len(keys)
         shared = self._adapters.keys(req_id, keys)
         if shared.keys is None:  # counted once, where its chunks are kept from peers
             return [False] * len(keys)
-        found, holders = self._ask_holders(node, shared.keys)
+        found, due, holders = self._ask_holders(node, shared.keys)
         # A miss on a prompt's first chunk: does a peer hold it under another version
         # of this adapter (its name-and-path key)? Then say so; nothing is loaded.
         if shared.name_keys and not found[0] and first and \
                 self._ask_holders(node, shared.name_keys[:1])[0][0]:
             self._adapters.mismatch(str(shared.adapter), len(keys))
-        return self._policy.advise(req_id, keys, found, holders)
+        answers: list[Answer] = list(self._policy.advise(req_id, keys, found, holders))
+        here = self._computing.due_here(req_id, shared.keys)
+        return self._wait_for(answers, found, [d or h for d, h in zip(due, here, strict=True)])
+
+    def _wait_for(self, answers: list[Answer], found: list[bool],
+                  due: list[float]) -> list[Answer]:
+        """The keys right after those to load that nobody holds but a peer or this
+        engine is computing (``due[i]`` seconds from now): answered :class:`Pending`
+        when waiting for them and loading them pays, and ``pending_wait`` allows."""
+        start = next((i for i, a in enumerate(answers) if a is not True), len(answers))
+        end = start
+        while end < len(answers) and not found[end] and due[end] > 0:
+            end += 1
+        if end == start or self._waits.pending_wait <= 0 or \
+                not self._policy.wait_pays(end - start, max(due[start:end])):
+            return answers
+        recheck = time.monotonic() + min(max(due[start], PENDING_RECHECK_MIN),
+                                         PENDING_RECHECK_MAX)
+        for i in range(start, end):
+            answers[i] = Pending(recheck)
+        return answers
+
+    def _announce(self, req_id: str) -> None:
+        """Request ``req_id`` was scheduled for the first time: the chunks it looked up
+        and nobody held are computed here now (see :mod:`.computing`)."""
+        keys = self._lookups.computing(req_id)
+        if not keys or self._adapters.pending(req_id):
+            return
+        shared = self._adapters.keys(req_id, keys)
+        if shared.keys is not None:
+            self._computing.announce(req_id, keys, shared.keys,
+                                     self._policy.compute_seconds(len(keys)))
 
     def _ask_holders(self, node: Node, keys: list[bytes]
-                     ) -> tuple[list[bool], list[str | None]]:
-        """Which of ``keys`` a peer (or the directory) holds, and who."""
+                     ) -> tuple[list[bool], list[float], list[str | None]]:
+        """Which of ``keys`` a peer (or the directory) holds, when a peer computing one
+        expects to hold it (seconds; 0.0: nobody is), and who holds each."""
         if self._run.directory is not None:
             found = self._run.directory.ask(keys)
             with self._lock:
                 self._count(Metrics.LOOKUP_KEYS, len(keys), ())
                 self._count(Metrics.LOOKUP_HITS, sum(found), ())
-            return list(found), [DIRECTORY] * len(keys)
-        return list(self._peers.ask(node, keys)), list(self._peers.route(keys)[1])
+            return list(found), [0.0] * len(keys), [DIRECTORY] * len(keys)
+        found, due = self._peers.ask(node, keys)
+        return found, due, list(self._peers.route(keys)[1])
 
     # ------------------------------------------------------------------ observability
 
@@ -337,6 +383,7 @@ class P2PKVTier(SecondaryTierManager):
             "node": self._run.node.stats() if self._run.node else None,
             "load_policy": self._policy.describe(),
             "adapters": self._adapters.describe(),
+            "computing": self._computing.describe(),
             "hooks": self._hooks.describe(),
         }
 
@@ -369,6 +416,13 @@ class P2PKVTier(SecondaryTierManager):
                 stats.increase_counter(name, delta)
             stats.set_gauge(Metrics.DIRECTORY_REGISTERED, int(self._run.directory.registered()))
         return stats
+
+
+#: Seconds between two asks about chunks a peer is computing: at least (a quick store
+#: is not asked about in a busy loop), at most (a holder that dies or withdraws is
+#: noticed within this, plus a lookup's deadline).
+PENDING_RECHECK_MIN = 0.05
+PENDING_RECHECK_MAX = 0.5
 
 
 def _chunk_hashes(spec: OffloadingSpec) -> tuple[tuple[int, int], ...]:
