@@ -32,7 +32,8 @@ from p2pkv.integrations.vllm.peers import Count
 from p2pkv.loadpolicy import LOAD_PROBE, Advice, LoadPolicy, LoadPolicyConfig
 from p2pkv.node import FetchResult
 
-__all__ = ["DIRECTORY", "PENDING_NO_ESTIMATE", "PENDING_PAYS", "PENDING_SLOWER",
+__all__ = ["DIRECTORY", "PENDING_NO_ESTIMATE", "PENDING_PAYS", "PENDING_POLICY_OFF",
+           "PENDING_SLOWER",
            "UNMEASURED_PREFILL_RATE", "TierLoads"]
 
 log = logging.getLogger("vllm.p2pkv")
@@ -46,6 +47,7 @@ DIRECTORY = "directory"
 #: loading would be slower than computing them).
 PENDING_PAYS = "pending_pays"
 PENDING_NO_ESTIMATE = "pending_no_estimate"
+PENDING_POLICY_OFF = "pending_policy_off"
 PENDING_SLOWER = "pending_slower_than_recompute"
 #: Tokens/s an engine announces its prefills at (pending-v1) until it measured its own.
 UNMEASURED_PREFILL_RATE = 1000.0
@@ -115,17 +117,22 @@ class TierLoads:
     def wait_pays(self, chunks: int, due: float) -> bool:
         """Lookup thread: whether waiting ``due`` seconds for ``chunks`` chunks a peer is
         computing, then loading them, is estimated to be faster than computing them
-        here (the load policy's rule; without a prefill estimate, waiting is taken,
-        bounded by ``pending_wait``). Counted in the load decisions."""
+        here (the load policy's rule; without a prefill estimate, or with the policy
+        off, waiting is taken, bounded by ``pending_wait``). Counted in the load
+        decisions."""
         with self._lock:
             tokens = chunks * self.policy.chunk_tokens
             rate = self.policy.prefill_rate(tokens)
-            if rate is None:
+            if not self.policy.config.enabled:
+                reason = PENDING_POLICY_OFF
+            elif rate is None:
                 reason = PENDING_NO_ESTIMATE
             else:
                 rates = [r.value for r in self.policy.bandwidth.values()]
                 load = chunks * self.policy.chunk_bytes / min(rates) if rates else 0.0
-                slower = (due + load) * self.policy.config.min_speedup >= tokens / rate
+                # No min_speedup margin here: a wait that only breaks even still frees
+                # this engine to compute other requests meanwhile.
+                slower = due + load >= tokens / rate
                 reason = PENDING_SLOWER if slower else PENDING_PAYS
             self._count(Metrics.LOAD_DECISIONS, 1, (reason,))
         return reason != PENDING_SLOWER

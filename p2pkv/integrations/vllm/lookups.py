@@ -104,7 +104,7 @@ class _Request:
     gathered_first: bool = False
     #: Keys whose load failed: MISS from now on.
     failed: set[bytes] = field(default_factory=set)
-    #: How its lookups went this step (READY, WAITED, DEFERRED), or None.
+    #: How its lookups went this step (READY, WAITED, DEFERRED, PENDING), or None.
     outcome: str | None = None
 
 

@@ -105,7 +105,7 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             "Load-or-recompute decisions of the load policy (one per lookup with a hit), "
             "by reason: pays, no_estimate, probe, policy_off, below_floor, "
             "slower_than_recompute; and for chunks a peer is computing (pending-v1): "
-            "pending_pays, pending_no_estimate (waited for), "
+            "pending_pays, pending_no_estimate, pending_policy_off (waited for), "
             "pending_slower_than_recompute (computed here).", labelnames=("reason",)),
         Metrics.LOAD_SKIPPED: OffloadingCounterMetadata(
             "Chunks a peer held that the load policy answered MISS (vLLM recomputed "
