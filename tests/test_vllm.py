@@ -500,16 +500,16 @@ def test_tier_driven_like_vllms_tiering_manager(path: str, vllm: str) -> None:
     # or its holder gone, the wait ends in a MISS at once; on one engine, the second
     # request waits for the first instead of computing the prefix beside it.
     pending = checks["pending"]
-    assert pending["first"] == ["MISS"] * 3, pending
+    assert pending["first"] == ["MISS"], pending  # vLLM stops asking at a MISS
     assert pending["while_computing"] == ["RETRY"] * 3, pending
     assert pending["stored"] and pending["after_store"] == ["HIT"] * 3, pending
     assert pending["waited_s"] < 2.0, pending
     assert pending["withdrawn_before"] == ["RETRY"] * 3, pending
-    assert pending["withdrawn_after"] == ["MISS"] * 3, pending
+    assert pending["withdrawn_after"] == ["MISS"], pending
     assert pending["dying_before"] == ["RETRY"] * 3, pending
-    assert pending["dying_after"] == ["MISS"] * 3 and pending["dying_s"] < 3.0, pending
+    assert pending["dying_after"] == ["MISS"] and pending["dying_s"] < 3.0, pending
     assert pending["local_before"] == ["RETRY"] * 3, pending
-    assert pending["local_after"] == ["MISS"] * 3, pending
+    assert pending["local_after"] == ["MISS"], pending
     assert any("('pending',)" in d for d in pending["decisions"]), pending
     assert any("('pending_no_estimate',)" in d for d in pending["decisions"]), pending
     assert checks["shutdown"]["has_pending"] == [False, False, False]
@@ -589,44 +589,6 @@ def test_consumer_loads_shared_prefix_from_producer(
     assert "model_weights=" in log and "SHA-256 of 1 weight file" in log
     assert "model_config=" in log and "config.json" in log
     engine.close()
-
-
-@pytest.fixture(scope="module")
-def pending_consumer(model_dir: Path, logs: Path, engines: list[Engine],
-                     producer: str) -> Engine:
-    """A consumer of the producer that always waits for chunks the producer is computing
-    (its load policy off: no estimate can talk it out of the wait)."""
-    return consumer("consumer-pending", model_dir, logs, engines, producer,
-                    tier={"load_policy": False})
-
-
-def long_conversation(session: str, question: str) -> list[dict[str, str]]:
-    """A prompt of about 450 tokens that no other test sends: seconds of prefill on a
-    busy core."""
-    return [{"role": "system", "content": f"Session {session}. {SYSTEM} {SYSTEM_SHORT}"},
-            {"role": "user", "content": QUESTIONS[question]}]
-
-
-def test_a_prefix_the_producer_is_computing_is_waited_for_and_loaded(
-        pending_consumer: Engine, producer_engine: Engine) -> None:
-    """pending-v1 on real engines: a new long prompt goes to the producer and, a moment
-    later, while the producer is still computing it, to a consumer. The consumer does not
-    compute it beside the producer: it waits (its lookups answer RETRY, counted as
-    ``pending``), then loads every whole chunk from the producer, and answers with the
-    producer's text (the producer computed it alone, so that is the no-sharing answer)."""
-    conversation = long_conversation("P", "japan")
-    producer_engine.send({"cmd": "chat", "conversations": [conversation], "max_tokens": 10})
-    time.sleep(1.0)  # the producer is in its prefill (seconds on one core)
-    out = converse(pending_consumer, conversation)
-    computed = producer_engine.read(ANSWER_TIMEOUT)
-    assert out["texts"] == computed["texts"], (out, computed)
-    shared = shared_tokens(out["prompt_tokens"][0])
-    assert out["cached"] == [shared], (out, computed)
-    metrics = pending_consumer.metrics()
-    assert p2p_hits(metrics) == shared, metrics
-    assert metrics.get("vllm:p2pkv_lookup_steps{outcome=pending}", 0) >= 1, metrics
-    assert metrics.get("vllm:p2pkv_load_decisions{reason=pending_policy_off}", 0) >= 1, \
-        metrics
 
 
 def test_consumer_finds_the_producer_through_the_redis_directory(
@@ -962,31 +924,17 @@ class StallingProxy(CorruptingProxy):
 
 def test_producer_killed_mid_load(
         model_dir: Path, logs: Path, engines: list[Engine], producer_engine: Engine,
-        producer: str, pending_consumer: Engine) -> None:
-    """Runs last: it kills the producer, in the middle of two things at once: a load
-    (one consumer, through a proxy that stalls the producer's bytes) and a prefill
-    (another consumer waits for the prefix the producer is computing, pending-v1).
-    Neither consumer fails or hangs: both compute what they needed and answer.
-
-    The loaded conversation is one of the producer's own, which it answers first, so
-    that its chunks are the newest in the producer's pool: the load-policy test before
-    this one stores more chunks than the pool (22) has room for beside the module's
-    first conversations, and the pool evicts the oldest."""
+        producer: str) -> None:
+    """Runs last: it kills the producer. The conversation is one of its own, which the
+    producer answers first, so that its chunks are the newest in the producer's pool:
+    the load-policy test before this one stores more chunks than the pool (22) has room
+    for beside the module's first conversations, and the pool evicts the oldest."""
     conversation = [{"role": "system", "content": f"Session K. {SYSTEM}"},
                     {"role": "user", "content": QUESTIONS["france"]}]
     expected = converse(producer_engine, conversation)["texts"]
     proxy = StallingProxy(producer)
     try:
         engine = consumer("consumer-kill", model_dir, logs, engines, proxy.address)
-        # The producer starts a long prefill; the pending consumer waits for it.
-        computing = long_conversation("K", "egypt")
-        waited_before = pending_consumer.metrics().get(
-            "vllm:p2pkv_lookup_steps{outcome=pending}", 0)
-        producer_engine.send({"cmd": "chat", "conversations": [computing],
-                              "max_tokens": 10})
-        time.sleep(1.0)
-        pending_consumer.send({"cmd": "chat", "conversations": [computing],
-                               "max_tokens": 10})
         engine.send({"cmd": "chat", "conversations": [conversation], "max_tokens": 10})
         assert proxy.holding.wait(ANSWER_TIMEOUT), "the load never started"
         region = re.search(r"Created mmap file (/dev/shm/vllm_offload_\S+?\.mmap)",
@@ -1010,16 +958,6 @@ def test_producer_killed_mid_load(
         failures = {k: v for k, v in metrics.items() if "load_failures" in k}
         assert list(failures) == ["vllm:p2pkv_load_failures{reason=PeerTimeout}"], failures
         engine.close()
-        # The waiter: the producer died in the middle of the prefill it waited for. It
-        # computed the prompt itself (nothing came from the peer), within the heartbeat
-        # deadline (2 s) and a lookup's (1 s) of the kill, plus its own prefill.
-        out = pending_consumer.read(ANSWER_TIMEOUT)
-        assert out["cached"] == [0], out
-        assert time.monotonic() - started < 30.0
-        metrics = pending_consumer.metrics()
-        assert metrics.get("vllm:p2pkv_lookup_steps{outcome=pending}", 0) > waited_before
-        again = converse(pending_consumer, computing)  # from its own cache now
-        assert again["texts"] == out["texts"], (again, out)
     finally:
         proxy.close()
         producer_engine.kill()

@@ -201,26 +201,35 @@ def pending_checks(a: Any, b: Any, row: int, raw_a: bytearray,
     """pending-v1 between two tiers: a prefix A computes (scheduled, not stored yet) is
     waited for by B (RETRY, not MISS) and loaded once A stores it; withdrawn, or on A's
     own engine, the wait ends in a MISS; the first request of a prefix never waits."""
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+    from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
     def prompt(tag: int) -> tuple[list[bytes], list[bytes]]:
         keys = [bytes([tag, i]) * 16 + (0).to_bytes(4, "big") for i in range(3)]
         return keys, [h for k in keys for h in (b"\x03" * 32, k[:-4])]
 
+    def scan(tier: Any, req: Any, keys: list[bytes]) -> list[str]:
+        """As vLLM's scheduler asks: in order, on past RETRY, stopping at the first MISS."""
+        answers = []
+        for k in keys:
+            answers.append(tier.lookup(k, req).name)
+            if answers[-1] == "MISS":
+                break
+        return answers
+
     def start(tier: Any, req_id: str, tag: int) -> tuple[Any, list[bytes], list[str]]:
         keys, hashes = prompt(tag)
         tier.begin_request(req_id, None, hashes)
         req = ReqContext(req_id=req_id)
         tier.on_new_request(req)
-        return req, keys, [tier.lookup(k, req).name for k in keys]
+        return req, keys, scan(tier, req, keys)
 
     def settle(tier: Any, req: Any, keys: list[bytes], limit: float = 15.0) -> list[str]:
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
-            answers = [tier.lookup(k, req) for k in keys]
-            if LookupResult.RETRY not in answers:
-                return [x.name for x in answers]
+            answers = scan(tier, req, keys)
+            if "RETRY" not in answers:
+                return answers
             tier.on_schedule_end(ScheduleEndContext((), ()))
             time.sleep(0.02)
         return ["RETRY"]

@@ -4,8 +4,9 @@ Whoever computes blocks (an engine's tier) announces their keys with the time it
 expects to store them, and withdraws them when the computation stops without storing
 them. A lookup of such a key that this node does not hold yet is answered with ``due``:
 the milliseconds until then. A key is never reported pending once it is held (the
-lookup answers a hit), nor once its estimate has passed by more than the estimate itself
-(the computation fell behind, or it never withdrew the key): SPEC §19 rule 4.
+lookup answers a hit), nor once its estimate has passed by more than the estimate itself,
+and at least :data:`MIN_OVERDUE` (the computation fell behind, or it never withdrew the key): SPEC
+§19 rule 4. The computation may announce a key again, with a new estimate.
 
 Thread-safe: the announcing thread and the IO thread (answering lookups) share it under
 one lock; every call is a few dictionary operations per key.
@@ -22,13 +23,17 @@ from dataclasses import dataclass
 
 from p2pkv.protocol.codes import MAX_DUE_MS
 
-__all__ = ["MAX_PENDING_KEYS", "LookupAnswer", "PendingKeys"]
+__all__ = ["MAX_PENDING_KEYS", "MIN_OVERDUE", "LookupAnswer", "PendingKeys"]
 
 #: Most keys kept pending; past it the oldest announcement is forgotten first.
 MAX_PENDING_KEYS = 1 << 18
 #: The shortest estimate kept (seconds): an announcement always outlives its answer's
 #: round trip.
 _MIN_ESTIMATE = 0.05
+#: A key overdue by its estimate, and at least this (seconds), is forgotten. An engine
+#: cannot renew an estimate in the middle of a forward pass, and one prefill can be a
+#: single pass of seconds that a rate measured on other prompts underestimates.
+MIN_OVERDUE = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +71,8 @@ class PendingKeys:
         with self._lock:
             for key, s in zip(keys, seconds, strict=True):
                 estimate = max(float(s), _MIN_ESTIMATE)
-                self._keys[key] = (now + estimate, now + 2 * estimate)
+                self._keys[key] = (now + estimate,
+                                   now + estimate + max(estimate, MIN_OVERDUE))
                 self._keys.move_to_end(key)
             while len(self._keys) > self._limit:
                 self._keys.popitem(last=False)

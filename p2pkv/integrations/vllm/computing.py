@@ -8,13 +8,15 @@ now, announced so that nobody computes them a second time (``pending-v1``, SPEC 
 - A chunk leaves the announcement when its store is submitted (it is computed: a peer
   that asks again finds it held a moment later), and all of a request's chunks leave
   when the request is preempted or finishes; a node that stops takes its announcements
-  with it, and one that falls behind its estimate by the estimate itself stops
-  reporting them (SPEC §19 rule 4).
+  with it. A request still running past its estimate renews it, a little at a time,
+  up to a limit (on a thread of its own: a prefill can be one forward pass of seconds);
+  past that its node stops reporting the chunks once they are overdue by their
+  estimate, and at least ten seconds (SPEC §19 rule 4).
 - Only scheduled requests announce; only requests not yet scheduled wait (their
   lookups answer RETRY, see :mod:`.lookups`). So a wait never closes a cycle.
 
-Thread-safe: the scheduler thread announces and withdraws; the lookup threads read
-:meth:`Computing.due_here`. Everything runs under the tier's lock.
+Thread-safe: the scheduler thread announces and withdraws, a thread of its own renews,
+the lookup threads read :meth:`Computing.due_here`; all under the tier's lock.
 """
 
 from __future__ import annotations
@@ -22,46 +24,110 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
 from p2pkv.node import Node
+from p2pkv.runtime.pending import MIN_OVERDUE
 
 __all__ = ["Computing"]
 
 
+#: Seconds an overdue announcement is renewed by, each scheduler step, while its request
+#: still runs and has not stored the chunks.
+RENEW_S = 0.5
+#: Renewals stop this many seconds after the announcement: a request that never stores
+#: its chunks is not reported as computing them beyond that (and every waiter has its
+#: own limit, ``pending_wait``). A prefill rate measured on other prompts can be far off
+#: under load, so the limit does not follow the estimate.
+RENEW_LIMIT_S = 30.0
+
+
+@dataclass
+class _Announced:
+    """One request's announced chunks not stored yet (vLLM's key → shared key)."""
+
+    keys: dict[bytes, bytes]
+    #: When announced, and when the chunks are due now.
+    since: float
+    due: float
+
+
 class Computing:
-    """This engine's announced chunks: per request, its keys (vLLM's → shared), and
+    """This engine's announced chunks: per request, the ones it has not stored yet, and
     per shared key the request computing it and when it is due."""
 
     def __init__(self, node: Callable[[], Node | None], lock: threading.Lock) -> None:
         self._node = node
         self._lock = lock
-        self._requests: dict[str, dict[bytes, bytes]] = {}
+        self._requests: dict[str, _Announced] = {}
+        # Renewals run on a thread of their own: a prefill of one long step gives the
+        # scheduler thread no chance to renew anything until it is over.
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
         #: shared key -> (the request computing it, when due, when forgotten)
         self._due: dict[bytes, tuple[str, float, float]] = {}
 
     def announce(self, req_id: str, engine_keys: Sequence[bytes], shared_keys: Sequence[bytes],
-                 seconds: Sequence[float]) -> None:
+                 seconds: float) -> None:
         """Request ``req_id`` was scheduled and computes ``engine_keys`` (shared under
-        ``shared_keys``); ``seconds[i]``: when the i-th is expected to be stored."""
+        ``shared_keys``), expected to be stored in ``seconds``."""
         node = self._node()
         if node is None or not shared_keys:
             return
-        node.announce_pending(shared_keys, seconds)
+        node.announce_pending(shared_keys, [seconds] * len(shared_keys))
         now = time.monotonic()
+        if self._renewer is None:
+            self._renewer = threading.Thread(target=self._renew_loop, daemon=True,
+                                             name="p2pkv-pending-renew")
+            self._renewer.start()
         with self._lock:
-            mine = self._requests.setdefault(req_id, {})
-            for engine_key, key, s in zip(engine_keys, shared_keys, seconds, strict=True):
-                mine[bytes(engine_key)] = key
-                self._due[key] = (req_id, now + s, now + 2 * s)
+            self._requests[req_id] = _Announced(
+                {bytes(e): k for e, k in zip(engine_keys, shared_keys, strict=True)},
+                now, now + seconds)
+            self._mark(req_id, shared_keys, now, seconds)
+
+    def close(self) -> None:
+        """Stop renewing (the tier shuts down; its node takes the announcements along)."""
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join(timeout=2 * RENEW_S)
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(RENEW_S / 2):
+            self.renew()
+
+    def renew(self) -> None:
+        """The renewing thread, twice per :data:`RENEW_S`: a request still running
+        whose chunks are overdue is still computing them (a prefill slower than
+        measured, or queued behind others): its announcement is renewed, up to
+        :data:`RENEW_LIMIT_S` after it was made."""
+        now = time.monotonic()
+        renewed: list[bytes] = []
+        with self._lock:
+            for req_id, ann in self._requests.items():
+                if not ann.keys or now < ann.due or now > ann.since + RENEW_LIMIT_S:
+                    continue
+                ann.due = now + RENEW_S
+                keys = list(ann.keys.values())
+                self._mark(req_id, keys, now, RENEW_S)
+                renewed += keys
+        node = self._node()
+        if renewed and node is not None:
+            node.announce_pending(renewed, [RENEW_S] * len(renewed))
+
+    def _mark(self, req_id: str, keys: Sequence[bytes], now: float, seconds: float) -> None:
+        for key in keys:
+            self._due[key] = (req_id, now + seconds,
+                              now + seconds + max(seconds, MIN_OVERDUE))
 
     def stored(self, req_id: str, engine_keys: Collection[bytes]) -> None:
         """The store of ``engine_keys`` was submitted: computed, soon held."""
         with self._lock:
-            mine = self._requests.get(req_id)
-            if not mine:
+            ann = self._requests.get(req_id)
+            if ann is None:
                 return
             for engine_key in engine_keys:
-                key = mine.pop(bytes(engine_key), None)
+                key = ann.keys.pop(bytes(engine_key), None)
                 if key is not None and self._due.get(key, ("", 0.0, 0.0))[0] == req_id:
                     del self._due[key]
 
@@ -69,10 +135,10 @@ class Computing:
         """Request ``req_id`` stopped (finished, aborted, preempted): what it did not
         store is no longer coming."""
         with self._lock:
-            mine = self._requests.pop(req_id, None)
-            if not mine:
+            ann = self._requests.pop(req_id, None)
+            if ann is None or not ann.keys:
                 return
-            keys = list(mine.values())
+            keys = list(ann.keys.values())
             for key in keys:
                 if self._due.get(key, ("", 0.0, 0.0))[0] == req_id:
                     del self._due[key]
@@ -83,7 +149,7 @@ class Computing:
     def due_here(self, req_id: str, keys: Sequence[bytes]) -> list[float]:
         """Per key: seconds until another request of this engine expects to store it
         (a little above 0 once due), else 0.0 (also once overdue by its own estimate,
-        as the node answers peers)."""
+        at least ``MIN_OVERDUE``, as the node answers peers)."""
         now = time.monotonic()
         with self._lock:
             if not self._due:

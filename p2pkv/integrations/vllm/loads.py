@@ -105,14 +105,15 @@ class TierLoads:
         verdict = "recomputing" if advice.load == 0 else f"loading {advice.load} of"
         return f"{advice.reason}: {verdict} {what}: {estimate}"
 
-    def compute_seconds(self, chunks: int) -> list[float]:
-        """Scheduler thread: for a prefill of ``chunks`` chunks starting now, when each
-        is expected to be computed (seconds from now), at this engine's measured
-        prefill rate (:data:`UNMEASURED_PREFILL_RATE` until it has one)."""
-        tokens = self.policy.chunk_tokens
+    def compute_seconds(self, chunks: int) -> float:
+        """Scheduler thread: for a prefill of ``chunks`` chunks starting now, when it is
+        expected to be stored (seconds from now), at this engine's measured prefill rate
+        (:data:`UNMEASURED_PREFILL_RATE` until it has one). Every chunk is given the
+        end of the prefill: a prompt that fits one step is stored after it, all at once."""
+        tokens = chunks * self.policy.chunk_tokens
         with self._lock:
-            rate = self.policy.prefill_rate(chunks * tokens) or UNMEASURED_PREFILL_RATE
-        return [(i + 1) * tokens / rate for i in range(chunks)]
+            rate = self.policy.prefill_rate(tokens) or UNMEASURED_PREFILL_RATE
+        return tokens / rate
 
     def wait_pays(self, chunks: int, due: float) -> bool:
         """Lookup thread: whether waiting ``due`` seconds for ``chunks`` chunks a peer is

@@ -94,6 +94,8 @@ class _Request:
     answers: dict[bytes, Answer] = field(default_factory=dict)
     #: The keys the scheduler asked about, in the order it asked.
     looked: dict[bytes, None] = field(default_factory=dict)
+    #: The keys asked at arrival, in prompt order.
+    prompt: list[bytes] = field(default_factory=list)
     #: When the request first waited on a pending key (``time.monotonic()``), or None.
     pending_since: float | None = None
     #: Keys being asked, each with the future of its ask and its index in that ask.
@@ -126,7 +128,9 @@ class RequestLookups:
         group, in order, the first chunk first) now. Called once per group."""
         if not keys:
             return
-        self._submit(req_id, self._request(req_id), list(keys), first=True)
+        req = self._request(req_id)
+        req.prompt.extend(keys)
+        self._submit(req_id, req, list(keys), first=True)
 
     def lookup(self, req_id: str, key: bytes, first: Callable[[], bool]) -> bool | None:
         """True (HIT), False (MISS) or None (RETRY) for ``key`` of request ``req_id``.
@@ -164,12 +168,17 @@ class RequestLookups:
         return None
 
     def computing(self, req_id: str) -> list[bytes]:
-        """The keys the scheduler asked about for ``req_id`` that were answered MISS, in
-        the order it asked: what the engine computes once it schedules the request."""
+        """What the engine computes once it schedules ``req_id``: from the first key the
+        scheduler asked about and was answered MISS (vLLM stops asking there, and loads
+        only what comes before it) to the end of the prompt known at arrival; without
+        one, the keys it asked about and was answered MISS."""
         req = self._requests.get(req_id)
         if req is None:
             return []
-        return [k for k in req.looked if k in req.failed or req.answers.get(k) is False]
+        missed = [k for k in req.looked if k in req.failed or req.answers.get(k) is False]
+        if missed and missed[0] in req.prompt:
+            return req.prompt[req.prompt.index(missed[0]):]
+        return missed
 
     def flush(self) -> None:
         """The step's lookups are over: ask what was gathered, one ask per request."""

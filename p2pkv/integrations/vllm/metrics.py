@@ -48,6 +48,7 @@ class Metrics:
     PREFILL_RATE = "vllm:p2pkv_prefill_tokens_per_second"
     ADAPTER_UNSHARED = "vllm:p2pkv_adapter_unshared_blocks"
     LOOKUP_STEPS = "vllm:p2pkv_lookup_steps"
+    PENDING_ANNOUNCED = "vllm:p2pkv_pending_announced_blocks"
     LOOKUP_WAIT_SECONDS = "vllm:p2pkv_lookup_wait_seconds"
     HOOK_CALLS = "vllm:p2pkv_request_hook_calls"
     HOOK_SECONDS = "vllm:p2pkv_request_hook_seconds"
@@ -133,6 +134,9 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             "answered RETRY: vLLM skipped the request for the step), pending (a key "
             "answered RETRY because a peer or this engine is computing it).",
             labelnames=("outcome",)),
+        Metrics.PENDING_ANNOUNCED: OffloadingCounterMetadata(
+            "Chunks this engine announced as being computed (pending-v1) when it "
+            "scheduled their request."),
         Metrics.LOOKUP_WAIT_SECONDS: OffloadingCounterMetadata(
             "Seconds the scheduler thread waited for lookups (at most lookup_wait a step)."),
         Metrics.HOOK_CALLS: OffloadingCounterMetadata(

@@ -294,6 +294,7 @@ class P2PKVTier(SecondaryTierManager):
         self.drain_jobs()
         self._transfers.close()
         self._adapters.shutdown()
+        self._computing.close()
         self._lookups.shutdown()
         self._run.close()
         log.info("p2pkv tier: time in the request hooks: %s", self._hooks.describe_text())
@@ -351,6 +352,7 @@ class P2PKVTier(SecondaryTierManager):
         if shared.keys is not None:
             self._computing.announce(req_id, keys, shared.keys,
                                      self._policy.compute_seconds(len(keys)))
+            self._counted(Metrics.PENDING_ANNOUNCED, len(keys), ())
 
     def _ask_holders(self, node: Node, keys: list[bytes]
                      ) -> tuple[list[bool], list[float], list[str | None]]:
