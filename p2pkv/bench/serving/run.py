@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from p2pkv.bench.serving.balancers import ROUTER_POLICIES, parse_balancers
 from p2pkv.bench.serving.clients import (
     BenchWorkload,
     cold_profile,
@@ -70,31 +71,52 @@ def counters(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return out
 
 
+def run_label(config: str, balancer: str) -> str:
+    """A run's name in the table: the configuration, and the balancer unless it is nginx
+    (``p2pkv``, ``p2pkv@router:cache_aware``)."""
+    return config if balancer == "nginx" else f"{config}@{balancer}"
+
+
 def run_config(config: str, args: argparse.Namespace, workdir: Path,
-               workload: BenchWorkload, label: str) -> dict[str, Any]:
-    """Start a configuration's engines and balancer, run both workloads, stop."""
+               workload: BenchWorkload, label: str, balancer: str = "nginx") -> dict[str, Any]:
+    """Start a configuration's engines and balancer, run both workloads, stop.
+
+    Behind nginx the multi-turn workload sends each turn to another engine than the turn
+    before (the worst case, as round-robin would). Behind vLLM's router it goes through
+    the router, whose policy then places every turn."""
     tier_options = {"lookup_timeout": args.lookup_timeout, "fetch_timeout": 30.0}
+    if args.pending_wait is not None:
+        tier_options["pending_wait"] = args.pending_wait
     specs = engine_specs(config, args.engines, cpu_bytes=int(args.cpu_gib * 2**30),
                          workdir=workdir, tier_options=tier_options)
-    cluster = ServingCluster(Path(args.model), specs, workdir / label,
-                             served_name=SERVED_NAME, max_model_len=args.max_model_len,
-                             kv_cache_gib=args.kv_cache_gib, start_timeout=args.start_timeout)
-    print(f"[{label}] starting {len(specs)} engine(s)", flush=True)
+    where = workdir / label.replace(":", "-")
+    cluster = ServingCluster(Path(args.model), specs, where, served_name=SERVED_NAME,
+                             max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
+                             balancer=balancer, start_timeout=args.start_timeout)
+    print(f"[{label}] starting {len(specs)} engine(s) behind {balancer}", flush=True)
     started = time.monotonic()
     with cluster:
         print(f"[{label}] up in {time.monotonic() - started:.0f}s; vllm bench serve ...",
               flush=True)
-        bench = run_vllm_bench(cluster.url, SERVED_NAME, Path(args.model), workload,
-                               workdir / label, label)
+        bench = run_vllm_bench(cluster.url, SERVED_NAME, Path(args.model), workload, where,
+                               label.replace(":", "-"))
+        # What the balancer did with the bench's requests (before the multi-turn ones).
+        per_engine = cluster.requests_per_engine()
         multi = None
         if args.turns > 0:
             print(f"[{label}] multi-turn ...", flush=True)
-            multi = run_multi_turn([cluster.engine_url(s.name) for s in specs], SERVED_NAME,
-                                   count=args.conversations, turns=args.turns,
-                                   concurrency=workload.concurrency, seed=workload.seed)
+            urls = ([cluster.engine_url(s.name) for s in cluster.specs] if balancer == "nginx"
+                    else [cluster.url])
+            multi = run_multi_turn(urls, SERVED_NAME, count=args.conversations,
+                                   turns=args.turns, concurrency=workload.concurrency,
+                                   seed=workload.seed)
         metrics = [cluster.metrics(s.name) for s in specs]
-    return {"config": config, "label": label, "engines": len(specs),
-            "bench": bench, "multi_turn": multi, "counters": counters(metrics)}
+    return {"config": config, "label": label, "balancer": balancer, "engines": len(specs),
+            "bench": bench, "bench_requests_per_engine": [per_engine.get(s.name, 0)
+                                                          for s in specs],
+            "multi_turn": multi,
+            "multi_turn_via": "engines in turn" if balancer == "nginx" else "balancer",
+            "counters": counters(metrics)}
 
 
 def _mismatch(texts: Sequence[str], reference: Sequence[str]) -> float:
@@ -106,12 +128,16 @@ def summarize(run: Mapping[str, Any], reference: Mapping[str, Any] | None) -> di
     """One table row: the figures the issue asks for, from one configuration's run."""
     b = run["bench"]
     row: dict[str, Any] = {
-        "config": run["label"], "engines": run["engines"],
+        "config": run["label"], "balancer": run.get("balancer", "nginx"),
+        "engines": run["engines"],
         "ttft_p50_ms": b["median_ttft_ms"], "ttft_p99_ms": b["p99_ttft_ms"],
         "ttft_mean_ms": b["mean_ttft_ms"], "itl_p50_ms": b["median_itl_ms"],
         "req_per_s": b["request_throughput"], "out_tok_per_s": b["output_throughput"],
         "failed": b["failed"], "completed": b["completed"],
     }
+    per_engine = run.get("bench_requests_per_engine")
+    if per_engine:
+        row["requests_per_engine"] = "/".join(str(n) for n in per_engine)
     c = run["counters"]
     row["tokens_from_peer"] = c.get("cached_tokens[p2p]", 0.0)
     row["tokens_from_region"] = c.get("cached_tokens[host]", 0.0)
@@ -138,7 +164,8 @@ def summarize(run: Mapping[str, Any], reference: Mapping[str, Any] | None) -> di
 COLUMNS = (("config", "config", "{}"), ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"),
            ("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"), ("itl_p50_ms", "ITL p50 ms", "{:.0f}"),
            ("req_per_s", "req/s", "{:.2f}"), ("out_tok_per_s", "out tok/s", "{:.1f}"),
-           ("failed", "failed", "{}"), ("tokens_from_peer", "tokens from peer", "{:.0f}"),
+           ("failed", "failed", "{}"), ("requests_per_engine", "requests per engine", "{}"),
+           ("tokens_from_peer", "tokens from peer", "{:.0f}"),
            ("tokens_from_disk", "tokens from fs", "{:.0f}"),
            ("tokens_from_region", "tokens from CPU region", "{:.0f}"),
            ("text_mismatch_vs_none", "texts != none", "{:.0%}"),
@@ -159,26 +186,30 @@ def table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def ratios(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """The issue's targets as ratios of this sitting's rows."""
-    by = {r["config"]: r for r in rows}
+    """The issue's targets as ratios of this sitting's rows, p2pkv against each other
+    configuration behind the same balancer (keys name the balancer unless it is nginx)."""
     out: dict[str, float] = {}
-    p = by.get("p2pkv")
-    if p is None:
-        return out
-    for base in ("none", "offload", "single", "fs"):
-        b = by.get(base)
-        if b is None:
+    for balancer in dict.fromkeys(r.get("balancer", "nginx") for r in rows):
+        by = {r["config"]: r for r in rows if r.get("balancer", "nginx") == balancer}
+        at = "" if balancer == "nginx" else f" @{balancer}"
+        p = by.get(run_label("p2pkv", balancer))
+        if p is None:
             continue
-        out[f"ttft_p50 p2pkv/{base}"] = p["ttft_p50_ms"] / b["ttft_p50_ms"]
-        out[f"ttft_p99 p2pkv/{base}"] = p["ttft_p99_ms"] / b["ttft_p99_ms"]
-        out[f"req_per_s p2pkv/{base}"] = p["req_per_s"] / b["req_per_s"]
-        if p.get("mt_ttft_later_p50_ms") and b.get("mt_ttft_later_p50_ms"):
-            out[f"turn>1 ttft_p50 p2pkv/{base}"] = (p["mt_ttft_later_p50_ms"]
-                                                    / b["mt_ttft_later_p50_ms"])
+        for base in ("none", "offload", "single", "fs"):
+            b = by.get(run_label(base, balancer))
+            if b is None:
+                continue
+            out[f"ttft_p50 p2pkv/{base}{at}"] = p["ttft_p50_ms"] / b["ttft_p50_ms"]
+            out[f"ttft_p99 p2pkv/{base}{at}"] = p["ttft_p99_ms"] / b["ttft_p99_ms"]
+            out[f"req_per_s p2pkv/{base}{at}"] = p["req_per_s"] / b["req_per_s"]
+            if p.get("mt_ttft_later_p50_ms") and b.get("mt_ttft_later_p50_ms"):
+                out[f"turn>1 ttft_p50 p2pkv/{base}{at}"] = (p["mt_ttft_later_p50_ms"]
+                                                           / b["mt_ttft_later_p50_ms"])
     return out
 
 
-def plot(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+def plot(rows: Sequence[Mapping[str, Any]], path: Path,
+         workload: str = "prefix_repetition") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -191,10 +222,10 @@ def plot(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
                 label="p50")
     axes[0].bar([i + 0.2 for i in x], [r["ttft_p99_ms"] / 1000 for r in rows], 0.4,
                 label="p99")
-    axes[0].set_title("prefix_repetition: TTFT (s)")
+    axes[0].set_title(f"{workload}: TTFT (s)")
     axes[0].legend()
     axes[1].bar(list(x), [r["req_per_s"] for r in rows], 0.6, color="#2ca02c")
-    axes[1].set_title("prefix_repetition: requests/s")
+    axes[1].set_title(f"{workload}: requests/s")
     mt = [(r.get("mt_ttft_later_p50_ms") or 0) / 1000 for r in rows]
     axes[2].bar(list(x), mt, 0.6, color="#9467bd")
     axes[2].set_title("multi-turn, later turns: TTFT p50 (s)")
@@ -207,9 +238,14 @@ def plot(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m p2pkv.bench.serving",
-                                description="vllm serve engines behind nginx, side by side")
+                                description="vllm serve engines behind a load balancer "
+                                            "(nginx or vLLM's router), side by side")
     p.add_argument("--configs", default="none,offload,p2pkv,fs,single",
                    help=f"comma-separated, from: {', '.join(CONFIGS)}")
+    p.add_argument("--balancer", default="nginx",
+                   help="comma-separated, each configuration runs behind each: nginx "
+                        "(round-robin) or router:POLICY (vLLM's router), POLICY from: "
+                        f"{', '.join(ROUTER_POLICIES)}")
     p.add_argument("--repeat-none", action="store_true",
                    help="run 'none' a second time: how often two unshared runs differ")
     p.add_argument("--engines", type=int, default=2)
@@ -218,6 +254,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--suffix-len", type=int, default=64)
     p.add_argument("--num-prefixes", type=int, default=16)
     p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--prefix-skew", type=float, default=0.0,
+                   help="0: vLLM's prefix_repetition (every prefix as often); above 0, "
+                        "a prefix's share of the requests falls as 1/rank^SKEW, so that "
+                        "a few hot prefixes take most of them (see serving/skew.py)")
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--conversations", type=int, default=8)
@@ -228,6 +268,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--lookup-timeout", type=float, default=1.0)
+    p.add_argument("--pending-wait", type=float, default=None,
+                   help="the p2pkv tier's pending_wait (0: never wait for chunks a peer "
+                        "is computing); default: the tier's")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--faults", action="store_true",
                    help="instead of the comparison: kill -9 one p2pkv engine mid-run, "
@@ -249,63 +292,91 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in configs if c not in CONFIGS]
+def _problem(args: argparse.Namespace) -> str | None:
+    """What makes the command line unusable, or ``None``."""
+    unknown = [c for c in _split(args.configs) if c not in CONFIGS]
     if unknown:
-        print(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}",
-              file=sys.stderr)
-        return 2
+        return f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}"
+    try:
+        balancers = [b.label for b in parse_balancers(args.balancer)]
+    except ValueError as exc:
+        return str(exc)
+    if args.faults and balancers != ["nginx"]:
+        return ("--faults reads nginx's access log (which requests were in flight on the "
+                "killed engine); run it with --balancer nginx")
     if not (Path(args.model) / "config.json").exists():
-        print(f"no model at {args.model} (make real-model builds .models/smollm2)",
-              file=sys.stderr)
-        return 2
+        return f"no model at {args.model} (make real-model builds .models/smollm2)"
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("--plot needs matplotlib: pip install matplotlib", file=sys.stderr)
-            return 2
+            return "--plot needs matplotlib: pip install matplotlib"
+    return None
+
+
+def _split(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    problem = _problem(args)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
     if args.report:
         saved = json.loads(Path(args.report).read_text())
         workload = BenchWorkload(**saved["sitting"]["workload"])
         finish(saved["sitting"], saved["runs"], workload, args)
         return 0
+    try:
+        workload = BenchWorkload(prefix_len=args.prefix_len, suffix_len=args.suffix_len,
+                                 num_prefixes=args.num_prefixes,
+                                 num_prompts=args.num_prompts, output_len=args.output_len,
+                                 concurrency=args.concurrency, seed=args.seed,
+                                 prefix_skew=args.prefix_skew)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     # SIGTERM stops like Ctrl-C: the clusters' ``with`` blocks stop every process.
     signal.signal(signal.SIGTERM, _interrupt)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="p2pkv-serving-"))
-    workload = BenchWorkload(prefix_len=args.prefix_len, suffix_len=args.suffix_len,
-                             num_prefixes=args.num_prefixes, num_prompts=args.num_prompts,
-                             output_len=args.output_len, concurrency=args.concurrency,
-                             seed=args.seed)
-    if args.faults:
-        from p2pkv.bench.serving.faults import run_faults
+    try:
+        if args.faults:
+            return _faults(args, workdir, workload)
+        return _sitting(args, workdir, workload)
+    except KeyboardInterrupt:
+        print("interrupted: every engine and the balancer were stopped", file=sys.stderr)
+        return 130
 
-        try:
-            faults = run_faults(args, workdir, workload, SERVED_NAME)
-        except KeyboardInterrupt:
-            print("interrupted: every engine and the balancer were stopped", file=sys.stderr)
-            return 130
-        if args.json:
-            Path(args.json).write_text(json.dumps({"workload": workload.describe(),
-                                                   "faults": faults}, indent=1))
-        return 0 if faults["failed_elsewhere"] == 0 else 1
-    order = list(configs)
+
+def _faults(args: argparse.Namespace, workdir: Path, workload: BenchWorkload) -> int:
+    from p2pkv.bench.serving.faults import run_faults
+
+    faults = run_faults(args, workdir, workload, SERVED_NAME)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"workload": workload.describe(),
+                                               "faults": faults}, indent=1))
+    return 0 if faults["failed_elsewhere"] == 0 else 1
+
+
+def _sitting(args: argparse.Namespace, workdir: Path, workload: BenchWorkload) -> int:
+    """Every configuration behind every balancer, in this order, on the same requests."""
+    order = _split(args.configs)
     if args.repeat_none and "none" in order:
         order.insert(order.index("none") + 1, "none#2")
+    balancers = list(dict.fromkeys(b.label for b in parse_balancers(args.balancer)))
     print(f"workdir {workdir}", flush=True)
     runs: list[dict[str, Any]] = []
     sitting = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                "workload": workload.describe(), "engines": args.engines,
+               "balancers": balancers,
                "cpu_gib": args.cpu_gib, "offload_block_tokens": OFFLOAD_BLOCK_TOKENS,
                "multi_turn": {"conversations": args.conversations, "turns": args.turns}}
-    try:
-        for label in order:
-            runs.append(run_config(label.split("#")[0], args, workdir, workload, label))
-    except KeyboardInterrupt:
-        print("interrupted: every engine and the balancer were stopped", file=sys.stderr)
-        return 130
+    for balancer in balancers:
+        for name in order:
+            runs.append(run_config(name.split("#")[0], args, workdir, workload,
+                                   run_label(name, balancer), balancer))
     sitting["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     finish(sitting, runs, workload, args)
     return 0
@@ -318,7 +389,10 @@ def finish(sitting: dict[str, Any], runs: list[dict[str, Any]], workload: BenchW
     prefixes = prefix_ids(workload, Path(args.model))
     for r in runs:
         r["cold_profile"] = cold_profile(r["bench"], prefixes)
-    reference = next((r for r in runs if r["label"] == "none"), None)
+    # Greedy texts do not depend on where a request ran: one 'none' run (nginx's, when
+    # the sitting has it) is every run's reference.
+    reference = next((r for r in runs if r["config"] == "none" and "#" not in r["label"]),
+                     None)
     rows = [summarize(r, reference if r is not reference else None) for r in runs]
     print()
     print(table(rows))
@@ -337,4 +411,4 @@ def finish(sitting: dict[str, Any], runs: list[dict[str, Any]], workload: BenchW
             {"sitting": sitting, "rows": rows, "ratios": ratios(rows), "runs": runs},
             indent=1))
     if args.plot:
-        plot(rows, Path(args.plot))
+        plot(rows, Path(args.plot), workload.name)

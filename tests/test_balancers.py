@@ -1,0 +1,181 @@
+"""The serving bench's balancer choices, command lines and workloads, with no process
+started: what ``--balancer`` accepts, what each balancer asks of the engines and runs,
+how rows are named and compared, and the skewed workload's draw.
+
+``tests/test_serving_cluster.py`` starts the balancers for real in front of small fake
+engines; ``tests/test_serving_router.py`` puts vLLM's router in front of real ones.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from p2pkv.bench.serving.balancers import (
+    ROUTER_POLICIES,
+    Launch,
+    Nginx,
+    RequestLogUnavailable,
+    Upstream,
+    VllmRouter,
+    parse_balancer,
+    parse_balancers,
+)
+from p2pkv.bench.serving.clients import BenchWorkload, prefix_ids
+from p2pkv.bench.serving.cluster import BLOCK_SIZE, EngineSpec, ServingCluster
+from p2pkv.bench.serving.run import _parser, _problem, ratios, run_label
+from p2pkv.bench.serving.skew import MAX_PROMPT_TOKENS, prefix_order, zipf_weights
+
+
+def test_balancer_choices_parse_and_name_themselves() -> None:
+    assert parse_balancer("nginx").label == "nginx"
+    assert parse_balancer("router").label == "router:cache_aware"
+    assert [b.label for b in parse_balancers("nginx, router:kv_aware,")] == [
+        "nginx", "router:kv_aware"]
+    for policy in ROUTER_POLICIES:
+        assert parse_balancer(f"router:{policy}").label == f"router:{policy}"
+    for bad in ("haproxy", "nginx:round_robin"):
+        with pytest.raises(ValueError, match="choose nginx or router:POLICY"):
+            parse_balancer(bad)
+    with pytest.raises(ValueError, match="unknown vllm-router policy 'fastest'; choose"):
+        parse_balancer("router:fastest")
+    # Each parse is a balancer of its own: one per cluster.
+    assert parse_balancer("nginx") is not parse_balancer("nginx")
+
+
+def test_token_policies_ask_the_engines_for_the_render_endpoint() -> None:
+    assert Nginx().engine_args() == ()
+    assert VllmRouter("round_robin").engine_args() == ()
+    assert VllmRouter("cache_aware").engine_args() == ("--enable-scale-out",)
+    assert VllmRouter("kv_aware").engine_args() == ("--enable-scale-out",)
+    assert [VllmRouter(p).wants_kv_events for p in ("cache_aware", "kv_aware")] == [
+        False, True]
+
+
+def launch(tmp_path: Path, events: bool = True) -> Launch:
+    ups = tuple(Upstream(f"e{i}", 8101 + i, 5601 + i if events else None) for i in range(2))
+    return Launch(tmp_path, 8100, ups, "smollm2", BLOCK_SIZE, 30.0)
+
+
+def test_the_router_command_line(tmp_path: Path) -> None:
+    router = VllmRouter("kv_aware", args=["--balance-abs-threshold", "4"])
+    cmd = router.command("/venv/bin/vllm-router", launch(tmp_path))
+    assert cmd[:5] == ["/venv/bin/vllm-router", "--host", "127.0.0.1", "--port", "8100"]
+    at = cmd.index("--worker-urls")
+    assert cmd[at + 1:at + 3] == ["http://127.0.0.1:8101", "http://127.0.0.1:8102"]
+    assert cmd[cmd.index("--policy") + 1] == "kv_aware"
+    # Its Prometheus endpoint on a free port of loopback, not the default 29000.
+    assert cmd[cmd.index("--prometheus-host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--prometheus-port") + 1] == str(router.metrics_port) != "29000"
+    sources = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--kv-event-source"]
+    assert sources == ["http://127.0.0.1:8101=tcp://127.0.0.1:5601",
+                       "http://127.0.0.1:8102=tcp://127.0.0.1:5602"]
+    assert cmd[cmd.index("--kv-event-model") + 1] == "smollm2"
+    assert cmd[cmd.index("--kv-event-block-size") + 1] == str(BLOCK_SIZE)
+    assert cmd[-2:] == ["--balance-abs-threshold", "4"]
+    assert "--kv-event-source" not in VllmRouter("cache_aware").command("r", launch(tmp_path))
+
+
+def test_kv_aware_refuses_engines_without_events(tmp_path: Path) -> None:
+    from p2pkv.bench.serving.processes import ServingStartError
+
+    with pytest.raises(ServingStartError, match=r"e0.*e1|publish none"):
+        VllmRouter("kv_aware").command("r", launch(tmp_path, events=False))
+
+
+def test_nginx_runs_round_robin_from_its_own_config(tmp_path: Path) -> None:
+    cmd = Nginx().command("/usr/sbin/nginx", launch(tmp_path))
+    assert cmd == ["/usr/sbin/nginx", "-e", "stderr", "-c", str(tmp_path / "nginx.conf"),
+                   "-g", "daemon off;"]
+    conf = (tmp_path / "nginx.conf").read_text()
+    assert "listen 127.0.0.1:8100;" in conf
+    assert conf.count("server 127.0.0.1:81") == 2
+
+
+def test_request_logs_and_counts_per_engine(tmp_path: Path) -> None:
+    nginx = Nginx()
+    nginx.launch = launch(tmp_path)
+    (tmp_path / "nginx-access.log").write_text(
+        '1.0 200 0.5 "127.0.0.1:8101" "POST /v1/completions HTTP/1.1"\n'
+        '2.0 200 0.5 "127.0.0.1:8101, 127.0.0.1:8102" "POST /v1/completions HTTP/1.1"\n'
+        '3.0 200 0.1 "127.0.0.1:8102" "GET /health HTTP/1.1"\n')
+    log = nginx.request_log()
+    assert [r["upstreams"][-1] for r in log] == ["127.0.0.1:8101", "127.0.0.1:8102"]
+    assert nginx.requests_per_engine() == {"e0": 1, "e1": 1}
+    with pytest.raises(RequestLogUnavailable, match="router:cache_aware keeps no"):
+        VllmRouter().request_log()
+
+
+def test_the_cluster_wires_the_balancer_into_the_engines(tmp_path: Path) -> None:
+    specs = [EngineSpec(f"e{i}", 8101 + i) for i in range(2)]
+    plain = ServingCluster(tmp_path, specs, tmp_path / "w")
+    assert plain.balancer is not None and plain.balancer.label == "nginx"
+    cmd = plain.engine_command(plain.specs[0])
+    assert "--kv-events-config" not in cmd and "--enable-scale-out" not in cmd
+    assert cmd[cmd.index("--block-size") + 1] == str(BLOCK_SIZE)
+    kv = ServingCluster(tmp_path, specs, tmp_path / "w", balancer="router:kv_aware")
+    assert [s.kv_events_port is not None for s in kv.specs] == [True, True]
+    assert all(s.kv_events_port is None for s in specs)  # the caller's specs are kept
+    cmd = kv.engine_command(kv.specs[1])
+    assert cmd.count("--enable-scale-out") == 1
+    assert json.loads(cmd[cmd.index("--kv-events-config") + 1])["endpoint"] == \
+        f"tcp://*:{kv.specs[1].kv_events_port}"
+    alone = ServingCluster(tmp_path, specs, tmp_path / "w", balancer=None)
+    assert alone.url == "http://127.0.0.1:8101"
+    assert alone.requests_per_engine() == {} and alone.balancer_requests() == []
+
+
+def test_rows_are_named_and_compared_per_balancer() -> None:
+    assert run_label("p2pkv", "nginx") == "p2pkv"
+    assert run_label("none#2", "router:cache_aware") == "none#2@router:cache_aware"
+
+    def row(config: str, balancer: str, ttft: float) -> dict[str, object]:
+        return {"config": run_label(config, balancer), "balancer": balancer,
+                "ttft_p50_ms": ttft, "ttft_p99_ms": ttft, "req_per_s": 1.0}
+
+    out = ratios([row("none", "nginx", 100), row("p2pkv", "nginx", 50),
+                  row("none", "router:cache_aware", 80),
+                  row("p2pkv", "router:cache_aware", 40)])
+    assert out["ttft_p50 p2pkv/none"] == 0.5
+    assert out["ttft_p50 p2pkv/none @router:cache_aware"] == 0.5
+    assert not any("router" in k and "nginx" in k for k in out)
+
+
+def test_faults_need_nginx_and_unknown_balancers_are_refused(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    base = ["--model", str(model)]
+    assert _problem(_parser().parse_args(base)) is None
+    assert _problem(_parser().parse_args([*base, "--balancer", "nginx,router"])) is None
+    assert "unknown vllm-router policy 'best'" in (
+        _problem(_parser().parse_args([*base, "--balancer", "router:best"])) or "")
+    assert "--balancer nginx" in (_problem(_parser().parse_args(
+        [*base, "--faults", "--balancer", "router:cache_aware"])) or "")
+
+
+def test_the_skewed_workload_draws_hot_prefixes() -> None:
+    weights = zipf_weights(16, 1.5)
+    assert abs(sum(weights) - 1) < 1e-9 and weights == sorted(weights, reverse=True)
+    assert zipf_weights(4, 0) == [0.25] * 4
+    order = prefix_order(16, 400, 1.5, seed=0)
+    assert order == prefix_order(16, 400, 1.5, seed=0) != prefix_order(16, 400, 1.5, seed=1)
+    top3 = sum(n for _, n in Counter(order).most_common(3))
+    assert top3 > 0.6 * len(order)  # a few hot prefixes take most requests
+    w = BenchWorkload(prefix_len=960, suffix_len=64, num_prompts=48, prefix_skew=1.5)
+    assert prefix_ids(w, Path("unused")) == prefix_order(16, 48, 1.5, 0)  # no vLLM needed
+    args = w.args(Path("/tmp/prompts.json"))
+    assert args[:4] == ["--dataset-name", "sharegpt", "--dataset-path", "/tmp/prompts.json"]
+    assert {"--disable-shuffle", "--no-oversample"} <= set(args)
+    assert args[args.index("--sharegpt-output-len") + 1] == "16"
+    assert w.describe()["prefix_skew"] == 1.5 and w.name.startswith("skewed")
+    with pytest.raises(ValueError, match="needs its prompts' file"):
+        w.args()
+    with pytest.raises(ValueError, match=str(MAX_PROMPT_TOKENS)):
+        BenchWorkload(prefix_len=1024, suffix_len=64, prefix_skew=1.0)
+    uniform = BenchWorkload()
+    assert uniform.args()[:2] == ["--dataset-name", "prefix_repetition"]
+    assert uniform.name == "prefix_repetition"
