@@ -141,11 +141,8 @@ class RequestLookups:
         if key in req.failed:
             return False
         answer = self._answer(req, key)
-        if isinstance(answer, Pending):
-            return self._pending(req_id, req, answer)
         if answer is not None:
-            _note(req, READY)
-            return answer
+            return self._given(req_id, req, answer, READY)
         asking = req.asking.get(key)
         if asking is None:
             if not req.gathered:
@@ -159,13 +156,20 @@ class RequestLookups:
             concurrent.futures.wait([asking[0]], timeout=remaining)
             self._counts.wait_seconds += time.perf_counter() - started
             answer = self._answer(req, key)
-            if isinstance(answer, Pending):
-                return self._pending(req_id, req, answer)
             if answer is not None:
-                _note(req, WAITED)
-                return answer
+                return self._given(req_id, req, answer, WAITED)
         _note(req, DEFERRED)
         return None
+
+    def _given(self, req_id: str, req: _Request, answer: Answer, outcome: str
+               ) -> bool | None:
+        """What the scheduler is told of an answer that came (``outcome``: at once, or
+        after a wait): HIT or MISS, or for a key being computed elsewhere, see
+        :meth:`_pending`."""
+        if isinstance(answer, Pending):
+            return self._pending(req_id, req, answer)
+        _note(req, outcome)
+        return answer
 
     def computing(self, req_id: str) -> list[bytes]:
         """What the engine computes once it schedules ``req_id``: from the first key the
