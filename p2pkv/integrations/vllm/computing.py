@@ -32,7 +32,7 @@ from p2pkv.runtime.pending import MIN_OVERDUE
 __all__ = ["Computing"]
 
 
-#: Seconds an overdue announcement is renewed by, each scheduler step, while its request
+#: Seconds an overdue announcement is renewed by, twice per this period, while its request
 #: still runs and has not stored the chunks.
 RENEW_S = 0.5
 #: Renewals stop this many seconds after the announcement: a request that never stores
