@@ -390,6 +390,10 @@ def test_tier_identity_equals_vllm_file_mapper(vllm: str) -> None:
     assert "load_policy must be true or false" in bad["load policy not a flag"]
     assert "load_min_speedup must be a positive number" in bad["zero speedup"]
     assert "data_streams: must be in [1, 8], got 9" in bad["nine data streams"]
+    assert "lookup_wait must be a number of seconds >= 0, got -0.1" in \
+        bad["negative lookup wait"]
+    assert "pending_wait must be a number of seconds >= 0, got '10s'" in \
+        bad["pending wait not a number"]
     assert "data_encryption" in bad["unknown encryption"] and "rot13" in bad["unknown encryption"]
     assert "cannot be bound" in bad["listen taken"]
 

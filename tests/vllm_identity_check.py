@@ -111,6 +111,8 @@ def check(tier_class: Any) -> None:
         "load policy not a flag": {"load_policy": "yes"},
         "zero speedup": {"load_min_speedup": 0},
         "nine data streams": {"data_streams": 9},
+        "negative lookup wait": {"lookup_wait": -0.1},
+        "pending wait not a number": {"pending_wait": "10s"},
         "unknown encryption": {"data_encryption": "rot13"},
         "listen taken": {"listen": f"tcp://127.0.0.1:{taken.getsockname()[1]}"},
     }
