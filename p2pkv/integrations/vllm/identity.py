@@ -20,12 +20,13 @@ action, and declares in the identity extension:
   hashes start from (``get_none_hash_seed()``), read once the engine core seeded it;
 - ``engine``: ``vllm <version>``, informational.
 
-The engine configuration (``VllmConfig``) is not handed to a tier: the tier finds it as
-the current config when one is set, else on the call stack that builds it (vLLM's
-offloading connector holds it while it builds its tiers). Without it the tier does not
-start: an identity it cannot derive is never treated as matching. A value the operator
-declares in the tier config must equal what is derived, or the engine stops at start
-with both values in the error.
+The engine configuration (``VllmConfig``) is not handed to a tier by vLLM's API: the
+tier takes it from :class:`~p2pkv.integrations.vllm.P2PKVConnector`, which makes it
+known to the tiers built inside its constructor (:func:`~.connector.building`), else as
+vLLM's current config when the caller set one (``set_current_vllm_config``). Without it
+the tier does not start: an identity it cannot derive is never treated as matching. A
+value the operator declares in the tier config must equal what is derived, or the engine
+stops at start with both values in the error.
 
 Block keys are vLLM's offload keys, carried opaquely under ``khash.algo =
 "vllm-<hash function>"`` (SPEC 15.2); the seed travels only as the extension's digest.
