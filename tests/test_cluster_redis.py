@@ -440,14 +440,18 @@ def test_a_shard_that_comes_back_empty_loses_claims_and_holders_publish_them_aga
     victim = next(p for p in redis_cluster.master_ports() if p != membership)
     replicas = redis_cluster.replicas_of(victim)
     assert replicas, "the shard has no replica"
+    registrations = hc.stats().registrations
     for port in [*replicas, victim]:
         redis_cluster.node(port).kill()
     for port in [victim, *replicas]:  # no persistence: it comes back empty
         redis_cluster.node(port).start()
     redis_cluster.wait_ok(30)
-    registrations = hc.stats().registrations
     found = cluster.lookup_prefix(keys)
-    assert found.length < 96, "the shard's claims were not lost: the test shows nothing"
+    # The holder's heartbeat is fast and a loaded machine slow to see the cluster whole
+    # again: the holder may have found the loss and published again already, and then
+    # its own counts say so.
+    assert found.length < 96 or hc.stats().registrations > registrations, \
+        "the shard's claims were not lost: the test shows nothing"
     wait_for(lambda: cluster.lookup_prefix(keys).length == 96, 15,
              "the whole prefix found again")
     # It registered again: either its count found claims missing, or its count met the
