@@ -279,7 +279,7 @@ class RequestLookups:
         keys = [(k, i) for k, (f, i) in req.asking.items() if f is fut]
         try:
             found = fut.result(timeout=0)
-        except BaseException as exc:  # an ask that failed (or was cancelled): misses
+        except Exception as exc:  # an ask that failed (or was cancelled): misses
             log.warning("p2pkv tier: a lookup of %d key(s) failed, answered as misses: %s",
                         len(keys), exc)
             found = []
