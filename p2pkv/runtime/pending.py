@@ -105,7 +105,3 @@ class PendingKeys:
                     out = [0] * len(keys)
                 out[i] = min(MAX_DUE_MS, max(1, math.ceil((due - now) * 1000)))
         return out
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._keys)
