@@ -10,8 +10,8 @@ def main() -> None:
     import torch
 
     from p2pkv import Node, RunConfig, block_keys
-    from p2pkv.engine import EngineKVCopier
     from p2pkv.layout import SEED_GEOMETRY, make_layout
+    from p2pkv.store.engine import EngineKVCopier
 
     layout = make_layout("v2", SEED_GEOMETRY)  # one tensor per layer, like vLLM's V2 runner
     rc = RunConfig.resolve("my-org/my-model", parallel_agnostic=True, **layout.identity_flags())

@@ -36,7 +36,7 @@ _LAZY: dict[str, str] = {
     "KVGeometry": "p2pkv.layout",
     "Layout": "p2pkv.layout",
     "make_layout": "p2pkv.layout",
-    "BlockPool": "p2pkv.pool",
+    "BlockPool": "p2pkv.store.pool",
     "BlockStore": "p2pkv.store",
     "block_keys": "p2pkv.keys",
 }

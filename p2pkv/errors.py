@@ -7,10 +7,7 @@ import it, and it imports nothing of p2pkv.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from p2pkv.identity import FieldDiff
+from typing import Any
 
 __all__ = [
     "ConfigError",
@@ -94,11 +91,13 @@ class PeerIncompatible(P2PKVError):
 
     ``reasons`` are :class:`p2pkv.protocol.Reason` objects (code, field, both values,
     meaning) and ``diff`` the run-config :class:`~p2pkv.identity.FieldDiff` list when the
-    fingerprints differ. Both are seen from this node's side (local vs remote).
+    fingerprints differ. Both are seen from this node's side (local vs remote). (Typed
+    ``Any`` here, like ``reasons``: this module imports nothing of p2pkv, not even for
+    the type checker.)
     """
 
     def __init__(self, message: str, reasons: Sequence[Any],
-                 diff: Sequence[FieldDiff] = ()) -> None:
+                 diff: Sequence[Any] = ()) -> None:
         if not reasons:
             # A refusal always says what differs; anything else has its own error type
             # (ProtocolError, TransportHandshakeFailed).

@@ -3,15 +3,16 @@
 A :class:`Node` serves its block store to compatible peers and fetches from them. This
 module is what users call; the work happens in :mod:`p2pkv.runtime`:
 
-* ``runtime.wiring``: puts the runtime together (sockets, counters, both sides).
+* ``runtime.connections.wiring``: puts the runtime together (sockets, counters, both
+  sides).
 * ``runtime.reactor``: the one IO thread (poller, wake-up, command queue, deadlines).
   Every ZeroMQ socket lives on it; the public methods here are thread-safe because each
   only queues a command for it and returns a :class:`concurrent.futures.Future`
   (``*_async``) or waits on one with a deadline (the blocking forms).
-* ``runtime.outbound`` / ``runtime.inbound``: a connection this node opens (requests,
-  futures, typed errors) and a peer connected to its ROUTER (handshake enforcement,
-  lookup answers, fetch jobs), each owning its state; ``runtime.client`` /
-  ``runtime.server`` keep them and drive them from the IO loop.
+* ``runtime.connections``: ``outbound`` / ``inbound``, a connection this node opens
+  (requests, futures, typed errors) and a peer connected to its ROUTER (handshake
+  enforcement, lookup answers, fetch jobs), each owning its state; ``client`` /
+  ``server`` keep them and drive them from the IO loop.
 * ``runtime.paths``: the data path of each connection (ZeroMQ frames, packed frames,
   shared memory, the data stream): the fetching half chosen once, when the connection is
   ready, the serving half for each fetch as it arrives. Blocks go out from the pool
@@ -43,16 +44,17 @@ from p2pkv.errors import ConfigError, LocalLimitExceeded, PeerGone, PeerTimeout
 from p2pkv.identity import IdentityExtension, RunConfig
 from p2pkv.keys import MAX_KEY_LEN, check_keys
 from p2pkv.layout import Layout
-from p2pkv.pool import BlockPool
+from p2pkv.runtime.config import NodeConfig
+from p2pkv.runtime.connections.wiring import wire
+from p2pkv.runtime.paths.receiver import check_destinations
 from p2pkv.runtime.pending import LookupAnswer
-from p2pkv.runtime.public import FetchResult, KeyOutcome, NodeConfig, NodeStats, PeerHandle
-from p2pkv.runtime.receiver import check_destinations
+from p2pkv.runtime.public import FetchResult, KeyOutcome, NodeStats, PeerHandle
 from p2pkv.runtime.state import FetchTicket
 from p2pkv.runtime.stats import path_stats
 from p2pkv.runtime.tuning import WAIT_GRACE
-from p2pkv.runtime.wiring import wire
 from p2pkv.shm import ShmUnavailable
 from p2pkv.store import BlockStore
+from p2pkv.store.pool import BlockPool
 from p2pkv.transport import validate_address
 
 __all__ = [

@@ -26,6 +26,8 @@ from p2pkv.identity import (
     canonical_model_overrides,
     model_overrides_digest,
 )
+from p2pkv.runtime.config import NodeConfig
+from p2pkv.transport import CurveKeys, load_authorized_keys, validate_address
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -438,12 +440,10 @@ def load_settings(flags: Mapping[str, Any], *, config_file: str | None = None,
     return Settings(values, sources)
 
 
-def node_config(settings: Settings, *, listen: str | None = None) -> Any:
+def node_config(settings: Settings, *, listen: str | None = None) -> NodeConfig:
     """The :class:`~p2pkv.node.NodeConfig` the options describe (CURVE keys read and
     checked, heartbeat defaults applied): one place for ``serve``, the other commands
     and the vLLM tier."""
-    from p2pkv.transport import CurveKeys, load_authorized_keys, validate_address
-
     v = settings.values
     try:
         validate_address(listen or v["listen"], what="listen")
@@ -482,10 +482,6 @@ def node_config(settings: Settings, *, listen: str | None = None) -> Any:
             except ConfigError as exc:
                 raise ConfigError(str(exc), option="curve_authorized") from exc
         curve = CurveKeys(public, secret, server_key, authorized)
-    # Imported last: p2pkv.node pulls in torch (seconds), and a bad --curve-* value
-    # above should fail at once.
-    from p2pkv.node import NodeConfig
-
     interval = v["heartbeat_interval"]
     if interval is None:
         interval = min(1.0, v["heartbeat_timeout"] / 4)

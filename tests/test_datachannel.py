@@ -542,7 +542,7 @@ def test_the_peer_always_learns_why_its_session_ended(made: list[Any]) -> None:
 
 def test_an_unexpected_error_while_sending_on_the_stream_leaks_no_pin(
         made: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    from p2pkv.runtime.data_server import BoundStream
+    from p2pkv.runtime.paths.data_sender import BoundStream
 
     producer = node({**SEED_V2, "pool": 40})
     made.append(producer)

@@ -3,11 +3,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2pkv.engine import EngineKVCopier
 from p2pkv.keys import block_keys
 from p2pkv.layout import SEED_GEOMETRY, Geometry, KVLayout, make_layout, torch_dtype
-from p2pkv.pool import BlockPool
 from p2pkv.store import BlockStore, StoreFullError
+from p2pkv.store.engine import EngineKVCopier
+from p2pkv.store.pool import BlockPool
 
 SMALL = Geometry(num_layers=3, num_kv_heads=2, head_size=4, tokens_per_block=4)
 SMALL_MLA = Geometry(

@@ -41,12 +41,12 @@ from p2pkv.errors import (
     PeerTimeout,
     ProtocolError,
 )
-from p2pkv.runtime.data_server import BoundStream
-from p2pkv.runtime.packing import PackedSender
-from p2pkv.runtime.sender import Sender
+from p2pkv.runtime.paths.data_sender import BoundStream
+from p2pkv.runtime.paths.packing import PackedSender
+from p2pkv.runtime.paths.sender import Sender
 from p2pkv.settings import load_settings
 from p2pkv.store import BlockWriter
-from p2pkv.store_slots import SlotBatches
+from p2pkv.store.slots import SlotBatches
 
 pytestmark = pytest.mark.timeout(120)
 

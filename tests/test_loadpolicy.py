@@ -1,4 +1,5 @@
-"""The load-or-recompute decision (p2pkv.loadpolicy), with the numbers of this machine.
+"""The load-or-recompute decision (p2pkv.integrations.vllm.loadpolicy), with the numbers
+of this machine.
 
 SmolLM2-135M in fp32 keeps 46,080 bytes of KV per token (30 layers x 3 KV heads x 64 x
 K and V x 4 bytes): one 64-token chunk is 2,949,120 bytes. Its prefill here runs at
@@ -12,7 +13,7 @@ import itertools
 
 import pytest
 
-from p2pkv.loadpolicy import (
+from p2pkv.integrations.vllm.loadpolicy import (
     BANDWIDTH_BOUNDS,
     LOAD_OFF,
     LOAD_PAYS,

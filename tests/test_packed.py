@@ -27,7 +27,7 @@ from p2pkv import protocol as proto
 from p2pkv.errors import P2PKVError, ProtocolError
 from p2pkv.node import Node
 from p2pkv.protocol import CAP_CHECKSUM_XXH3_64, CAP_PACKED_V1, Block, Done, Fetch
-from p2pkv.runtime.packing import packs
+from p2pkv.runtime.paths.packing import packs
 from p2pkv.store import BlockStore
 
 pytestmark = pytest.mark.timeout(120)
@@ -326,8 +326,8 @@ def test_an_unpacked_block_keeps_its_bytes() -> None:
 def test_store_batches_take_slots_and_verify_each_block() -> None:
     from p2pkv.errors import StoreFullError
     from p2pkv.layout import Geometry, make_layout
-    from p2pkv.pool import BlockPool
     from p2pkv.store import ChecksumMismatch
+    from p2pkv.store.pool import BlockPool
 
     layout = make_layout("v2", Geometry(num_layers=2, num_kv_heads=1, head_size=8))
     store = BlockStore(BlockPool(layout, 3))

@@ -20,7 +20,7 @@ from rawpeer import RawPeer, answer_pings_until_bye, wait_until
 
 from p2pkv import protocol as proto
 from p2pkv.node import KeyOutcome, Node, PeerHandle
-from p2pkv.runtime.paths import KINDS
+from p2pkv.runtime.paths.frames import KINDS
 from p2pkv.runtime.public import PathStats
 from p2pkv.shm import MappedSegment
 

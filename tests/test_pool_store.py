@@ -18,7 +18,6 @@ import zmq
 
 from p2pkv import errors
 from p2pkv.layout import Geometry, KVLayout, make_layout
-from p2pkv.pool import PAGE_SIZE, BlockPool
 from p2pkv.store import (
     BlockStore,
     ChecksumMismatch,
@@ -26,7 +25,8 @@ from p2pkv.store import (
     StoreFullError,
     block_checksum,
 )
-from p2pkv.store_handles import split_segments
+from p2pkv.store.handles import split_segments
+from p2pkv.store.pool import PAGE_SIZE, BlockPool
 
 # 2 layers x 2 heads x 4 tokens x 8 values x fp16: 128 bytes per layer, 256 per block.
 TINY = Geometry(num_layers=2, num_kv_heads=2, head_size=4, tokens_per_block=4)

@@ -30,11 +30,11 @@ from rawpeer import RawPeer, wait_until
 from p2pkv import protocol as proto
 from p2pkv.errors import LocalLimitExceeded, PeerIncompatible
 from p2pkv.node import KeyOutcome, Node, NodeConfig
-from p2pkv.pool import BlockPool
 from p2pkv.shm import SHM_DIR, MappedSegment, remove_stale
 from p2pkv.shm.host import host_identity
 from p2pkv.shm.segment import pack_header
 from p2pkv.store import BlockStore
+from p2pkv.store.pool import BlockPool
 
 pytestmark = pytest.mark.timeout(120)
 

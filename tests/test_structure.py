@@ -2,8 +2,9 @@
 
 Checked from the source with ``ast`` (nothing is imported): no module of ``p2pkv`` over
 :data:`MAX_MODULE_LINES` lines, no class over :data:`MAX_CLASS_LINES`, and no cycle
-among the modules' import-time imports (module level, ``if TYPE_CHECKING`` excluded;
-imports inside functions are deferred on purpose and do not count). The module map is
+among the modules' imports (those made only for the type checker, in ``if
+TYPE_CHECKING`` blocks, count like any other; imports inside functions are deferred on
+purpose and count for cycles, not for the layers). The module map is
 read from docs/architecture.md: every module is named in it, import-time imports go only to the
 module's own entry or to entries above it, and what it marks "(pure)" imports nothing of
 :data:`IMPURE`. No module reads the call stack (the vLLM integration takes what it needs
@@ -22,8 +23,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "p2pkv"
-MAX_MODULE_LINES = 600
-MAX_CLASS_LINES = 400
+MAX_MODULE_LINES = 540
+MAX_CLASS_LINES = 360
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 #: What a module marked "(pure)" may not import (anywhere in it): IO, processes, threads,
 #: clocks, the GPU stack.
@@ -42,18 +43,13 @@ def modules(root: Path) -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
-    """Statements that run at import time (into if/try/with blocks, not into defs)."""
+    """Statements at module level: into if/try/with blocks (``if TYPE_CHECKING:`` too: a
+    module the type checker needs is a dependency all the same), not into defs."""
     for stmt in body:
         yield stmt
         if isinstance(stmt, ast.If):
-            if not _is_type_checking(stmt.test):
-                yield from _module_level(stmt.body)
+            yield from _module_level(stmt.body)
             yield from _module_level(stmt.orelse)
         elif isinstance(stmt, ast.Try):
             for block in (stmt.body, stmt.orelse, stmt.finalbody,
@@ -65,12 +61,9 @@ def _module_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
 
 def _everywhere(body: list[ast.stmt]) -> Iterator[ast.stmt]:
     """Every statement, inside functions too (a deferred import still binds the two
-    modules), except what only a type checker runs."""
+    modules), and what only a type checker runs."""
     for stmt in body:
         yield stmt
-        if isinstance(stmt, ast.If) and _is_type_checking(stmt.test):
-            yield from _everywhere(stmt.orelse)
-            continue
         for name in ("body", "orelse", "finalbody"):
             block = getattr(stmt, name, None)
             if isinstance(block, list):
@@ -80,8 +73,9 @@ def _everywhere(body: list[ast.stmt]) -> Iterator[ast.stmt]:
 
 
 def import_graph(root: Path, *, deferred: bool = False) -> dict[str, set[str]]:
-    """Module -> the package modules it imports at import time (``deferred``: also
-    inside functions, where an import only hides a dependency from this graph)."""
+    """Module -> the package modules it imports at module level, for the type checker
+    too (``deferred``: also inside functions, where an import only hides a dependency
+    from this graph)."""
     mods = modules(root)
     graph: dict[str, set[str]] = {name: set() for name in mods}
     walk = _everywhere if deferred else _module_level
@@ -189,12 +183,15 @@ def design_entries(doc: str, package: str = "p2pkv") -> list[Entry]:
 
 
 def _entry_of(rel: str, entries: list[Entry]) -> int | None:
-    """Index of the entry that holds module file ``rel`` (``p2pkv/a/b.py``)."""
+    """Index of the entry that holds module file ``rel`` (``p2pkv/a/b.py``): the one that
+    names it, else the one of its innermost package (``p2pkv/a/b/`` before ``p2pkv/a/``)."""
+    best: tuple[int, int] | None = None  # (length of the matching path, entry)
     for i, entry in enumerate(entries):
         for path in entry.paths:
-            if rel == path or (path.endswith("/") and rel.startswith(path)):
-                return i
-    return None
+            matches = rel == path or (path.endswith("/") and rel.startswith(path))
+            if matches and (best is None or len(path) > best[0]):
+                best = (len(path), i)
+    return None if best is None else best[1]
 
 
 def design_problems(root: Path, doc: str) -> list[str]:
@@ -281,7 +278,7 @@ def test_no_class_is_too_long() -> None:
 def test_no_import_cycle() -> None:
     # Deferred imports count: one inside a function hides a cycle, it does not break it.
     graph = import_graph(PACKAGE, deferred=True)
-    assert "p2pkv.runtime.wiring" in graph["p2pkv.node"]  # the graph is not empty
+    assert "p2pkv.runtime.connections.wiring" in graph["p2pkv.node"]  # the graph is not empty
     assert find_cycle(graph) is None
 
 
@@ -292,7 +289,7 @@ def test_lower_layers_never_import_the_node_or_the_tools() -> None:
     upper = {"p2pkv.node", "p2pkv.cli", "p2pkv.demo"} | {
         m for m in graph if m.startswith(("p2pkv.bench", "p2pkv.commands"))}
     for name, targets in graph.items():
-        if name.startswith(("p2pkv.protocol", "p2pkv.runtime", "p2pkv.transport")):
+        if name.startswith(("p2pkv.protocol", "p2pkv.runtime", "p2pkv.store", "p2pkv.transport")):
             assert not targets & upper, f"{name} imports {sorted(targets & upper)}"
 
 
@@ -333,14 +330,30 @@ def test_checker_finds_a_cycle_hidden_by_deferred_imports(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("guard", ["TYPE_CHECKING", "typing.TYPE_CHECKING"])
-def test_checker_ignores_type_checking_imports(tmp_path: Path, guard: str) -> None:
+def test_checker_counts_type_checking_imports(tmp_path: Path, guard: str) -> None:
+    # A circle closed only for the type checker is a circle: the two modules depend on
+    # each other all the same (and one of them must import the other inside a function,
+    # or the type checker's view and the interpreter's differ).
     root = _package(tmp_path, {
         "a.py": "import pkg.b\n",
         "b.py": f"import typing\nfrom typing import TYPE_CHECKING\nif {guard}:\n"
-                "    from pkg import a\n",
+                "    from pkg import a\nelse:\n    from pkg import c\n",
+        "c.py": "",
     })
-    assert find_cycle(import_graph(root)) is None
-    assert find_cycle(import_graph(root, deferred=True)) is None
+    assert import_graph(root)["pkg.b"] == {"pkg", "pkg.a", "pkg.c"}
+    assert find_cycle(import_graph(root)) == ["pkg.a", "pkg.b", "pkg.a"]
+    assert find_cycle(import_graph(root, deferred=True)) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+def test_checker_counts_type_checking_imports_for_the_layers(tmp_path: Path) -> None:
+    root = _package(tmp_path, {
+        "low.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                  "    from pkg.high import H\n",
+        "high.py": "H = 1\n",
+    })
+    doc = ("## The module map\n\n```\npkg/__init__.py    the root\n"
+           "pkg/low.py         below\npkg/high.py        above\n```\n")
+    assert design_problems(root, doc) == ["pkg/low.py imports pkg/high.py, listed below it"]
 
 
 def test_checker_finds_long_modules_and_classes(tmp_path: Path) -> None:
@@ -381,6 +394,26 @@ def test_checker_reads_the_design_list(tmp_path: Path) -> None:
     pure_low = doc.replace("pkg/low.py, high.py   two modules",
                            "pkg/low.py, high.py   two modules (pure)")
     assert "pkg/low.py is marked pure but imports os" in design_problems(root, pure_low)
+
+
+def test_checker_puts_a_module_in_its_innermost_package(tmp_path: Path) -> None:
+    # A package's entry below and a subpackage's entry above it (runtime/ and
+    # runtime/paths/): each module belongs to the entry of its innermost package, or to
+    # the entry that names it.
+    root = _package(tmp_path, {
+        "base/__init__.py": "",
+        "base/core.py": "",
+        "base/named.py": "",
+        "base/up/__init__.py": "",
+        "base/up/x.py": "from pkg.base import core\n",
+        "base/up/y.py": "from pkg.base import named\n",
+    })
+    doc = ("## The module map\n\n```\npkg/__init__.py    the root\n"
+           "pkg/base/          the base: core.py\n"
+           "pkg/base/up/       above it: x.py, y.py\n"
+           "pkg/base/named.py  named on its own, above all\n```\n")
+    assert design_problems(root, doc) == [
+        "pkg/base/up/y.py imports pkg/base/named.py, listed below it"]
 
 
 def test_checker_finds_frame_reads(tmp_path: Path) -> None:

@@ -217,7 +217,7 @@ def _host_allocator_bytes() -> int | None:
 
 
 def _pool_checks(check: Check, layout: KVLayout, cuda: bool) -> dict[str, Any]:
-    from p2pkv.pool import PAGE_SIZE, BlockPool
+    from p2pkv.store.pool import PAGE_SIZE, BlockPool
 
     out: dict[str, Any] = {}
     before = _host_allocator_bytes()
@@ -363,10 +363,10 @@ def _engine_copies(check: Check, store: Any, layout: KVLayout, keys: list[bytes]
     import numpy as np
     import torch
 
-    from p2pkv.engine import EngineKVCopier
     from p2pkv.layout import torch_dtype
-    from p2pkv.pool import BlockPool
     from p2pkv.store import BlockStore
+    from p2pkv.store.engine import EngineKVCopier
+    from p2pkv.store.pool import BlockPool
 
     n = len(keys)
     nbytes = n * layout.bytes_per_block

@@ -23,12 +23,12 @@
 # Files under $OUT (7): gpu_check.json, summary.txt, env.txt, install.log, pytest.log,
 # pytest.xml, fetch.log.
 #
-# Runtime dependencies of p2pkv (what importing p2pkv.node and p2pkv.engine loads beyond the
-# standard library): torch, pyzmq (imported as zmq), msgpack, xxhash, numpy; tomli only on
-# Python < 3.11. The tests also need pytest, pytest-timeout and hypothesis. On the GPU
-# machine (Python 3.12, torch with CUDA) everything but pyzmq is installed: pyzmq is the
-# only wheel carried (.whl/, `make gpu-wheels`; see docs/gpu.md). p2pkv itself is not
-# installed: the repository root goes on PYTHONPATH.
+# Runtime dependencies of p2pkv (what importing p2pkv.node and p2pkv.store.engine loads
+# beyond the standard library): torch, pyzmq (imported as zmq), msgpack, xxhash, numpy;
+# tomli only on Python < 3.11. The tests also need pytest, pytest-timeout and hypothesis.
+# On the GPU machine (Python 3.12, torch with CUDA) everything but pyzmq is installed:
+# pyzmq is the only wheel carried (.whl/, `make gpu-wheels`; see docs/gpu.md). p2pkv
+# itself is not installed: the repository root goes on PYTHONPATH.
 #
 # Environment: OUT (default /tmp/gpu_check-out); PYTHON (default: python3 if it imports
 # torch, else .venv/bin/python of this checkout or of the main checkout of its worktree);

@@ -18,13 +18,32 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from p2pkv.cluster.records import DirectoryError, Lua
 from p2pkv.cluster.redis_urls import parse_directory_url
 from p2pkv.errors import ConfigError
 
-__all__ = ["RedisConnection"]
+__all__ = ["DirectoryParts", "RedisConnection"]
+
+
+class DirectoryParts(Protocol):
+    """What the helpers of a :class:`~p2pkv.cluster.RedisDirectory` use of it (its
+    sharded keys, :mod:`p2pkv.cluster.sharded`, and its verdicts,
+    :mod:`p2pkv.cluster.verdicts`): its connection, URL, namespace and key names. Named
+    by what they use, so that they do not import the directory's module, which imports
+    them."""
+
+    @property
+    def redis(self) -> RedisConnection: ...
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def namespace(self) -> str: ...
+
+    def _key(self, partition: str, what: str) -> str: ...
 
 
 class RedisConnection:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import zlib
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from p2pkv.cluster.records import (
     CLAIMS_LUA,
@@ -45,9 +45,7 @@ from p2pkv.cluster.records import (
     Member,
     parse_holders,
 )
-
-if TYPE_CHECKING:
-    from p2pkv.cluster.redis_directory import RedisDirectory
+from p2pkv.cluster.redis_client import DirectoryParts
 
 __all__ = ["Subpartitions", "subpartition_of"]
 
@@ -193,7 +191,7 @@ class Subpartitions:
     here when ``kind == "cluster"``); thread-safe as the directory is.
     """
 
-    def __init__(self, directory: RedisDirectory, count: int) -> None:
+    def __init__(self, directory: DirectoryParts, count: int) -> None:
         self.directory = directory
         self.count = count
         self._tags: dict[str, tuple[str, ...]] = {}

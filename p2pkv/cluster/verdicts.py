@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from p2pkv.cluster.records import DirectoryError, Lua, Member, QuarantineReport
-
-if TYPE_CHECKING:
-    from p2pkv.cluster.redis_directory import RedisDirectory
+from p2pkv.cluster.redis_client import DirectoryParts
 
 __all__ = ["MAX_REPORTS", "Verdicts", "encode_reports", "parse_reports"]
 
@@ -94,7 +91,7 @@ def parse_reports(value: bytes | str, now_ms: int) -> tuple[QuarantineReport, ..
 class Verdicts:
     """Publishing a member's verdicts through one :class:`RedisDirectory`."""
 
-    def __init__(self, directory: RedisDirectory) -> None:
+    def __init__(self, directory: DirectoryParts) -> None:
         self.directory = directory
         self._publish = Lua(_PUBLISH)
 

@@ -19,7 +19,8 @@ stream message carries, and when a client uses an offer. That a ``welcome`` carr
 offer exactly when ``tcp-data-v1`` was negotiated is a rule of the state machine's table
 (:mod:`p2pkv.protocol.transitions`), like the ``shm-v1`` offer.
 The sockets are :mod:`p2pkv.transport.datachannel`'s; the node's use of them is
-:mod:`p2pkv.runtime.data_server` and :mod:`p2pkv.runtime.data_client`.
+:mod:`p2pkv.runtime.paths.data_server` (the data port), ``data_sender`` (a bound
+stream's sends) and ``data_client``.
 """
 
 from __future__ import annotations

@@ -15,15 +15,12 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from p2pkv.runtime.pending import LookupAnswer
 from p2pkv.runtime.public import FetchResult, KeyOutcome
 
-if TYPE_CHECKING:
-    from p2pkv.runtime.paths import ServePath
-
-__all__ = ["FetchTicket", "Receiving", "Sending", "Waiting", "writable"]
+__all__ = ["FetchTicket", "Receiving", "Waiting", "writable"]
 
 
 class FetchTicket:
@@ -43,7 +40,7 @@ class FetchTicket:
         self.cancelled = False
         self.stopped = threading.Event()
         #: Set by the IO thread once the fetch went out (its connection, and the request
-        #: ids it went out as: one per lane, see p2pkv.runtime.lanes).
+        #: ids it went out as: one per lane, see p2pkv.runtime.paths.lanes).
         self.peer_id = 0
         self.reqs: tuple[int, ...] = ()
 
@@ -76,20 +73,6 @@ class Receiving:
     #: Keys repeated in the caller's fetch (into the store): ``(index, index of its first
     #: occurrence)``; asked for once, each repeat takes the first one's outcome at the end.
     repeats: list[tuple[int, int]] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class Sending:
-    """A fetch this node serves: which keys are left and what became of each."""
-
-    req: int
-    keys: tuple[bytes, ...]
-    outcomes: list[int]
-    next_index: int = 0
-    #: The path its blocks and its done take (:mod:`p2pkv.runtime.paths`): bound when
-    #: the fetch arrived, so that every block of the fetch and its done take the same
-    #: way, even if the connection's path changes meanwhile (a data stream binding).
-    path: ServePath | None = None
 
 
 class writable:  # lower case: it reads as a call, ``with writable(...) as ok``

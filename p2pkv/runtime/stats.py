@@ -108,7 +108,7 @@ class Counters:
 
     def moved(self, kind: str, direction: str, blocks: int, nbytes: int) -> None:
         """``blocks`` (``nbytes`` of them) went ``direction`` (SENT or RECEIVED) on a
-        data path of ``kind`` (``p2pkv.runtime.paths.KINDS``): every path counts the same
+        data path of ``kind`` (``p2pkv.runtime.paths.frames.KINDS``): every path counts the same
         way, and the totals (``blocks_sent``, ``blocks_received``) are counted apart."""
         if blocks:
             with self._lock:

@@ -1,7 +1,7 @@
 """The node's tuning constants, in one place (the benchmark imports them from here).
 
 None of these is a protocol rule; they trade latency against CPU on the IO thread.
-Deadlines that users may want to change are in :class:`~p2pkv.runtime.public.NodeConfig`.
+Deadlines that users may want to change are in :class:`~p2pkv.runtime.config.NodeConfig`.
 """
 
 from __future__ import annotations

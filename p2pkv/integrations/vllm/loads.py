@@ -1,6 +1,6 @@
 """The load policy of a :class:`~p2pkv.integrations.vllm.P2PKVTier` (see
-:mod:`p2pkv.loadpolicy`): fed by the tier's own hooks, applied to its lookups, counted in
-its metrics and written to its log.
+:mod:`p2pkv.integrations.vllm.loadpolicy`): fed by the tier's own hooks, applied to its
+lookups, counted in its metrics and written to its log.
 
 - the **lookup thread** asks :meth:`TierLoads.advise` for each step's batch of one
   request: the keys past the part worth loading are answered MISS, so vLLM recomputes
@@ -27,9 +27,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 )
 from vllm.v1.kv_offload.base import ScheduleEndContext
 
+from p2pkv.integrations.vllm.loadpolicy import LOAD_PROBE, Advice, LoadPolicy, LoadPolicyConfig
 from p2pkv.integrations.vllm.metrics import Metrics
 from p2pkv.integrations.vllm.peers import Count
-from p2pkv.loadpolicy import LOAD_PROBE, Advice, LoadPolicy, LoadPolicyConfig
 from p2pkv.node import FetchResult
 
 __all__ = ["DIRECTORY", "PENDING_NO_ESTIMATE", "PENDING_PAYS", "PENDING_POLICY_OFF",
@@ -54,7 +54,8 @@ UNMEASURED_PREFILL_RATE = 1000.0
 
 
 class TierLoads:
-    """The tier's :class:`~p2pkv.loadpolicy.LoadPolicy` behind the tier's lock."""
+    """The tier's :class:`~p2pkv.integrations.vllm.loadpolicy.LoadPolicy` behind the
+    tier's lock."""
 
     def __init__(self, config: LoadPolicyConfig, *, chunk_bytes: int, chunk_tokens: int,
                  lock: threading.Lock, count: Count) -> None:

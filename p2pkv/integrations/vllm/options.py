@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from p2pkv.errors import ConfigError
-from p2pkv.loadpolicy import LoadPolicyConfig
+from p2pkv.integrations.vllm.loadpolicy import LoadPolicyConfig
 from p2pkv.transport import validate_address
 
 #: The two keys of ``--kv-transfer-config`` that load
@@ -154,7 +154,8 @@ def _tier_name(name: str) -> str:
 
 
 def load_policy_config(params: Mapping[str, Any]) -> LoadPolicyConfig:
-    """The ``load_*`` options: when a hit is worth loading (see :mod:`p2pkv.loadpolicy`)."""
+    """The ``load_*`` options: when a hit is worth loading (see
+    :mod:`p2pkv.integrations.vllm.loadpolicy`)."""
     default = LoadPolicyConfig()
     enabled = params.get("load_policy", default.enabled)
     if not isinstance(enabled, bool):

@@ -21,8 +21,8 @@ import zmq
 
 from p2pkv import protocol as proto
 from p2pkv.protocol.codes import OUTCOME_SENT
-from p2pkv.runtime.sender import pin_next_batch
-from p2pkv.runtime.state import Sending
+from p2pkv.runtime.paths.interfaces import Sending
+from p2pkv.runtime.paths.sender import pin_next_batch
 from p2pkv.runtime.stats import SENT, Count, Counters
 from p2pkv.shm import SharedSegment
 from p2pkv.store import BlockReader, BlockStore

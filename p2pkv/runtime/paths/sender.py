@@ -20,8 +20,8 @@ import zmq
 
 from p2pkv import protocol as proto
 from p2pkv.protocol.codes import OUTCOME_MISSING, OUTCOME_SENT
-from p2pkv.runtime.packing import PackedSender, packs
-from p2pkv.runtime.state import Sending
+from p2pkv.runtime.paths.interfaces import Sending
+from p2pkv.runtime.paths.packing import PackedSender, packs
 from p2pkv.runtime.stats import SENT, Count, Counters
 from p2pkv.runtime.tuning import REAP_TICK_MS, ZERO_COPY_MIN
 from p2pkv.store import BlockReader, BlockStore

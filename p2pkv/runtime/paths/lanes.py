@@ -17,7 +17,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 from p2pkv import protocol as proto
-from p2pkv.runtime.paths import FetchPath
+from p2pkv.runtime.paths.interfaces import FetchPath
 from p2pkv.runtime.state import Receiving
 
 __all__ = ["open_lanes", "parts_of", "take_others"]

@@ -9,7 +9,7 @@ were copied) and sends the frame without another copy. The receiver takes the fr
 libzmq received it, takes the batch's slots in one store call, copies each block's
 segments into its slot and commits the batch in one store call, every block checked
 against its checksum (``protocol/SPEC.md`` §17; settled by
-:class:`~p2pkv.runtime.landing.Landing`).
+:class:`~p2pkv.runtime.paths.landing.Landing`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import zmq
 from p2pkv import protocol as proto
 from p2pkv.errors import ProtocolError
 from p2pkv.protocol.codes import MAX_PACKED_BYTES
-from p2pkv.runtime.landing import Landed, Landing
+from p2pkv.runtime.paths.landing import Landed, Landing
 from p2pkv.runtime.state import Receiving
 from p2pkv.runtime.tuning import ZERO_COPY_MIN
 from p2pkv.store import BlockReader, BlockStore

@@ -1,6 +1,6 @@
 """The fetching side: the registry of connections this node opened, as the IO loop sees it.
 
-Each connection is an :class:`~p2pkv.runtime.outbound.OutboundConnection` that owns its
+Each connection is an :class:`~p2pkv.runtime.connections.outbound.OutboundConnection` that owns its
 socket, session, requests and deadlines. :class:`Client` runs the API's commands
 (connect, lookup, fetch, abort, disconnect) on the IO thread by finding the connection
 they name, and plugs the connections into the reactor's participant hooks.
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 
 from p2pkv.errors import LocalLimitExceeded, PeerGone, PeerTimeout
-from p2pkv.runtime.outbound import OutboundConnection, OutboundParts
+from p2pkv.runtime.connections.outbound import OutboundConnection, OutboundParts
 from p2pkv.runtime.pending import LookupAnswer
 from p2pkv.runtime.public import FetchResult, PeerHandle
 from p2pkv.runtime.state import FetchTicket

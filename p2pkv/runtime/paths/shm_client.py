@@ -12,7 +12,7 @@ accepted, :class:`SharedIn` is the connection's data path (the ``shm`` kind of
 Landing a ``located`` message copies each block's segments straight from the mapped pool
 into its destination (a store slot invisible until committed, or caller buffers), hashing
 each piece right after it was copied, then settles it like a received block
-(:class:`~p2pkv.runtime.landing.Landing`). The whole message is one
+(:class:`~p2pkv.runtime.paths.landing.Landing`). The whole message is one
 :func:`p2pkv.checksum.copy_blocks` call: with the compiled helper it runs without the GIL,
 over ``NodeConfig.shm_copy_threads`` threads; without it, in Python on the IO thread. A
 read burst is at most a few MiB, well under a millisecond of copying, so a lookup queued
@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from p2pkv import protocol as proto
 from p2pkv.checksum import copy_blocks, copy_threads
 from p2pkv.errors import ProtocolError
-from p2pkv.runtime.landing import Landing
+from p2pkv.runtime.paths.landing import Landing
 from p2pkv.runtime.state import Receiving, writable
 from p2pkv.runtime.stats import RECEIVED, Counters, ShmFallback
 from p2pkv.shm import MappedSegment, ShmUnavailable

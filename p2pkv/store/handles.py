@@ -4,10 +4,10 @@ A :class:`BlockWriter` is exclusive access to a slot being filled (invisible to 
 until it commits); a :class:`BlockReader` is one pin on a committed block (its slot is
 neither evicted nor reused until every reader has released it). Both alias the slot's
 memory with one ``memoryview`` per segment, and both finish through the store that made
-them: this module holds what a handle is; the store's book (:mod:`p2pkv.store_book`)
+them: this module holds what a handle is; the store's book (:mod:`p2pkv.store.book`)
 holds the bookkeeping (per slot: the pin count, the checksum computed once) and the
 lock, and a handle's calls are wrappers of the batch slot calls
-(:mod:`p2pkv.store_slots`).
+(:mod:`p2pkv.store.slots`).
 
 :func:`split_segments` cuts a block given as one buffer into its segments (for
 :meth:`~p2pkv.store.BlockStore.put`).
@@ -18,16 +18,28 @@ the threading rules.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from p2pkv.checksum import BytesLike
 
-if TYPE_CHECKING:
-    from p2pkv.store import BlockStore
+__all__ = ["BlockReader", "BlockWriter", "HandleOwner", "split_segments"]
 
-__all__ = ["BlockReader", "BlockWriter", "split_segments"]
+
+class HandleOwner(Protocol):
+    """What a handle finishes through: the :class:`~p2pkv.store.BlockStore` that made
+    it (named by what it does, so that this module does not import the store's)."""
+
+    def commit_many(self, writers: Sequence[BlockWriter],
+                    expected_checksums: Sequence[int | None]) -> Sequence[Exception | None]:
+        ...
+
+    def _abort(self, writer: BlockWriter) -> None: ...
+
+    def release_many(self, readers: Iterable[BlockReader]) -> None: ...
+
+    def _checksum_of(self, reader: BlockReader) -> int: ...
 
 
 class BlockWriter:
@@ -40,7 +52,7 @@ class BlockWriter:
 
     __slots__ = ("_done", "_store", "key", "slot", "views")
 
-    def __init__(self, store: BlockStore, key: bytes, slot: int,
+    def __init__(self, store: HandleOwner, key: bytes, slot: int,
                  views: Sequence[memoryview]) -> None:
         self._store = store
         self._done = False
@@ -95,7 +107,7 @@ class BlockReader:
     __slots__ = ("_released", "_store", "key", "slot", "views")
 
     def __init__(
-        self, store: BlockStore, key: bytes, slot: int, views: Sequence[memoryview]
+        self, store: HandleOwner, key: bytes, slot: int, views: Sequence[memoryview]
     ) -> None:
         self._store = store
         self._released = False

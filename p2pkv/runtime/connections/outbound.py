@@ -3,7 +3,7 @@
 An :class:`OutboundConnection` owns its socket (and the socket's monitor), its client
 :class:`~p2pkv.protocol.Session`, the lookups and fetches it carries with their
 futures, and its data path (:mod:`p2pkv.runtime.paths`), chosen once the handshake is
-over (:class:`~p2pkv.runtime.path_choice.PathChoice`): the peer's shared memory once
+over (:class:`~p2pkv.runtime.paths.choice.PathChoice`): the peer's shared memory once
 the proof was accepted, else the data stream once bound, else ZeroMQ frames.
 What the peer sends, on the DEALER or on the data stream, enters the session through
 one door (:meth:`~p2pkv.protocol.Session.receive_data`), which has the path land the
@@ -39,15 +39,15 @@ from p2pkv.errors import (
 )
 from p2pkv.identity import IdentityExtension
 from p2pkv.reports import refusal_error, request_error, timeout_error
-from p2pkv.runtime.data_client import DataReceiver, StreamOwner
-from p2pkv.runtime.lanes import open_lanes, take_others
-from p2pkv.runtime.path_choice import PathChoice
-from p2pkv.runtime.paths import HANDLE_PATHS, FramesIn
+from p2pkv.runtime.paths.choice import PathChoice
+from p2pkv.runtime.paths.data_client import DataReceiver, StreamOwner
+from p2pkv.runtime.paths.frames import HANDLE_PATHS, FramesIn
+from p2pkv.runtime.paths.lanes import open_lanes, take_others
+from p2pkv.runtime.paths.receiver import Receiver, drain
+from p2pkv.runtime.paths.shm_client import SharedReceiver
 from p2pkv.runtime.pending import LookupAnswer
 from p2pkv.runtime.public import FetchResult, KeyOutcome, PeerHandle, PeerOwner
 from p2pkv.runtime.reactor import Reactor, fail, resolve
-from p2pkv.runtime.receiver import Receiver, drain
-from p2pkv.runtime.shm_client import SharedReceiver
 from p2pkv.runtime.state import FetchTicket, Receiving, Waiting
 from p2pkv.runtime.stats import Count, Counters
 from p2pkv.runtime.tuning import MONITOR_GRACE_MS, READ_BUDGET, READ_BURST_BYTES

@@ -2,10 +2,10 @@
 
 Right after an accepted handshake, a connection's :class:`PathChoice` tries the ways a
 peer's blocks may come, best first: the peer's pool in shared memory (``shm-v1``: map
-the segment and prove it, :class:`~p2pkv.runtime.shm_client.SharedIn`), else a data
+the segment and prove it, :class:`~p2pkv.runtime.paths.shm_client.SharedIn`), else a data
 stream beside ZeroMQ (``tcp-data-v1``: dial and bind it,
-:class:`~p2pkv.runtime.data_dial.StreamDialer`), else ZeroMQ frames
-(:class:`~p2pkv.runtime.paths.FramesIn`, always there). When the attempts are over it
+:class:`~p2pkv.runtime.paths.data_dial.StreamDialer`), else ZeroMQ frames
+(:class:`~p2pkv.runtime.paths.frames.FramesIn`, always there). When the attempts are over it
 calls ``ready`` once, and :meth:`PathChoice.choose` fixes the connection's path for the
 rest of its life, with the reasons the better ones are not used.
 
@@ -18,11 +18,12 @@ import socket
 from collections.abc import Callable
 
 from p2pkv import protocol as proto
-from p2pkv.runtime.data_client import DataReceiver, StreamIn, StreamOwner, Striped
-from p2pkv.runtime.data_dial import StreamDialer
-from p2pkv.runtime.paths import Arrived, FetchPath, FramesIn
+from p2pkv.runtime.paths.data_client import DataReceiver, StreamIn, StreamOwner, Striped
+from p2pkv.runtime.paths.data_dial import StreamDialer
+from p2pkv.runtime.paths.frames import FramesIn
+from p2pkv.runtime.paths.interfaces import Arrived, FetchPath
+from p2pkv.runtime.paths.shm_client import SharedIn, SharedReceiver
 from p2pkv.runtime.reactor import Reactor
-from p2pkv.runtime.shm_client import SharedIn, SharedReceiver
 from p2pkv.runtime.state import Receiving
 from p2pkv.runtime.stats import Counters
 

@@ -3,8 +3,8 @@
 :func:`wire` builds, in one place, everything behind the :class:`~p2pkv.node.Node`
 facade and hands it back as a :class:`Runtime`: the ZeroMQ context with its CURVE
 authenticator and ROUTER, the data port, the counters, the reactor, the serving side
-(:class:`~p2pkv.runtime.server.Server`: the ROUTER's peers, their senders and data
-paths) and the fetching side (:class:`~p2pkv.runtime.client.Client`: the connections
+(:class:`~p2pkv.runtime.connections.server.Server`: the ROUTER's peers, their senders and data
+paths) and the fetching side (:class:`~p2pkv.runtime.connections.client.Client`: the connections
 this node opens, their landings and data paths). The node starts the reactor once it
 holds the result. On a failure while binding, nothing is left open.
 """
@@ -19,19 +19,21 @@ import zmq
 
 from p2pkv import protocol as proto
 from p2pkv.protocol.codes import MAX_HEAD_BYTES
-from p2pkv.runtime.client import Client
-from p2pkv.runtime.data_client import DataReceiver
-from p2pkv.runtime.data_server import DataListener, DataSender
-from p2pkv.runtime.inbound import InboundParts
-from p2pkv.runtime.landing import Landing
-from p2pkv.runtime.outbound import OutboundParts
-from p2pkv.runtime.public import NodeConfig, PeerOwner
+from p2pkv.runtime.config import NodeConfig
+from p2pkv.runtime.connections.client import Client
+from p2pkv.runtime.connections.inbound import InboundParts
+from p2pkv.runtime.connections.outbound import OutboundParts
+from p2pkv.runtime.connections.server import Server
+from p2pkv.runtime.paths.data_client import DataReceiver
+from p2pkv.runtime.paths.data_sender import DataSender
+from p2pkv.runtime.paths.data_server import DataListener
+from p2pkv.runtime.paths.landing import Landing
+from p2pkv.runtime.paths.receiver import Receiver
+from p2pkv.runtime.paths.sender import Sender
+from p2pkv.runtime.paths.shm_client import SharedReceiver
+from p2pkv.runtime.paths.shm_server import SharedSender
+from p2pkv.runtime.public import PeerOwner
 from p2pkv.runtime.reactor import Reactor
-from p2pkv.runtime.receiver import Receiver
-from p2pkv.runtime.sender import Sender
-from p2pkv.runtime.server import Server
-from p2pkv.runtime.shm_client import SharedReceiver
-from p2pkv.runtime.shm_server import SharedSender
 from p2pkv.runtime.stats import Counters
 from p2pkv.store import BlockStore
 from p2pkv.transport import (

@@ -12,7 +12,8 @@ pings but takes nothing of what its path holds for it is cut at the send deadlin
 (``send_timeout``); either way its TCP connection is cut, so that libzmq drops what it
 still queued for it and the blocks pinned for those sends are released.
 
-All on the IO thread; the ROUTER itself is read by :class:`~p2pkv.runtime.server.Server`.
+All on the IO thread; the ROUTER itself is read by
+:class:`~p2pkv.runtime.connections.server.Server`.
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ from p2pkv import protocol as proto
 from p2pkv.errors import ProtocolError
 from p2pkv.protocol.codes import OUTCOME_FAILED
 from p2pkv.reports import reason_name
-from p2pkv.runtime.data_server import BoundStream, DataListener, DataSender, StreamOut
-from p2pkv.runtime.paths import FramesOut, ServePath, serving_frames
+from p2pkv.runtime.paths.data_sender import BoundStream, DataSender, StreamOut
+from p2pkv.runtime.paths.data_server import DataListener
+from p2pkv.runtime.paths.frames import FramesOut, serving_frames
+from p2pkv.runtime.paths.interfaces import Sending, ServePath
+from p2pkv.runtime.paths.sender import Sender
+from p2pkv.runtime.paths.shm_server import SharedOut, SharedSender
 from p2pkv.runtime.pending import PendingKeys
-from p2pkv.runtime.sender import Sender
-from p2pkv.runtime.shm_server import SharedOut, SharedSender
-from p2pkv.runtime.state import Sending
 from p2pkv.runtime.stats import Count, Counters
 from p2pkv.runtime.tuning import BYE_FLUSH_S
 from p2pkv.store import BlockStore

@@ -1,6 +1,6 @@
 """The fetching half of ``tcp-data-v1``: land what a bound data stream carries.
 
-Once :class:`~p2pkv.runtime.data_dial.StreamDialer` bound the stream, a
+Once :class:`~p2pkv.runtime.paths.data_dial.StreamDialer` bound the stream, a
 :class:`StreamIn` is the connection's data path (the ``stream`` kind of
 :mod:`p2pkv.runtime.paths`). Every message on it is a length-prefixed frame 0, fed to
 the session through the same door as one from ZeroMQ (``deliver``); a ``block`` the
@@ -8,7 +8,7 @@ session accepted is followed by its blocks' bytes back to back, which ``recvmsg_
 scatters straight into their destinations (store slots that lookups cannot see yet,
 or caller buffers): one kernel copy, nothing copied in Python but the few bytes read
 ahead with a header. A message arrives over several loop turns; every block is settled
-(:class:`~p2pkv.runtime.landing.Landing`: checksum, commit or drop, its key's outcome)
+(:class:`~p2pkv.runtime.paths.landing.Landing`: checksum, commit or drop, its key's outcome)
 as soon as its last byte landed. Where the compiled scatter receives a plain stream
 (:func:`~p2pkv.transport.datachannel.scatter_for`), the blocks bound for the store are
 hashed piece by piece as they land, while in cache, and the store checks those sums.
@@ -34,7 +34,7 @@ from typing import Final
 from p2pkv import protocol as proto
 from p2pkv.errors import P2PKVError, PeerGone, ProtocolError
 from p2pkv.protocol.seal import SealError
-from p2pkv.runtime.landing import Landed, Landing
+from p2pkv.runtime.paths.landing import Landed, Landing
 from p2pkv.runtime.reactor import Reactor
 from p2pkv.runtime.state import Receiving, writable
 from p2pkv.runtime.stats import RECEIVED, Count, Counters

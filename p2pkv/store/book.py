@@ -2,7 +2,7 @@
 
 :class:`StoreBook` is the state that both halves of the store share: the per-key API of
 :class:`~p2pkv.store.BlockStore` (writer and reader handles, lookups, discard) and the
-data path's batch calls on slot numbers, :class:`~p2pkv.store_slots.SlotBatches`
+data path's batch calls on slot numbers, :class:`~p2pkv.store.slots.SlotBatches`
 (``store.slots``). Neither half keeps state of its own, so a block taken through one is
 seen by the other at once: a slot being written by a data stream is "being written"
 for :meth:`~p2pkv.store.BlockStore.begin_write` too, and a slot pinned by a sender is
@@ -44,7 +44,7 @@ from typing import TypeAlias
 
 from p2pkv.errors import P2PKVError, StoreFullError
 from p2pkv.keys import MAX_KEY_LEN, check_keys, keys_well_formed
-from p2pkv.pool import BlockPool, MemoryKind
+from p2pkv.store.pool import BlockPool, MemoryKind
 
 __all__ = [
     "ChecksumMismatch",
@@ -125,7 +125,7 @@ class StoreBook:
     """The bookkeeping of one store over ``pool``; see the module docstring.
 
     Its attributes are shared by :class:`~p2pkv.store.BlockStore` and
-    :class:`~p2pkv.store_slots.SlotBatches`, and read or changed only with :attr:`lock`
+    :class:`~p2pkv.store.slots.SlotBatches`, and read or changed only with :attr:`lock`
     held, except where a comment says why not.
     """
 

@@ -1,4 +1,4 @@
-"""Key -> slot store over a :class:`~p2pkv.pool.BlockPool`: LRU, pins, checksums.
+"""Key -> slot store over a :class:`~p2pkv.store.pool.BlockPool`: LRU, pins, checksums.
 
 Block lifecycle::
 
@@ -37,15 +37,15 @@ updated by lookup hits, pins (:meth:`BlockStore.acquire_read`, ``slots.pin``) an
 commits; :meth:`BlockStore.contains` is a pure query. ``hits``/``misses`` count
 :meth:`BlockStore.lookup` only.
 
-The store is three parts over one :class:`~p2pkv.store_book.StoreBook` (key -> slot in
+The store is three parts over one :class:`~p2pkv.store.book.StoreBook` (key -> slot in
 LRU order, the free list, pins, keys being written, listeners, counters, the one lock):
 
 - :class:`BlockStore`, here: the per-key API above;
-- :attr:`BlockStore.slots`, a :class:`~p2pkv.store_slots.SlotBatches`: the data path's
+- :attr:`BlockStore.slots`, a :class:`~p2pkv.store.slots.SlotBatches`: the data path's
   batch calls, which take and pin slots by number with no handle per block (it states
   what each slot taken or pinned that way owes back);
 - the handles :class:`BlockWriter` and :class:`BlockReader`
-  (:mod:`p2pkv.store_handles`), wrappers of those calls that finish through the store.
+  (:mod:`p2pkv.store.handles`), wrappers of those calls that finish through the store.
 
 The handles, the errors and :class:`StoreStats` are exported from here.
 """
@@ -58,8 +58,7 @@ from collections.abc import Iterable, Sequence
 from p2pkv.checksum import BytesLike, block_checksum
 from p2pkv.errors import StoreFullError
 from p2pkv.keys import MAX_KEY_LEN
-from p2pkv.pool import BlockPool
-from p2pkv.store_book import (
+from p2pkv.store.book import (
     ChecksumMismatch,
     StoreBook,
     StoreError,
@@ -68,8 +67,9 @@ from p2pkv.store_book import (
     check_key,
     check_keys_batch,
 )
-from p2pkv.store_handles import BlockReader, BlockWriter, split_segments
-from p2pkv.store_slots import SlotBatches
+from p2pkv.store.handles import BlockReader, BlockWriter, split_segments
+from p2pkv.store.pool import BlockPool
+from p2pkv.store.slots import SlotBatches
 
 __all__ = [
     "BlockReader",
@@ -89,7 +89,7 @@ class BlockStore:
     """Maps block keys to pool slots; see the module docstring for the lifecycle.
 
     The per-key API: lookups, writer and reader handles, discard. The bookkeeping is a
-    :class:`~p2pkv.store_book.StoreBook` it shares with :attr:`slots`, the data path's
+    :class:`~p2pkv.store.book.StoreBook` it shares with :attr:`slots`, the data path's
     batch calls on slot numbers; a handle is a wrapper of those calls.
     """
 
@@ -110,7 +110,7 @@ class BlockStore:
     def slots(self) -> SlotBatches:
         """The same blocks as slot numbers, a batch per call, with no handle per block
         (the data stream's landing and sending); see
-        :class:`~p2pkv.store_slots.SlotBatches` for what each slot owes back."""
+        :class:`~p2pkv.store.slots.SlotBatches` for what each slot owes back."""
         return self._slots
 
     # -- queries -------------------------------------------------------------

@@ -1,14 +1,14 @@
 """The data path's batch calls on the block store: slot numbers, no object per block.
 
 A data stream (``tcp-data-v1``) lands and sends messages of hundreds of small blocks.
-A :class:`~p2pkv.store_handles.BlockWriter` or :class:`~p2pkv.store_handles.BlockReader`
+A :class:`~p2pkv.store.handles.BlockWriter` or :class:`~p2pkv.store.handles.BlockReader`
 per block, with its segment views, was a large part of the cost of a 16 KiB block:
 landing a message's slots as arrays cut the consumer's CPU by 17%, pinning them as
 arrays the producer's by 20% (alternating runs; large blocks unchanged).
 
 :class:`SlotBatches` is that API, reached as :attr:`BlockStore.slots
 <p2pkv.store.BlockStore.slots>`. It works on the same
-:class:`~p2pkv.store_book.StoreBook` as the store's per-key calls, whose handles are its
+:class:`~p2pkv.store.book.StoreBook` as the store's per-key calls, whose handles are its
 wrappers (one path each for taking, committing, aborting and pinning a slot).
 """
 
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 from p2pkv.checksum import block_checksum, block_checksums
 from p2pkv.errors import StoreFullError
-from p2pkv.pool import BlockPool
-from p2pkv.store_book import ChecksumMismatch, StoreBook, StoreError, check_keys_batch
+from p2pkv.store.book import ChecksumMismatch, StoreBook, StoreError, check_keys_batch
+from p2pkv.store.pool import BlockPool
 
 __all__ = ["SlotBatches"]
 
@@ -63,13 +63,13 @@ class SlotBatches:
     """The store's blocks as slot numbers, a batch per call (``store.slots``).
 
     Who calls it: the data stream's two halves on the IO thread (the receiving side
-    through :class:`~p2pkv.runtime.landing.Landing`'s ``open_slots`` /
+    through :class:`~p2pkv.runtime.paths.landing.Landing`'s ``open_slots`` /
     ``settle_slots`` / ``abandon_slots``, the serving side through
-    :class:`~p2pkv.runtime.data_server.DataSender`), and
+    :class:`~p2pkv.runtime.paths.data_sender.DataSender`), and
     :class:`~p2pkv.store.BlockStore` itself, whose writer and reader handles wrap these
     calls.
 
-    A slot number is an index into the store's :class:`~p2pkv.pool.BlockPool`
+    A slot number is an index into the store's :class:`~p2pkv.store.pool.BlockPool`
     (``pool.slot_views(slot)`` are its segments). It means something only while it is
     held: a slot from :meth:`begin_write` is its taker's alone to fill, invisible to
     lookup, until it is committed or aborted; a slot from :meth:`pin` holds a committed
@@ -213,7 +213,7 @@ class SlotBatches:
     def checksums(self, slots: Sequence[int]) -> list[int]:
         """The checksum of the block in each slot pinned by :meth:`pin`, computed once
         per stored block (as :attr:`BlockReader.checksum
-        <p2pkv.store_handles.BlockReader.checksum>`). Only for slots the caller pins."""
+        <p2pkv.store.handles.BlockReader.checksum>`). Only for slots the caller pins."""
         book = self._book
         sums, views = book.sums, book.pool.slot_views
         for slot in slots:

@@ -30,7 +30,8 @@ from collections.abc import Sequence
 import torch
 
 from p2pkv.layout import torch_dtype
-from p2pkv.store import BlockReader, BlockStore, BlockWriter
+from p2pkv.store.core import BlockStore
+from p2pkv.store.handles import BlockReader, BlockWriter
 
 __all__ = ["EngineKVCopier"]
 

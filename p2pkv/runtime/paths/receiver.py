@@ -6,7 +6,7 @@ local store that lookups cannot see yet (:class:`~p2pkv.store.BlockWriter`), or 
 caller-owned buffer (``fetch_into``). Payload bytes are never copied in Python. A block
 becomes visible only after its last segment landed and, when checksums were negotiated,
 its xxh3-64 matched; a failed block releases its slot and is reported per key (both
-settled by :class:`~p2pkv.runtime.landing.Landing`, as for the other ways of landing).
+settled by :class:`~p2pkv.runtime.paths.landing.Landing`, as for the other ways of landing).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import zmq
 from p2pkv import protocol as proto
 from p2pkv.errors import ProtocolError
 from p2pkv.protocol.codes import OUTCOME_FAILED, OUTCOME_MISSING, OUTCOME_SENT
-from p2pkv.runtime.landing import Landed, Landing
-from p2pkv.runtime.packing import PackedReceiver
+from p2pkv.runtime.paths.landing import Landed, Landing
+from p2pkv.runtime.paths.packing import PackedReceiver
 from p2pkv.runtime.public import FetchResult, KeyOutcome
 from p2pkv.runtime.state import Receiving
 from p2pkv.runtime.stats import Counters
@@ -128,7 +128,7 @@ class Receiver:
     def finish(self, recv: Receiving, wire: Sequence[int], now: float) -> FetchResult | None:
         """The result of a fetch the peer reported done: a key with no outcome yet gets
         the peer's (missing, or failed with the reason). A part of a striped fetch
-        (p2pkv.runtime.lanes) gives None until it is the last one done."""
+        (p2pkv.runtime.paths.lanes) gives None until it is the last one done."""
         if None in recv.outcomes:  # else every key has its outcome (no step per key)
             for pos, key_index in enumerate(recv.index_map):
                 if recv.outcomes[key_index] is not None:

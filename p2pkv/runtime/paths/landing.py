@@ -1,10 +1,10 @@
 """Settling a landed block: where it goes, whether it is intact, what became of its key.
 
 Bytes of a fetched block arrive four ways: ``recv_into`` straight from its payload
-frames (:mod:`~p2pkv.runtime.receiver`), copied out of one packed frame
-(:mod:`~p2pkv.runtime.packing`), copied from a same-host peer's shared memory
-(:mod:`~p2pkv.runtime.shm_client`), or ``recvmsg_into`` straight from a data stream,
-over several loop turns (:mod:`~p2pkv.runtime.data_client`). Each way only moves bytes;
+frames (:mod:`~p2pkv.runtime.paths.receiver`), copied out of one packed frame
+(:mod:`~p2pkv.runtime.paths.packing`), copied from a same-host peer's shared memory
+(:mod:`~p2pkv.runtime.paths.shm_client`), or ``recvmsg_into`` straight from a data stream,
+over several loop turns (:mod:`~p2pkv.runtime.paths.data_client`). Each way only moves bytes;
 :class:`Landing` does the rest for all four: it opens the block's destination (a
 caller-owned buffer, or a store slot that lookups cannot see yet), verifies the block
 against its announced checksum (:mod:`p2pkv.checksum`, or the store's verified

@@ -4,7 +4,7 @@ Right after a handshake that negotiated ``tcp-data-v1`` (and unless the blocks m
 through shared memory), the connection opens a plain TCP stream to the data port the
 ``welcome`` named, at the host it dialed, and sends the token first (the preface). It is
 ready once the server answered ``accepted`` within the handshake deadline: the bound
-socket then goes to a :class:`~p2pkv.runtime.data_client.StreamIn`, the connection's
+socket then goes to a :class:`~p2pkv.runtime.paths.data_client.StreamIn`, the connection's
 data path. Anything less — the capability not negotiated, a relay in between, a port
 that does not answer, a token refused — and every block keeps moving over ZeroMQ;
 :attr:`StreamDialer.detail` says why, and the fallback is counted.

@@ -1,7 +1,7 @@
 """The serving side: the ROUTER, and the registry of peers connected to it.
 
 Each peer that writes to the ROUTER becomes an
-:class:`~p2pkv.runtime.inbound.InboundConnection` keyed by its routing id, which owns
+:class:`~p2pkv.runtime.connections.inbound.InboundConnection` keyed by its routing id, which owns
 its session and its fetch jobs. :class:`Server` reads the ROUTER and hands each message
 to the peer it came from (admitting a new peer while ``max_peers`` allows), serves the
 peers' jobs round robin, and plugs them into the reactor's participant hooks.
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import zmq
 
 from p2pkv import protocol as proto
-from p2pkv.runtime.inbound import InboundConnection, InboundParts, route
+from p2pkv.runtime.connections.inbound import InboundConnection, InboundParts, route
 from p2pkv.runtime.reactor import Reactor
 from p2pkv.runtime.tuning import DRAIN_FLUSH_MS, DRAIN_SETTLE_S, READ_BUDGET
 from p2pkv.transport import peer_of
