@@ -197,10 +197,12 @@ def lookup_rules() -> dict[str, Any]:
 
 
 def pending_checks(a: Any, b: Any, row: int, raw_a: bytearray,
-                   wait_finished: Any) -> dict[str, Any]:
+                   wait_finished: Any, announced: Any = lambda keys: None) -> dict[str, Any]:
     """pending-v1 between two tiers: a prefix A computes (scheduled, not stored yet) is
     waited for by B (RETRY, not MISS) and loaded once A stores it; withdrawn, or on A's
-    own engine, the wait ends in a MISS; the first request of a prefix never waits."""
+    own engine, the wait ends in a MISS; the first request of a prefix never waits.
+    ``announced(keys)`` returns once A's announcement of ``keys`` reached where B asks
+    (through a directory it is written by A's registration's thread)."""
     from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
@@ -238,6 +240,7 @@ def pending_checks(a: Any, b: Any, row: int, raw_a: bytearray,
     # A is first: nobody holds or computes the prefix, so it computes it (MISS).
     req_a, keys, out["first"] = start(a, "pa", 7)
     a.on_schedule_end(ScheduleEndContext(("pa",), ()))
+    announced(keys)
     # B meets it while A computes it: RETRY, not MISS.
     req_b, _, out["while_computing"] = start(b, "pb", 7)
     b.on_schedule_end(ScheduleEndContext((), ()))
@@ -254,6 +257,7 @@ def pending_checks(a: Any, b: Any, row: int, raw_a: bytearray,
     # Withdrawn: A's request ends without storing; B stops waiting and computes.
     req_a, keys, _ = start(a, "pc", 8)
     a.on_schedule_end(ScheduleEndContext(("pc",), ()))
+    announced(keys)
     req_b, _, out["withdrawn_before"] = start(b, "pd", 8)
     a.on_request_finished(req_a)
     out["withdrawn_after"] = settle(b, req_b, keys)
@@ -261,6 +265,7 @@ def pending_checks(a: Any, b: Any, row: int, raw_a: bytearray,
     # The holder dies while B waits: B computes within a lookup's deadline.
     req_a, keys, _ = start(a, "pe", 10)
     a.on_schedule_end(ScheduleEndContext(("pe",), ()))
+    announced(keys)
     req_b, _, out["dying_before"] = start(b, "pf", 10)
     a.shutdown()  # (the caller's cleanup shuts it down again: a no-op)
     started = time.monotonic()
@@ -278,6 +283,59 @@ def pending_checks(a: Any, b: Any, row: int, raw_a: bytearray,
         b.on_request_finished(req)
     out["decisions"] = sorted(f"{k}={v}" for k, v in b.get_stats().reduce().items()
                               if "load_decisions" in str(k) or "lookup_steps" in str(k))
+    return out
+
+
+def directory_pending(spec: Any, vllm_config: Any, region: Any, row: int,
+                      wait_finished: Any, static: dict[str, Any]) -> dict[str, Any]:
+    """The pending checks again, with two tiers that find each other only through a Redis
+    directory (no peers): the same answers as between static peers, or an
+    AssertionError that shows both."""
+    from redisprocs import LocalRedis, find_redis_server
+    from vllm.config import set_current_vllm_config
+
+    from p2pkv.integrations.vllm import P2PKVTier
+
+    if find_redis_server() is None:
+        return {"skipped": "redis-server is not installed"}
+    server = LocalRedis().start()
+    tiers: list[Any] = []
+    try:
+        raw_a, view_a = region()
+        _raw_b, view_b = region()
+        with set_current_vllm_config(vllm_config):
+            for view in (view_a, view_b):
+                tiers.append(P2PKVTier(spec, view, "P2PKVTier", listen=free_address(),
+                                       model_revision="r1", lookup_timeout=2.0,
+                                       directory=server.url))
+        for tier in tiers:
+            assert tier.identity.wait(60) and tier._ensure_node(60) is not None
+            assert tier._run.directory.cluster.wait_registered(15), "not registered"
+        cluster_b = tiers[1]._run.directory.cluster
+
+        def announced(keys: list[bytes]) -> None:
+            deadline = time.monotonic() + 10
+            while not all(cluster_b.lookup_prefix(keys).due or [0.0]):
+                assert time.monotonic() < deadline, "announcements not written in 10 s"
+                time.sleep(0.01)
+
+        out = pending_checks(*tiers, row, raw_a, wait_finished, announced)
+        stats_a, stats_b = (t._run.directory.cluster.stats() for t in tiers)
+        out["through"] = {"lookups_b": stats_b.lookups, "announced_a": stats_a.pending_announced,
+                          "withdrawn_a": stats_a.pending_withdrawn,
+                          "announced_b": stats_b.pending_announced}
+    finally:
+        for tier in reversed(tiers):
+            tier.drain_jobs()
+            tier.shutdown()
+        server.close()
+    same = ("first", "while_computing", "stored", "after_store", "withdrawn_before",
+            "withdrawn_after", "dying_before", "dying_after", "local_before", "local_after")
+    differ = {k: (static.get(k), out.get(k)) for k in same if static.get(k) != out.get(k)}
+    assert not differ and out["waited_s"] < 2.0 and out["dying_s"] < 3.0, (differ, out)
+    through = out["through"]  # A's chunks went through Redis, and so did B's lookups
+    assert through["lookups_b"] > 0 and through["announced_a"] >= 9, out
+    assert through["withdrawn_a"] >= 3 and through["announced_b"] >= 3, out
     return out
 
 
@@ -475,7 +533,10 @@ def main() -> int:
         report("early", first_step=first_step,
                metrics=sorted(f"{k}={v}" for k, v in b.get_stats().reduce().items()
                               if "lookup_steps" in str(k)))
-        report("pending", **pending_checks(a, b, row, raw_a, wait_finished))
+        static = pending_checks(a, b, row, raw_a, wait_finished)
+        report("pending", **static)
+        report("pending_directory", **directory_pending(spec, vllm_config, region, row,
+                                                        wait_finished, static))
     finally:
         for tier in (c, b, a):
             tier.drain_jobs()

@@ -8,7 +8,9 @@ API. Two directory backends answer "who holds these keys":
   answer in time are left out (and named in ``PrefixLookup.errors``).
 * **redis** (``directory="redis://HOST:PORT/DB"``): the node registers itself with a
   TTL its heartbeat renews and publishes the keys its store commits and evicts, in
-  batches; a lookup is one round trip to Redis. Entries are partitioned by identity
+  batches, and the keys it is computing (:meth:`Cluster.announce_pending`); a lookup is
+  one round trip to Redis, and says which keys after the prefix another member is
+  computing and when it expects to hold them. Entries are partitioned by identity
   (fingerprint plus identity-extension digest). While Redis is unreachable the node
   keeps serving, lookups fall back to a fan-out over the peers it is connected to, and
   it registers again (republishing its block set) once Redis is back.
@@ -146,6 +148,11 @@ class ClusterStats:
     #: Claims of this node that Redis no longer counted (lost in a failover; each time,
     #: the node registered again and republished its blocks).
     claims_lost: int = 0
+    #: Pending keys (pending-v1) written to the directory: announced (renewals
+    #: included), withdrawn, and dropped (queue full, or not registered at the time).
+    pending_announced: int = 0
+    pending_withdrawn: int = 0
+    pending_dropped: int = 0
 
 
 class Cluster:
@@ -241,6 +248,30 @@ class Cluster:
         if self._registration is not None:
             self._registration.flush()
 
+    # -- pending keys (pending-v1) --------------------------------------------------
+
+    def announce_pending(self, keys: Sequence[bytes], seconds: Sequence[float]) -> None:
+        """This node computes ``keys[i]`` and expects to hold it in ``seconds[i]``
+        seconds: other members' lookups report it pending (``PrefixLookup.due``) until
+        it is withdrawn, stored (its claim withdraws it) or overdue by its estimate and
+        at least ``MIN_OVERDUE``. Never blocks: queued for the registration's thread
+        (dropped, and counted, while unregistered or when the queue is full). Without
+        a Redis directory it does nothing: the node answers static peers itself
+        (:meth:`~p2pkv.node.Node.announce_pending`)."""
+        keys = _check_keys(keys)
+        if len(keys) != len(seconds):
+            raise ValueError(f"announce_pending: {len(keys)} keys but {len(seconds)} "
+                             f"estimates")
+        if self._registration is not None:
+            self._registration.announce_pending(keys, seconds)
+
+    def withdraw_pending(self, keys: Sequence[bytes]) -> None:
+        """This node no longer computes ``keys`` (never blocks; see
+        :meth:`announce_pending`)."""
+        keys = _check_keys(keys)
+        if self._registration is not None:
+            self._registration.withdraw_pending(keys)
+
     # -- lookups --------------------------------------------------------------------
 
     def lookup_prefix(self, keys: Sequence[bytes], *,
@@ -257,10 +288,12 @@ class Cluster:
         deadline = t0 + budget
         errors: dict[str, str] = {}
         holders: list[tuple[Holder, ...]] | None = None
+        due: list[float] = []
         source = "peers"
         if self.directory is not None:
             try:
-                holders = self.directory.lookup(self.partition, keys, exclude=self.member)
+                holders, due = self.directory.lookup_pending(self.partition, keys,
+                                                             exclude=self.member)
                 # A claim of this node's under an older registration (not yet expired)
                 # is not a holder either.
                 me = (self.node.address, self.address)
@@ -280,7 +313,8 @@ class Cluster:
                    for found in holders]
         length = longest_prefix(holders)
         result = PrefixLookup(keys=keys, length=length, holders=tuple(holders[:length]),
-                              source=source, seconds=time.monotonic() - t0, errors=errors)
+                              source=source, seconds=time.monotonic() - t0, errors=errors,
+                              due=tuple(due) if any(due) else ())
         with self._lock:
             self._counters["lookups"] += 1
             self._counters["lookup_keys"] += len(keys)
@@ -415,6 +449,9 @@ class Cluster:
                 announced_removed=c["removed"], swept_members=c["swept"],
                 quarantines=self.health.quarantines, quarantined=quarantined,
                 quarantine_reports=c["quarantine_reports"], claims_lost=c["claims_lost"],
+                pending_announced=c["pending_announced"],
+                pending_withdrawn=c["pending_withdrawn"],
+                pending_dropped=c["pending_dropped"],
             )
 
 

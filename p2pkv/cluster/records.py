@@ -252,6 +252,11 @@ class PrefixLookup:
     ``"redis"``, ``"peers"`` (the static fan-out, or the fallback while Redis is
     unreachable). ``errors`` maps a peer address or ``"directory"`` to why it did not
     answer; a lookup never raises for an unreachable holder or directory.
+
+    ``due`` (``pending-v1`` through a Redis directory, :mod:`p2pkv.cluster.pending`):
+    one entry per key of ``keys``, the seconds until another live member expects to
+    hold it (it is computing it now), 0.0 for the keys of the prefix and for keys
+    nobody announced; empty when no key is pending (and for the static fan-out).
     """
 
     keys: tuple[bytes, ...]
@@ -260,6 +265,7 @@ class PrefixLookup:
     source: str
     seconds: float
     errors: dict[str, str] = field(default_factory=dict)
+    due: tuple[float, ...] = ()
 
     @property
     def prefix(self) -> tuple[bytes, ...]:

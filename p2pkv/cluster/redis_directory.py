@@ -15,6 +15,9 @@ every key of one partition lives on one shard)::
     NS:{P}:sweep            STRING lock of the member that sweeps dead tokens out
     NS:{P}:quarantine       HASH token -> the holders that member keeps in quarantine
                             (:mod:`p2pkv.cluster.verdicts`)
+    NS:{P}:pending          HASH block key -> the members computing it, when due, their
+    NS:{P}:pendexp          leases; ZSET block key -> its latest lease end
+                            (:mod:`p2pkv.cluster.pending`)
 
 A registration gets a fresh token, so a node that lost its registration (its TTL ran
 out, Redis restarted) never revives old claims: it registers again and republishes
@@ -26,7 +29,9 @@ refused, and a live member of the partition sweeps its entries out of the blocks
 (``HSCAN``, a bounded batch per step) and then deletes its records.
 
 Every operation is one Lua script call (one round trip): a lookup of any number of keys
-(stopping at the first key with no live holder), a batch of announcements, a heartbeat.
+(stopping at the first key with no live holder; :meth:`RedisDirectory.lookup_pending`
+also reads the pending entries of the keys after that), a batch of announcements, a
+heartbeat.
 Times come from the Redis server clock, so node clocks need not agree. Scripts run by
 ``EVALSHA`` (loaded again when a server answers ``NOSCRIPT``, e.g. after a failover).
 
@@ -43,6 +48,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from p2pkv.cluster.pending import DUES_LUA, PendingEntries, parse_dues
 from p2pkv.cluster.records import (
     CLAIMS_LUA,
     STRIP_DEAD_LUA,
@@ -110,18 +116,40 @@ redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 return 1
 """
 
-# KEYS: blocks, live, addr. ARGV: own token (never returned as a holder), keys...
+# KEYS: blocks, live, addr, pending. ARGV: own token (never returned as a holder, nor
+# as a pending key's announcer), "1" to read the pending entries, keys...
 # Returns {holders of each key of the longest prefix with a live holder (tokens
-# concatenated), {token, addr, token, addr, ...} of the tokens in them}.
+# concatenated), {token, addr, token, addr, ...} of the tokens in them, the dues (ms) of
+# the keys after that prefix (see p2pkv.cluster.pending; empty: none pending)}.
 _LOOKUP = _NOW + """
 local now = now_ms()
 local me = ARGV[1]
 local alive = {}
 local out = {}
 local addrs = {}
+local function live_owner(t)
+  local a = alive[t]
+  if a == nil then
+    local exp = redis.call('ZSCORE', KEYS[2], t)
+    a = (exp ~= false) and tonumber(exp) >= now and t ~= me
+    if a then
+      local addr = redis.call('HGET', KEYS[3], t)
+      if addr then
+        addrs[#addrs + 1] = t
+        addrs[#addrs + 1] = addr
+      else
+        a = false
+      end
+    end
+    alive[t] = a
+  end
+  return a
+end
+""" + DUES_LUA + """
 local n = #ARGV
-local i = 2
-while i <= n do
+local i = 3
+local ended = false
+while i <= n and not ended do
   local j = math.min(i + CHUNK - 1, n)
   local vals = redis.call('HMGET', KEYS[1], unpack(ARGV, i, j))
   for k = 1, #vals do
@@ -130,30 +158,19 @@ while i <= n do
     if v then
       for p = 1, #v, 4 do
         local t = string.sub(v, p, p + 3)
-        local a = alive[t]
-        if a == nil then
-          local exp = redis.call('ZSCORE', KEYS[2], t)
-          a = (exp ~= false) and tonumber(exp) >= now and t ~= me
-          if a then
-            local addr = redis.call('HGET', KEYS[3], t)
-            if addr then
-              addrs[#addrs + 1] = t
-              addrs[#addrs + 1] = addr
-            else
-              a = false
-            end
-          end
-          alive[t] = a
-        end
-        if a then live = live .. t end
+        if live_owner(t) then live = live .. t end
       end
     end
-    if live == '' then return {out, addrs} end
+    if live == '' then
+      ended = true
+      break
+    end
     out[#out + 1] = live
   end
   i = j + 1
 end
-return {out, addrs}
+if ARGV[2] ~= '1' then return {out, addrs, {}} end
+return {out, addrs, dues(KEYS[4], 3 + #out, n, live_owner)}
 """.replace("CHUNK", str(_LOOKUP_CHUNK))
 
 # KEYS: blocks, live, count, owner. ARGV: token, nonce, number of stored keys, stored
@@ -248,6 +265,8 @@ class RedisDirectory:
             self._shards = Subpartitions(self, self.redis.subpartitions)
         #: Publishes the holders a member keeps in quarantine (the registration's).
         self.verdicts = Verdicts(self)
+        #: Writes the keys a member is computing now (the registration's).
+        self.pending = PendingEntries(self.redis, self._key)
 
     def _key(self, partition: str, what: str) -> str:
         return f"{self.namespace}:{{{partition}}}:{what}"
@@ -328,11 +347,25 @@ class RedisDirectory:
             self._key(member.partition, "count"), member.token))
         return {0: int(n or 0)}
 
-    def deregister(self, member: Member, held: Sequence[bytes]) -> None:
-        """Withdraw ``held`` and the registration. Whatever a crash or a race leaves
-        behind is swept by the partition's live members once the token is dead."""
-        if not self.announce(member, (), held):
+    def announce_pending(self, member: Member, keys: Sequence[bytes],
+                         seconds: Sequence[float]) -> bool:
+        """``member`` computes ``keys[i]``, due in ``seconds[i]`` seconds (see
+        :mod:`p2pkv.cluster.pending`). False when the registration is gone."""
+        return self.pending.write(member, list(zip(keys, seconds, strict=True)))
+
+    def withdraw_pending(self, member: Member, keys: Sequence[bytes]) -> bool:
+        """``member`` no longer computes ``keys``. False when the registration is gone."""
+        return self.pending.write(member, (), keys)
+
+    def deregister(self, member: Member, held: Sequence[bytes],
+                   pending: Sequence[bytes] = ()) -> None:
+        """Withdraw ``held``, the ``pending`` keys and the registration. Whatever a crash
+        or a race leaves behind is swept by the partition's live members once the token
+        is dead (a pending entry ends with its lease)."""
+        if pending and not self.pending.write(member, (), pending):
             return  # the token is no longer ours: nothing of it to withdraw
+        if not self.announce(member, (), held):
+            return
         p = member.partition
 
         def run() -> None:
@@ -386,23 +419,40 @@ class RedisDirectory:
         """The live holders of each key of the longest prefix of ``keys`` that has
         one (one round trip). ``exclude`` (this node's own registration) is never listed.
         """
+        return self._lookup_holders(partition, keys, exclude, pending=False)[0]
+
+    def lookup_pending(self, partition: str, keys: Sequence[bytes],
+                       exclude: Member | None = None
+                       ) -> tuple[list[tuple[Holder, ...]], list[float]]:
+        """:meth:`lookup`, and per key of ``keys`` the seconds until a live member other
+        than ``exclude`` expects to hold it (the earliest such member's estimate; 0.0
+        for the keys of the prefix and keys nobody announced). In the same round trip
+        (on a Redis Cluster: the same pipeline)."""
+        return self._lookup_holders(partition, keys, exclude, pending=True)
+
+    def _lookup_holders(self, partition: str, keys: Sequence[bytes], exclude: Member | None,
+                        *, pending: bool) -> tuple[list[tuple[Holder, ...]], list[float]]:
         if not keys:
-            return []
+            return [], []
         me = exclude.token if exclude is not None else b""
         if self._shards is not None:
-            found: list[tuple[Holder, ...]] = self._shards.lookup(partition, keys, me)
+            found: tuple[list[tuple[Holder, ...]], list[float]] = self._shards.lookup(
+                partition, keys, me, pending=pending)
             return found
         reply = self.redis.call("lookup", lambda: self.redis.eval(
             self._lookup, keys=[self._key(partition, "blocks"), self._key(partition, "live"),
-                                self._key(partition, "addr")], args=[me, *keys]))
+                                self._key(partition, "addr"), self._key(partition, "pending")],
+            args=[me, "1" if pending else "0", *keys]))
         try:
-            packed, flat = reply
+            packed, flat, after = reply
             holders = parse_holders(flat)
-            return [tuple(holders[bytes(v[p:p + _TOKEN_BYTES])]
-                          for p in range(0, len(v), _TOKEN_BYTES)) for v in packed]
+            out = [tuple(holders[bytes(v[p:p + _TOKEN_BYTES])]
+                         for p in range(0, len(v), _TOKEN_BYTES)) for v in packed]
         except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
             raise DirectoryError(f"redis directory {self.url}: malformed lookup reply "
                                  f"({exc!r})") from None
+        due = [0.0] * len(out) + parse_dues(after, len(keys) - len(out), self.url)
+        return out, due
 
     def server_time_ms(self, partition: str) -> int:
         """The clock (ms) of the server that holds ``partition``'s liveness."""

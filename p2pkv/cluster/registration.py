@@ -10,15 +10,21 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from p2pkv.cluster.pending import estimate
 from p2pkv.cluster.records import DirectoryError, NodeRecord, QuarantineReport
 from p2pkv.cluster.redis_directory import ANNOUNCE_BATCH, Member, RedisDirectory
 from p2pkv.errors import ConfigError
+from p2pkv.runtime.pending import MIN_OVERDUE
 
-__all__ = ["RedisRegistration"]
+__all__ = ["MAX_PENDING_QUEUE", "PendingQueue", "RedisRegistration"]
 
 log = logging.getLogger("p2pkv.cluster")
+
+#: Pending announcements and withdrawals queued at most (keys), and pending keys of this
+#: registration remembered at most (to withdraw them at close, or once stored).
+MAX_PENDING_QUEUE = 1 << 16
 
 
 class RedisRegistration:
@@ -39,6 +45,13 @@ class RedisRegistration:
     ``reports`` (when given) says which holders the node keeps in quarantine now; the
     thread publishes them with the registration whenever they change, checked every
     ``announce_interval`` (:mod:`p2pkv.cluster.verdicts`).
+
+    :meth:`announce_pending` and :meth:`withdraw_pending` queue the keys the node is
+    computing (:mod:`p2pkv.cluster.pending`); the thread writes them at its next turn,
+    after the claims it publishes in that turn. The queue holds at most
+    :data:`MAX_PENDING_QUEUE` keys (past it new keys are dropped and counted: an entry
+    is an optimisation), and a key this registration announced pending is withdrawn
+    with its claim once it is stored, and at :meth:`close`.
     """
 
     def __init__(self, directory: RedisDirectory, record: Callable[[], NodeRecord],
@@ -69,6 +82,7 @@ class RedisRegistration:
         self._reported: dict[str, tuple[int, str, str, float]] = {}
         self._lock = threading.Lock()
         self._pending: dict[bytes, bool] = {}
+        self._computing = PendingQueue()
         self._collecting = False
         self._flush_now = False
         self._member: Member | None = None
@@ -108,6 +122,23 @@ class RedisRegistration:
                     self._flush_now = True
                     self._wake.set()
 
+    def announce_pending(self, keys: Sequence[bytes], seconds: Sequence[float]) -> int:
+        """Queue ``keys[i]`` as computed here, due in ``seconds[i]`` seconds (any thread;
+        never blocks). Returns how many were dropped: all while unregistered, those
+        past :data:`MAX_PENDING_QUEUE`."""
+        return self._queue_pending(keys, seconds)
+
+    def withdraw_pending(self, keys: Sequence[bytes]) -> None:
+        """Queue the withdrawal of ``keys`` (any thread; never blocks)."""
+        self._queue_pending(keys, None)
+
+    def _queue_pending(self, keys: Sequence[bytes], seconds: Sequence[float] | None) -> int:
+        dropped = len(keys) if self.member is None else self._computing.put(keys, seconds)
+        self._wake.set()
+        if dropped:
+            self._on_event("pending_dropped", dropped)
+        return dropped
+
     def flush(self) -> None:
         """Ask the thread to publish queued changes now (it does so within a turn)."""
         with self._lock:
@@ -125,7 +156,8 @@ class RedisRegistration:
         member = self.member
         if deregister and member is not None:
             try:
-                self.directory.deregister(member, self._stored_keys())
+                self.directory.deregister(member, self._stored_keys(),
+                                          self._computing.written_keys())
             except DirectoryError as exc:
                 log.warning("could not deregister from the directory: %s", exc)
         with self._lock:
@@ -162,6 +194,7 @@ class RedisRegistration:
                     self._publish()
                     self._report()
                     next_publish = time.monotonic() + self.announce_interval
+                self._publish_pending()
                 self._sweep_step()
                 if self._outage_logged:
                     log.warning("directory %s reachable again", self.directory.url)
@@ -187,6 +220,7 @@ class RedisRegistration:
             self._member = None
             self._collecting = False
             self._pending.clear()
+            self._computing.clear()
             self._sweep = None
             self._reported = {}
         if had:
@@ -230,6 +264,21 @@ class RedisRegistration:
             return
         self._on_event("stored", len(stored))
         self._on_event("removed", len(removed))
+        self._computing.stored(stored)
+
+    def _publish_pending(self) -> None:
+        """Write the queued pending announcements and withdrawals (one script per batch)."""
+        member = self.member
+        taken = self._computing.take() if member is not None else None
+        if member is None or taken is None:
+            return
+        announced, withdrawn = taken
+        if not self.directory.pending.write(member, announced, withdrawn):
+            self._lost("registration expired")
+            return
+        self._computing.written(announced, withdrawn)
+        self._on_event("pending_announced", len(announced))
+        self._on_event("pending_withdrawn", len(withdrawn))
 
     def _claims_intact(self, member: Member) -> bool:
         """Whether Redis still counts every claim this registration made; when not, the
@@ -293,3 +342,75 @@ class RedisRegistration:
                 self._on_event("swept", len(dead))
         else:
             self._sweep = (dead, nxt)
+
+
+class PendingQueue:
+    """The pending keys (pending-v1) of one registration: queued by any thread (bounded,
+    O(keys) under its own lock), taken by the registration's thread; and those it wrote
+    (their leases not ended), to withdraw once stored and at deregistration."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: key -> when due (monotonic), None to withdraw it.
+        self._queue: dict[bytes, float | None] = {}
+        #: key -> when the lease of the entry written for it ends (monotonic).
+        self._written: dict[bytes, float] = {}
+
+    def put(self, keys: Sequence[bytes], seconds: Sequence[float] | None) -> int:
+        """Queue ``keys`` (``seconds`` None: withdrawals); how many were dropped."""
+        now = time.monotonic()
+        dropped = 0
+        with self._lock:
+            queue = self._queue
+            for i, key in enumerate(keys):
+                if key in queue or len(queue) < MAX_PENDING_QUEUE:
+                    queue[key] = None if seconds is None else now + estimate(seconds[i])
+                else:
+                    dropped += 1
+        return dropped
+
+    def stored(self, keys: Sequence[bytes]) -> None:
+        """Their claims went out: the entries written for them are withdrawn next."""
+        with self._lock:
+            if self._written:
+                for key in keys:
+                    if key in self._written and key not in self._queue:
+                        self._queue[key] = None
+
+    def take(self) -> tuple[list[tuple[bytes, float]], list[bytes]] | None:
+        """What to write now: (key, seconds until due) pairs and withdrawn keys."""
+        with self._lock:
+            if not self._queue:
+                return None
+            queue, self._queue = self._queue, {}
+        now = time.monotonic()
+        return ([(k, max(0.0, due - now)) for k, due in queue.items() if due is not None],
+                [k for k, due in queue.items() if due is None])
+
+    def written(self, announced: Sequence[tuple[bytes, float]],
+                withdrawn: Sequence[bytes]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            mine = self._written
+            for key in withdrawn:
+                mine.pop(key, None)
+            for key, s in announced:
+                mine.pop(key, None)  # a renewal: the newest go last
+                mine[key] = now + s + max(s, MIN_OVERDUE)
+            if len(mine) > MAX_PENDING_QUEUE:  # forget the ended leases, then the oldest
+                for key in [k for k, end in mine.items() if end <= now]:
+                    del mine[key]
+                while len(mine) > MAX_PENDING_QUEUE:
+                    del mine[next(iter(mine))]
+
+    def written_keys(self) -> list[bytes]:
+        """The keys of the entries written whose leases have not ended."""
+        now = time.monotonic()
+        with self._lock:
+            return [k for k, end in self._written.items() if end > now]
+
+    def clear(self) -> None:
+        """The registration is gone: its entries with it."""
+        with self._lock:
+            self._queue.clear()
+            self._written.clear()

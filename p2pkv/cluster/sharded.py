@@ -17,7 +17,10 @@ and the same share of the keys and of the lookups.
 A lookup sends one ``EVALSHA`` per sub-partition it needs (the values of its keys, up to
 the first one nobody claims), all pipelined (every shard at once), then one script on
 the membership slot that says which of the tokens found are live, with their addresses.
-The merge gives the same longest-prefix answer as the single-Redis script. An
+The merge gives the same longest-prefix answer as the single-Redis script. The pending
+entries (:mod:`p2pkv.cluster.pending`) are not split: they stay on the membership slot,
+where a lookup that wants them reads them with one more script in the first pipeline
+(and liveness on the same server), so it takes no extra round trip. An
 announcement checks the registration (owner nonce, liveness) on the membership slot,
 then claims in each sub-partition; a registration that expires between the two can
 leave claims of a dead token behind, which lookups skip (dead) and the sweep removes.
@@ -36,6 +39,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from p2pkv.cluster.pending import LOOKUP_LUA, parse_dues
 from p2pkv.cluster.records import (
     CLAIMS_LUA,
     STRIP_DEAD_LUA,
@@ -203,6 +207,7 @@ class Subpartitions:
         self._lock = Lua(_LOCK)
         self._sub_sweep = Lua(_SUB_SWEEP)
         self._sweep_end = Lua(_SWEEP_END)
+        self._pending_lookup = Lua(LOOKUP_LUA)
 
     def blocks_key(self, partition: str, s: int, what: str = "blocks") -> str:
         """The blocks hash (or ``what`` else) of sub-partition ``s`` of ``partition``."""
@@ -220,14 +225,21 @@ class Subpartitions:
 
     # -- lookups --------------------------------------------------------------------
 
-    def lookup(self, partition: str, keys: Sequence[bytes],
-               me: bytes) -> list[tuple[Holder, ...]]:
-
+    def lookup(self, partition: str, keys: Sequence[bytes], me: bytes, *,
+               pending: bool = False) -> tuple[list[tuple[Holder, ...]], list[float]]:
+        """The holders of the longest prefix, and (``pending``) the seconds until due of
+        every key after it (see :meth:`RedisDirectory.lookup_pending`)."""
         d = self.directory
         groups = sorted(self._group(keys).items())
-        calls = [(self._sub_lookup, [self.blocks_key(partition, s)], [keys[i] for i in idx])
-                 for s, idx in groups]
+        calls: list[tuple[Any, list[str], list[Any]]] = [
+            (self._sub_lookup, [self.blocks_key(partition, s)], [keys[i] for i in idx])
+            for s, idx in groups]
+        if pending:
+            calls.append((self._pending_lookup, [
+                d._key(partition, "live"), d._key(partition, "addr"),
+                d._key(partition, "pending")], [me, *keys]))
         replies = d.redis.call("lookup", lambda: d.redis.pipelined(calls))
+        dues = parse_dues(replies.pop() if pending else None, len(keys), d.url)
         values: list[bytes | None] = [None] * len(keys)
         try:
             for (_, idx), reply in zip(groups, replies, strict=True):
@@ -238,7 +250,7 @@ class Subpartitions:
                                  f"({exc!r})") from None
         end = values.index(None) if None in values else len(values)
         if end == 0:
-            return []
+            return [], dues
         tokens = {v[p:p + _TOKEN_BYTES] for v in values[:end] if v is not None
                   for p in range(0, len(v), _TOKEN_BYTES)}
         flat = d.redis.call("lookup", lambda: d.redis.eval(
@@ -257,7 +269,7 @@ class Subpartitions:
             if not found:
                 break
             out.append(found)
-        return out
+        return out, [0.0] * len(out) + dues[len(out):]
 
     # -- announcements --------------------------------------------------------------
 

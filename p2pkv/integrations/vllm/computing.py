@@ -4,11 +4,14 @@ now, announced so that nobody computes them a second time (``pending-v1``, SPEC 
 - When vLLM schedules a request for the first time, the tier announces the chunks it
   looked up and nobody held (the ones this engine now computes), each with the time it
   expects to store it (from the engine's measured prefill rate): through its node to
-  every peer that looks them up, and to this engine's own later requests.
+  every peer that looks them up, through the tier's Redis directory when it has one
+  (to every engine whose lookup goes there), and to this engine's own later requests.
 - A chunk leaves the announcement when its store is submitted (it is computed: a peer
   that asks again finds it held a moment later), and all of a request's chunks leave
   when the request is preempted or finishes; a node that stops takes its announcements
-  with it. A request still running past its estimate renews it, a little at a time,
+  with it (from the directory too: deregistering withdraws them, and a member whose
+  registration lapsed is not reported). A request still running past its estimate
+  renews it, a little at a time,
   up to a limit (on a thread of its own: a prefill can be one forward pass of seconds);
   past that its node stops reporting the chunks once they are overdue by their
   estimate, and at least ten seconds (SPEC §19 rule 4).
@@ -25,11 +28,22 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from p2pkv.node import Node
 from p2pkv.runtime.pending import MIN_OVERDUE
 
-__all__ = ["Computing"]
+__all__ = ["Computing", "PendingSink"]
+
+
+class PendingSink(Protocol):
+    """Where announcements go besides the node: the tier's directory
+    (:class:`~p2pkv.integrations.vllm.directory.DirectorySource`). Both calls must
+    return at once: the scheduler thread makes them."""
+
+    def announce_pending(self, keys: Sequence[bytes], seconds: Sequence[float]) -> None: ...
+
+    def withdraw_pending(self, keys: Sequence[bytes]) -> None: ...
 
 
 #: Seconds an overdue announcement is renewed by, twice per this period, while its request
@@ -56,8 +70,10 @@ class Computing:
     """This engine's announced chunks: per request, the ones it has not stored yet, and
     per shared key the request computing it and when it is due."""
 
-    def __init__(self, node: Callable[[], Node | None], lock: threading.Lock) -> None:
+    def __init__(self, node: Callable[[], Node | None], lock: threading.Lock, *,
+                 directory: Callable[[], PendingSink | None] = lambda: None) -> None:
         self._node = node
+        self._directory = directory
         self._lock = lock
         self._requests: dict[str, _Announced] = {}
         # Renewals run on a thread of their own: a prefill of one long step gives the
@@ -75,6 +91,9 @@ class Computing:
         if node is None or not shared_keys:
             return
         node.announce_pending(shared_keys, [seconds] * len(shared_keys))
+        directory = self._directory()
+        if directory is not None:
+            directory.announce_pending(shared_keys, [seconds] * len(shared_keys))
         now = time.monotonic()
         if self._renewer is None:
             self._renewer = threading.Thread(target=self._renew_loop, daemon=True,
@@ -114,6 +133,9 @@ class Computing:
         node = self._node()
         if renewed and node is not None:
             node.announce_pending(renewed, [RENEW_S] * len(renewed))
+            directory = self._directory()
+            if directory is not None:
+                directory.announce_pending(renewed, [RENEW_S] * len(renewed))
 
     def _mark(self, req_id: str, keys: Sequence[bytes], now: float, seconds: float) -> None:
         for key in keys:
@@ -145,6 +167,9 @@ class Computing:
         node = self._node()
         if node is not None:
             node.withdraw_pending(keys)
+            directory = self._directory()
+            if directory is not None:
+                directory.withdraw_pending(keys)
 
     def due_here(self, req_id: str, keys: Sequence[bytes]) -> list[float]:
         """Per key: seconds until another request of this engine expects to store it

@@ -8,6 +8,12 @@ evicted, answers a step's lookups with one Redis round trip (the longest prefix 
 compatible engine holds), and loads through :meth:`~p2pkv.cluster.Cluster.fetch_prefix`:
 striped across holders, failing over to another holder when one dies, refuses or no
 longer has a chunk. The static ``peers`` stay the fallback when Redis is unreachable.
+
+``pending-v1`` goes through the directory too: the chunks this engine computes are
+announced there (:meth:`DirectorySource.announce_pending`, queued for the registration's
+thread, never written on the scheduler thread), and a lookup's answer says which chunks
+after the held prefix another engine is computing, and when it expects to store them
+(:mod:`p2pkv.cluster.pending`).
 """
 
 from __future__ import annotations
@@ -47,10 +53,20 @@ class DirectorySource:
         self._lock = threading.Lock()
         self._reported = dict.fromkeys(_COUNTERS, 0)
 
-    def ask(self, keys: list[bytes]) -> list[bool]:
-        """Lookup thread: the leading keys some compatible engine holds."""
+    def ask(self, keys: list[bytes]) -> tuple[list[bool], list[float]]:
+        """Lookup thread: the leading keys some compatible engine holds, and per key the
+        seconds until another engine computing it expects to hold it (0.0: nobody)."""
         found = self.cluster.lookup_prefix(keys)
-        return [i < found.length for i in range(len(keys))]
+        return ([i < found.length for i in range(len(keys))],
+                list(found.due) if found.due else [0.0] * len(keys))
+
+    def announce_pending(self, keys: Sequence[bytes], seconds: Sequence[float]) -> None:
+        """This engine computes ``keys``: queued for the directory (never blocks)."""
+        self.cluster.announce_pending(keys, seconds)
+
+    def withdraw_pending(self, keys: Sequence[bytes]) -> None:
+        """This engine no longer computes ``keys`` (never blocks)."""
+        self.cluster.withdraw_pending(keys)
 
     def load(self, keys: Sequence[bytes],
              destinations: Sequence[Sequence[memoryview]]) -> Future[PrefixFetch]:

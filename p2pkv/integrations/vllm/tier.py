@@ -142,7 +142,9 @@ class P2PKVTier(SecondaryTierManager):
                                        pending_limit=waits.pending_wait)
         # pending-v1: the prompt chunks this engine is computing, announced to peers
         # (and to its own later requests) until they are stored or the request stops.
-        self._computing = Computing(lambda: self._run.node, self._lock)
+        # Through a directory too, when the tier has one (announced there as well).
+        self._computing = Computing(lambda: self._run.node, self._lock,
+                                    directory=lambda: self._run.directory)
         #: Per KV-cache group: its index and the block hashes behind one chunk key.
         self._chunk_hashes = _chunk_hashes(offloading_spec)
         self._policy = TierLoads(load_policy_config(params),
@@ -356,14 +358,15 @@ class P2PKVTier(SecondaryTierManager):
 
     def _ask_holders(self, node: Node, keys: list[bytes]
                      ) -> tuple[list[bool], list[float], list[str | None]]:
-        """Which of ``keys`` a peer (or the directory) holds, when a peer computing one
-        expects to hold it (seconds; 0.0: nobody is), and who holds each."""
+        """Which of ``keys`` a peer (or the directory) holds, when a peer (or, through
+        the directory, another engine) computing one expects to hold it (seconds; 0.0:
+        nobody is), and who holds each."""
         if self._run.directory is not None:
-            found = self._run.directory.ask(keys)
+            found, due = self._run.directory.ask(keys)
             with self._lock:
                 self._count(Metrics.LOOKUP_KEYS, len(keys), ())
                 self._count(Metrics.LOOKUP_HITS, sum(found), ())
-            return list(found), [0.0] * len(keys), [DIRECTORY] * len(keys)
+            return found, due, [DIRECTORY] * len(keys)
         found, due = self._peers.ask(node, keys)
         return found, due, list(self._peers.route(keys)[1])
 
