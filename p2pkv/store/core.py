@@ -212,17 +212,17 @@ class BlockStore:
         belongs to one thread.
         """
         for writer in writers:
-            if writer._done:
+            if writer.done:
                 raise StoreError(f"write of block {writer.key.hex()} is already finished")
         out = self._slots.commit([w.key for w in writers], [w.slot for w in writers],
                                  expected_checksums)
         for writer in writers:
-            writer._done = True
+            writer.finish()
         return out
 
-    def _abort(self, writer: BlockWriter) -> None:
-        if not writer._done:  # a writer belongs to one thread
-            writer._done = True
+    def abort_write(self, writer: BlockWriter) -> None:
+        """:meth:`BlockWriter.abort`: release its slot unless it is already finished."""
+        if writer.finish():  # a writer belongs to one thread
             self._slots.abort((writer.key,), (writer.slot,))
 
     def put(
@@ -271,13 +271,13 @@ class BlockStore:
         book = self._book
         with book.lock:
             for reader in readers:
-                if not reader._released:
-                    reader._released = True
+                if reader.unpin():
                     book.unpin_locked(reader.slot)
 
-    def _checksum_of(self, reader: BlockReader) -> int:
-        """:func:`block_checksum` of the block ``reader`` pins, computed once."""
-        if reader._released:
+    def checksum_of(self, reader: BlockReader) -> int:
+        """:attr:`BlockReader.checksum`: :func:`block_checksum` of the block ``reader``
+        pins, computed once. :class:`StoreError` once it is released."""
+        if reader.released:
             raise StoreError(f"reader of block {reader.key.hex()} was released")
         book = self._book
         slot = reader.slot
@@ -288,7 +288,7 @@ class BlockStore:
             value = block_checksum(reader.views)
             with book.lock:
                 # Released meanwhile (another thread): the slot may be another block's.
-                if not reader._released:
+                if not reader.released:
                     book.sums[slot] = value
         return value
 

@@ -29,17 +29,18 @@ __all__ = ["BlockReader", "BlockWriter", "HandleOwner", "split_segments"]
 
 class HandleOwner(Protocol):
     """What a handle finishes through: the :class:`~p2pkv.store.BlockStore` that made
-    it (named by what it does, so that this module does not import the store's)."""
+    it (named by what it does, so that this module does not import the store's). It
+    finishes a handle by :meth:`BlockWriter.finish` and :meth:`BlockReader.unpin`."""
 
     def commit_many(self, writers: Sequence[BlockWriter],
                     expected_checksums: Sequence[int | None]) -> Sequence[Exception | None]:
         ...
 
-    def _abort(self, writer: BlockWriter) -> None: ...
+    def abort_write(self, writer: BlockWriter) -> None: ...
 
     def release_many(self, readers: Iterable[BlockReader]) -> None: ...
 
-    def _checksum_of(self, reader: BlockReader) -> int: ...
+    def checksum_of(self, reader: BlockReader) -> int: ...
 
 
 class BlockWriter:
@@ -66,6 +67,14 @@ class BlockWriter:
         """True once committed or aborted."""
         return self._done
 
+    def finish(self) -> bool:
+        """Mark the write committed or aborted: for the store that made it, as it does
+        either. True the first time, False once finished (a writer belongs to one
+        thread)."""
+        first = not self._done
+        self._done = True
+        return first
+
     def commit(self, expected_checksum: int | None = None) -> None:
         """Make the block visible.
 
@@ -82,7 +91,7 @@ class BlockWriter:
 
     def abort(self) -> None:
         """Release the slot; the block never existed. Idempotent."""
-        self._store._abort(self)
+        self._store.abort_write(self)
 
     def __enter__(self) -> BlockWriter:
         return self
@@ -118,11 +127,23 @@ class BlockReader:
         self.views = views
 
     @property
+    def released(self) -> bool:
+        """True once released: its slot may hold another block since."""
+        return self._released
+
+    def unpin(self) -> bool:
+        """Mark the reader released: for the store that made it, under its book's lock,
+        as it drops the pin. True the first time, False once released."""
+        first = not self._released
+        self._released = True
+        return first
+
+    @property
     def checksum(self) -> int:
         """:func:`block_checksum` of the block, computed once per stored block.
         :class:`~p2pkv.store.StoreError` once released: the slot may hold another block
         by then, whose checksum this must never become."""
-        return self._store._checksum_of(self)
+        return self._store.checksum_of(self)
 
     def release(self) -> None:
         self._store.release_many((self,))
