@@ -174,7 +174,7 @@ def test_one_identity_spreads_over_every_master_and_lookups_match_one_redis(
             assert d.announce(ms[2], keys[:10]) and d.announce(ms[1], (), keys[1500:1510])
             d.deregister(ms[2], keys[:10])
             assert d.announce(ms[3], keys[2400:2600])
-            d.client.zadd(d._key(ms[3].partition, "live"), {ms[3].token: 1})  # expired
+            d.client.zadd(d.keys.key(ms[3].partition, "live"), {ms[3].token: 1})  # expired
             members.append(ms)
         p = members[0][0].partition
         asks = [keys[:3000], keys[900:1600], keys[1490:1520], keys[2000:2600], keys[5:6],
@@ -187,7 +187,7 @@ def test_one_identity_spreads_over_every_master_and_lookups_match_one_redis(
             assert [[h.node_id for h in hs] for hs in d.lookup(p, keys[:5], exclude=ms[0])] == []
 
         # Even spread: 48 sub-partitions, 16 on each master.
-        shards = dirs[1]._shards
+        shards = dirs[1].shards
         per_master: dict[int, int] = {}
         entries: dict[int, int] = {}
         client = dirs[1].client
@@ -249,7 +249,7 @@ def test_cluster_holders_are_found_fetched_failed_over_and_swept(
                                      directory.view().partitions[cluster.partition]
                                      if m.record is not None}, 20, "b swept")
         assert idb not in set().union(*holder_ids(cluster.lookup_prefix(keys)))
-        shards = directory._shards
+        shards = directory.shards
         left = sum(1 for s in range(shards.count)
                    for v in directory.client.hvals(shards.blocks_key(cluster.partition, s))
                    if b.ready["member"].to_bytes(4, "big") in

@@ -32,11 +32,11 @@ sub-partitions' lookups.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from p2pkv.cluster.records import DirectoryError, Lua, Member
-from p2pkv.cluster.redis_client import RedisConnection
+from p2pkv.cluster.redis_client import KeySpace, RedisConnection
 from p2pkv.protocol.codes import MAX_DUE_MS
 from p2pkv.runtime.pending import MIN_OVERDUE
 
@@ -211,11 +211,11 @@ def parse_dues(reply: Any, count: int, url: str) -> list[float]:
 class PendingEntries:
     """Writing a member's pending entries for a
     :class:`~p2pkv.cluster.RedisDirectory` (whose ``lookup_pending`` reads them): on its
-    connection ``redis``, under its key names (``key(partition, what)``)."""
+    connection ``redis``, under its key names ``keys``."""
 
-    def __init__(self, redis: RedisConnection, key: Callable[[str, str], str]) -> None:
+    def __init__(self, redis: RedisConnection, keys: KeySpace) -> None:
         self.redis = redis
-        self._key = key
+        self._key = keys.key
         self._write = Lua(_WRITE)
 
     def keys(self, partition: str) -> list[str]:

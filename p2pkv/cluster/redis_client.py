@@ -8,9 +8,10 @@ saw it). Every failure to reach Redis, to authenticate or to make sense of its a
 becomes a :class:`~p2pkv.cluster.records.DirectoryError` that names the (redacted) URL
 and the operation.
 
-It knows nothing of the directory's keys or data model: that is
+It knows nothing of the directory's data model: that is
 :class:`~p2pkv.cluster.redis_directory.RedisDirectory`, and, on a Redis Cluster,
 :class:`~p2pkv.cluster.sharded.Subpartitions`, which both run their scripts here.
+:class:`KeySpace` names the keys they (and the directory's other helpers) use.
 """
 
 from __future__ import annotations
@@ -24,15 +25,36 @@ from p2pkv.cluster.records import DirectoryError, Lua
 from p2pkv.cluster.redis_urls import parse_directory_url
 from p2pkv.errors import ConfigError
 
-__all__ = ["DirectoryParts", "RedisConnection"]
+__all__ = ["DirectoryParts", "KeySpace", "RedisConnection"]
+
+
+class KeySpace:
+    """The names of a directory's Redis keys under one ``namespace`` (the data model of
+    :mod:`p2pkv.cluster.redis_directory`). Raises :class:`~p2pkv.errors.ConfigError`
+    for an empty namespace or one with braces or blanks (they would break a hash tag).
+    """
+
+    def __init__(self, namespace: str) -> None:
+        if not namespace or any(c in namespace for c in "{} "):
+            raise ConfigError(f"directory namespace must be non-empty without braces or "
+                              f"blanks, got {namespace!r}")
+        self.namespace = namespace
+
+    def key(self, partition: str, what: str) -> str:
+        """``NS:{partition}:what``: the key ``what`` of ``partition`` (or of any other
+        hash tag, e.g. a sub-partition's), in the Redis Cluster slot of that tag."""
+        return f"{self.namespace}:{{{partition}}}:{what}"
+
+    def shared(self, what: str) -> str:
+        """``NS:what``: a key of the whole namespace (``seq``, ``partitions``)."""
+        return f"{self.namespace}:{what}"
 
 
 class DirectoryParts(Protocol):
     """What the helpers of a :class:`~p2pkv.cluster.RedisDirectory` use of it (its
     sharded keys, :mod:`p2pkv.cluster.sharded`, and its verdicts,
-    :mod:`p2pkv.cluster.verdicts`): its connection, URL, namespace and key names. Named
-    by what they use, so that they do not import the directory's module, which imports
-    them."""
+    :mod:`p2pkv.cluster.verdicts`): its connection, URL and key names. Named by what
+    they use, so that they do not import the directory's module, which imports them."""
 
     @property
     def redis(self) -> RedisConnection: ...
@@ -41,9 +63,7 @@ class DirectoryParts(Protocol):
     def url(self) -> str: ...
 
     @property
-    def namespace(self) -> str: ...
-
-    def _key(self, partition: str, what: str) -> str: ...
+    def keys(self) -> KeySpace: ...
 
 
 class RedisConnection:

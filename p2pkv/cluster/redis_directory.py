@@ -62,11 +62,10 @@ from p2pkv.cluster.records import (
     QuarantineReport,
     parse_holders,
 )
-from p2pkv.cluster.redis_client import RedisConnection
+from p2pkv.cluster.redis_client import KeySpace, RedisConnection
 from p2pkv.cluster.redis_urls import validate_redis_url
 from p2pkv.cluster.sharded import Subpartitions
 from p2pkv.cluster.verdicts import Verdicts, parse_reports
-from p2pkv.errors import ConfigError
 
 __all__ = [
     "DirectoryView",
@@ -248,9 +247,8 @@ class RedisDirectory:
         #: The connection every script of the directory runs on (Subpartitions' and
         #: Verdicts' too).
         self.redis = RedisConnection(url, socket_timeout)
-        if not namespace or any(c in namespace for c in "{} "):
-            raise ConfigError(f"directory namespace must be non-empty without braces or "
-                              f"blanks, got {namespace!r}")
+        #: The names of its keys (Subpartitions', Verdicts' and PendingEntries' too).
+        self.keys = KeySpace(namespace)
         self.url = self.redis.url
         self.kind = self.redis.kind
         self.namespace = namespace
@@ -260,16 +258,17 @@ class RedisDirectory:
         self._announce = Lua(_ANNOUNCE)
         self._sweep = Lua(_SWEEP)
         self._clock = Lua(_CLOCK)
-        self._shards: Any = None
+        #: On a Redis Cluster (``kind == "cluster"``), its sharded block keys; else None.
+        self.shards: Subpartitions | None = None
         if self.kind == "cluster":
-            self._shards = Subpartitions(self, self.redis.subpartitions)
+            self.shards = Subpartitions(self, self.redis.subpartitions)
         #: Publishes the holders a member keeps in quarantine (the registration's).
         self.verdicts = Verdicts(self)
         #: Writes the keys a member is computing now (the registration's).
-        self.pending = PendingEntries(self.redis, self._key)
+        self.pending = PendingEntries(self.redis, self.keys)
 
     def _key(self, partition: str, what: str) -> str:
-        return f"{self.namespace}:{{{partition}}}:{what}"
+        return self.keys.key(partition, what)
 
     # -- membership ---------------------------------------------------------------
 
@@ -280,7 +279,7 @@ class RedisDirectory:
         def run() -> Member:
             nonce = os.urandom(16)
             for _ in range(16):
-                number = int(self.redis.client.incr(f"{self.namespace}:seq")) % (1 << 32) or 1
+                number = int(self.redis.client.incr(self.keys.shared("seq"))) % (1 << 32) or 1
                 token = number.to_bytes(_TOKEN_BYTES, "big")
                 taken = self.redis.eval(self._register, keys=[
                     self._key(p, "live"), self._key(p, "nodes"), self._key(p, "addr"),
@@ -292,7 +291,7 @@ class RedisDirectory:
             else:
                 raise DirectoryError(f"redis directory {self.url}: register: 16 tokens in "
                                      f"a row were in use (is {self.namespace}:seq reset?)")
-            self.redis.client.sadd(f"{self.namespace}:partitions", p)
+            self.redis.client.sadd(self.keys.shared("partitions"), p)
             return Member(p, token, nonce)
 
         member: Member = self.redis.call("register", run)
@@ -305,7 +304,7 @@ class RedisDirectory:
                 self._key(member.partition, "live"), self._key(member.partition, "owner")],
                 args=[member.token, int(ttl * 1000), member.nonce])
             # Listed again each time: a sweep may have dropped an emptied partition.
-            self.redis.client.sadd(f"{self.namespace}:partitions", member.partition)
+            self.redis.client.sadd(self.keys.shared("partitions"), member.partition)
             return bool(renewed)
 
         alive: bool = self.redis.call("heartbeat", run)
@@ -317,8 +316,8 @@ class RedisDirectory:
         registration is gone (nothing was claimed; register again and republish).
         ``counts`` adds the change of the member's claims, by sub-partition (0 on one
         Redis): what :meth:`claim_counts` must then find."""
-        if self._shards is not None:
-            ok: bool = self._shards.announce(member, stored, removed, counts)
+        if self.shards is not None:
+            ok: bool = self.shards.announce(member, stored, removed, counts)
             return ok
         p = member.partition
         keys = [self._key(p, "blocks"), self._key(p, "live"), self._key(p, "count"),
@@ -340,8 +339,8 @@ class RedisDirectory:
         """The claims of ``member`` as the servers count them, by sub-partition (of
         ``subs``; one Redis has only 0). Fewer than its announcements added: claims were
         lost (a failover), and the member must publish its blocks again."""
-        if self._shards is not None:
-            found: dict[int, int] = self._shards.claim_counts(member, subs)
+        if self.shards is not None:
+            found: dict[int, int] = self.shards.claim_counts(member, subs)
             return found
         n = self.redis.call("claim counts", lambda: self.redis.client.hget(
             self._key(member.partition, "count"), member.token))
@@ -399,8 +398,8 @@ class RedisDirectory:
         Returns the next cursor (0: the pass is over and their records are gone), or
         None when another member is sweeping.
         """
-        if self._shards is not None:
-            step: int | None = self._shards.sweep_step(member, dead, cursor, count)
+        if self.shards is not None:
+            step: int | None = self.shards.sweep_step(member, dead, cursor, count)
             return step
         p = member.partition
         result = self.redis.call("sweep", lambda: self.redis.eval(
@@ -435,8 +434,8 @@ class RedisDirectory:
         if not keys:
             return [], []
         me = exclude.token if exclude is not None else b""
-        if self._shards is not None:
-            found: tuple[list[tuple[Holder, ...]], list[float]] = self._shards.lookup(
+        if self.shards is not None:
+            found: tuple[list[tuple[Holder, ...]], list[float]] = self.shards.lookup(
                 partition, keys, me, pending=pending)
             return found
         reply = self.redis.call("lookup", lambda: self.redis.eval(
@@ -462,7 +461,7 @@ class RedisDirectory:
         """Every partition, its members, their block counts and liveness (for tools)."""
         def run() -> DirectoryView:
             out: dict[str, list[MemberView]] = {}
-            for raw in sorted(self.redis.client.smembers(f"{self.namespace}:partitions")):
+            for raw in sorted(self.redis.client.smembers(self.keys.shared("partitions"))):
                 p = bytes(raw).decode()
                 now = self.server_time_ms(p)
                 pipe = self.redis.client.pipeline(transaction=False)

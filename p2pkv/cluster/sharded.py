@@ -215,7 +215,7 @@ class Subpartitions:
         if tags is None:
             tags = tuple(_band_tag(partition, i, self.count) for i in range(self.count))
             self._tags[partition] = tags
-        return f"{self.directory.namespace}:{{{tags[s]}}}:{what}"
+        return self.directory.keys.key(tags[s], what)
 
     def _group(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
         groups: dict[int, list[int]] = {}
@@ -236,8 +236,8 @@ class Subpartitions:
             for s, idx in groups]
         if pending:
             calls.append((self._pending_lookup, [
-                d._key(partition, "live"), d._key(partition, "addr"),
-                d._key(partition, "pending")], [me, *keys]))
+                d.keys.key(partition, "live"), d.keys.key(partition, "addr"),
+                d.keys.key(partition, "pending")], [me, *keys]))
         replies = d.redis.call("lookup", lambda: d.redis.pipelined(calls))
         dues = parse_dues(replies.pop() if pending else None, len(keys), d.url)
         values: list[bytes | None] = [None] * len(keys)
@@ -254,7 +254,7 @@ class Subpartitions:
         tokens = {v[p:p + _TOKEN_BYTES] for v in values[:end] if v is not None
                   for p in range(0, len(v), _TOKEN_BYTES)}
         flat = d.redis.call("lookup", lambda: d.redis.eval(
-            self._live, keys=[d._key(partition, "live"), d._key(partition, "addr")],
+            self._live, keys=[d.keys.key(partition, "live"), d.keys.key(partition, "addr")],
             args=[me, *sorted(tokens)]))
         try:
             live = parse_holders(flat)
@@ -283,7 +283,7 @@ class Subpartitions:
             room = ANNOUNCE_BATCH - len(add)
             rem, removed = removed[:room], removed[room:]
             ok = d.redis.call("announce", lambda a=add: d.redis.eval(  # type: ignore[misc]
-                self._check, keys=[d._key(p, "live"), d._key(p, "owner")],
+                self._check, keys=[d.keys.key(p, "live"), d.keys.key(p, "owner")],
                 args=[member.token, member.nonce, "1" if a else "0"]))
             if not int(ok):
                 return False
@@ -303,7 +303,7 @@ class Subpartitions:
             delta = sum(int(x) for x in deltas)
             if delta:
                 d.redis.call("announce", lambda n=delta: d.redis.eval(  # type: ignore[misc]
-                    self._count, keys=[d._key(p, "count")], args=[member.token, n]))
+                    self._count, keys=[d.keys.key(p, "count")], args=[member.token, n]))
         return True
 
     def claim_counts(self, member: Member, subs: Sequence[int]) -> dict[int, int]:
@@ -329,7 +329,7 @@ class Subpartitions:
         d = self.directory
         p = member.partition
         if not int(d.redis.call("sweep", lambda: d.redis.eval(
-                self._lock, keys=[d._key(p, "sweep")], args=[member.token]))):
+                self._lock, keys=[d.keys.key(p, "sweep")], args=[member.token]))):
             return None
         s, scan = cursor % self.count, cursor // self.count
         nxt = int(d.redis.call("sweep", lambda: d.redis.eval(
@@ -340,7 +340,7 @@ class Subpartitions:
         if s + 1 < self.count:
             return s + 1
         d.redis.call("sweep", lambda: d.redis.eval(self._sweep_end, keys=[
-            d._key(p, "live"), d._key(p, "nodes"), d._key(p, "addr"), d._key(p, "count"),
-            d._key(p, "owner"), d._key(p, "sweep"), d._key(p, "quarantine")],
+            d.keys.key(p, what) for what in ("live", "nodes", "addr", "count", "owner",
+                                             "sweep", "quarantine")],
             args=list(dead)))
         return 0

@@ -102,7 +102,7 @@ class Verdicts:
         p = member.partition
         body = encode_reports(reports) if reports else ""
         result = d.redis.call("quarantine report", lambda: d.redis.eval(
-            self._publish, keys=[d._key(p, "live"), d._key(p, "owner"),
-                                 d._key(p, "quarantine")],
+            self._publish, keys=[d.keys.key(p, "live"), d.keys.key(p, "owner"),
+                                 d.keys.key(p, "quarantine")],
             args=[member.token, member.nonce, body]))
         return int(result) != -1
