@@ -75,6 +75,28 @@ def _unlink_region(path: str) -> None:
                  "memory is freed with the engine's last process", ", ".join(removed))
 
 
+def _disown_region_file(region: SharedOffloadRegion, *, check_only: bool = False) -> None:
+    """Tell ``region`` that its file is no longer its to remove (the scheduler side
+    unlinked it already, :meth:`P2PKVTieringSpec.get_manager`), so that its
+    ``cleanup()`` does not log the missing file as a failure; ``check_only``: only check
+    that this is still possible (:class:`CPUCopyWorker` does when it starts).
+
+    vLLM offers no public way: ``SharedOffloadRegion.cleanup()`` (0.32 and 0.33)
+    unlinks ``mmap_path`` whenever its private flag ``_creator`` is set, and has no
+    argument, method or property to say that the name is already gone. So this writes
+    that flag, and nothing else in p2pkv does. If vLLM renames or drops it, writing it
+    would do nothing, and every shutdown would log a failed unlink (0.32), or worse; so
+    this raises RuntimeError instead, first when the worker starts, and the tier's
+    checks fail until it is adapted.
+    """
+    if type(getattr(region, "_creator", None)) is not bool:
+        raise RuntimeError("vLLM's SharedOffloadRegion has no boolean _creator flag any "
+                           "more: p2pkv.integrations.vllm.spec._disown_region_file must be "
+                           "adapted to this vLLM")
+    if not check_only:
+        region._creator = False
+
+
 class P2PKVTieringSpec(TieringOffloadingSpec):
     """``TieringOffloadingSpec`` with a host-memory copy worker on CPU-only platforms,
     whose primary region leaves nothing in ``/dev/shm`` however the engine exits."""
@@ -114,7 +136,7 @@ class P2PKVTieringSpec(TieringOffloadingSpec):
                 kv_caches, replicated=self.replicated_layout)
         rank = 0 if self.replicated_layout else self.config.parallel.rank
         region = SharedOffloadRegion(
-            engine_id=self._engine_id,
+            engine_id=self.config.engine_id,
             num_chunks=self.num_chunks,
             rank=rank,
             kv_bytes_per_chunk=self.kv_bytes_per_chunk,
@@ -185,6 +207,7 @@ class CPUCopyWorker(OffloadingWorker):
                  region: SharedOffloadRegion) -> None:
         if blocks_per_chunk < 1:
             raise ValueError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
+        _disown_region_file(region, check_only=True)
         self._bpc = blocks_per_chunk
         self._region: SharedOffloadRegion | None = region
         self._refs: list[list[CanonicalKVCacheRef]] = kv_caches.group_data_refs
@@ -226,7 +249,7 @@ class CPUCopyWorker(OffloadingWorker):
                 # The scheduler side unlinked the name (P2PKVTieringSpec.get_manager):
                 # this worker, its creator, has nothing left to remove, and vLLM's
                 # cleanup would otherwise log the missing file as a failure.
-                self._region._creator = False
+                _disown_region_file(self._region)
             self._region.cleanup()
             self._region = None
 
