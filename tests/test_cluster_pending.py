@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
+from internals import publisher_stalled
 from nodeproc import content, keys_for, make_node
 from redisprocs import LocalRedis, LocalRedisCluster, find_redis_server, find_tool
 from test_cluster import SMALL, wait_for
@@ -151,14 +152,14 @@ def test_withdrawn_deregistered_and_dead_members_entries_are_not_reported(
     # Deregistering takes the member's entries with it.
     d.deregister(a, (), KEYS[:4])
     assert dues(d, c, KEYS[:4]) == [0.0] * 4
-    assert not d.client.hexists(d._key(p, "pending"), KEYS[0])
+    assert not d.client.hexists(d.keys.key(p, "pending"), KEYS[0])
     # A member whose registration lapsed: its entry stays until its lease ends, but is
     # not reported; it can neither announce nor (with another nonce) withdraw.
     assert d.announce_pending(x, KEYS[4:5], [5.0])
     assert dues(d, c, KEYS[4:5])[0] > 0
-    d.client.zadd(d._key(p, "live"), {x.token: 1})
+    d.client.zadd(d.keys.key(p, "live"), {x.token: 1})
     assert dues(d, c, KEYS[4:5]) == [0.0]
-    assert d.client.hexists(d._key(p, "pending"), KEYS[4])
+    assert d.client.hexists(d.keys.key(p, "pending"), KEYS[4])
     assert not d.announce_pending(x, KEYS[5:6], [5.0])
     assert not d.withdraw_pending(Member(p, x.token, b"\x00" * 16), KEYS[4:5])
     with pytest.raises(ValueError, match="shorter"):
@@ -272,15 +273,11 @@ def test_announcements_never_block_and_past_the_queue_bound_are_dropped(
     _node_a, a = start(nodes, single, namespace)
     _node_b, b = start(nodes, single, namespace)
     keys = keys_for(10)
-    reg = a._registration
-    assert reg is not None
     # Its thread writes nothing for now: the announcements stay queued, up to the bound.
-    real = reg._publish_pending
-    monkeypatch.setattr(reg, "_publish_pending", lambda: None)
-    a.announce_pending(keys, [3.0] * 10)
-    assert a.stats().pending_dropped == 6
-    monkeypatch.setattr(reg, "_publish_pending", real)
-    reg.flush()
+    with publisher_stalled(a, monkeypatch):
+        a.announce_pending(keys, [3.0] * 10)
+        assert a.stats().pending_dropped == 6
+    a.flush()
     wait_for(lambda: sum(d > 0 for d in due_of(b, keys)) == 4, 10, "the 4 queued keys")
     # Not registered: dropped at once.
     a.close()

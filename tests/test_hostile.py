@@ -22,6 +22,7 @@ import pytest
 import zmq
 from fuzzkit import Exerciser, examples
 from hypothesis import HealthCheck, given, settings
+from internals import io_thread_alive, max_message_bytes
 from nodeproc import content, keys_for, make_node
 from rawpeer import CorruptingProxy, GoodPeer, RawPeer, packed, raw_hello, wait_until
 
@@ -61,7 +62,7 @@ class Env:
     def assert_healthy(self, min_rounds: int = 1) -> None:
         """The node's IO thread lives, a fresh raw peer gets a pong, the good peer did
         only good rounds (at least ``min_rounds``) and still works after the abuse."""
-        assert self.server._thread.is_alive(), "the node's IO thread died"
+        assert io_thread_alive(self.server), "the node's IO thread died"
         fresh = self.raw()
         assert fresh.alive(), "a fresh, well-behaved connection gets no pong"
         self.good.check(min_rounds)
@@ -198,7 +199,7 @@ def test_partial_multipart_from_a_dying_sender_is_never_delivered(hostile: Any) 
 def test_oversize_frame_makes_libzmq_drop_the_connection(hostile: Any) -> None:
     env = hostile()
     raw = env.raw(monitor=True)
-    limit = env.server._rt.max_message  # MAXMSGSIZE of the node's sockets
+    limit = max_message_bytes(env.server)  # MAXMSGSIZE of the node's sockets
     raw.send([b"\x00" * (limit + 1)])
     events = raw.monitor_events(5.0)
     assert zmq.EVENT_DISCONNECTED in events, events

@@ -18,6 +18,7 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from internals import io_thread_alive
 from nodeproc import content, keys_for, make_node
 from rawpeer import CorruptingProxy, FakeServer, wait_until
 from test_protocol_vectors import VECTORS, as_vector, frames_of
@@ -226,7 +227,7 @@ def test_broken_packed_message_is_a_protocol_error(made: list[Any], how: str) ->
     want = proto.Code.WRONG_TYPE if how == "pk-not-bool" else proto.Code.FRAME_COUNT
     assert outcome.code == want, outcome
     assert consumer.stats().protocol_violations == 1
-    assert consumer._thread.is_alive() and consumer.store.stats().pinned == 0
+    assert io_thread_alive(consumer) and consumer.store.stats().pinned == 0
     assert consumer.store.stats().stored == 0
 
 
@@ -237,7 +238,7 @@ def test_packed_without_the_capability_is_unexpected(made: list[Any]) -> None:
 
     consumer, outcome = _hostile_fetch(made, answer, offer=False)
     assert isinstance(outcome, ProtocolError) and outcome.code == proto.Code.UNEXPECTED
-    assert consumer._thread.is_alive() and consumer.store.stats().stored == 0
+    assert io_thread_alive(consumer) and consumer.store.stats().stored == 0
 
 
 def test_a_valid_packed_answer_from_a_scripted_server_lands(made: list[Any]) -> None:
@@ -275,7 +276,7 @@ def test_random_packed_messages_fail_cleanly(made: list[Any], idx: list[int], sk
                 proto.encode(Done(f.req, outcomes))]  # type: ignore[list-item]
 
     consumer, outcome = _hostile_fetch(made, answer)
-    assert consumer._thread.is_alive()
+    assert io_thread_alive(consumer)
     if skew:
         assert isinstance(outcome, ProtocolError) and outcome.code == proto.Code.FRAME_COUNT
         assert consumer.store.stats().stored == 0

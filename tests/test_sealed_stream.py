@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 import zmq
+from internals import inbound_connections, plaintext_bytes, staging_bytes, stream_socket
 from nodeproc import content, fill, moves_both_ways
 from nodeproc import pooled_node as node
 from rawpeer import Acceptor, ThrottlingProxy, closed_unanswered, ipv6_loopback, wait_until
@@ -145,14 +146,14 @@ def test_buffers_grow_only_as_far_as_the_records_they_hold() -> None:
         out = bytearray(len(data))
         _move(tx, rx, _cut(data, [200, 1 << 20]), _cut(out, [200, 1 << 20]))
         assert out == data
-        assert tx._stagev.nbytes == rx._plainv.nbytes == 64 << 10
+        assert staging_bytes(tx) == plaintext_bytes(rx) == 64 << 10
         # Small buffers gathered into 1 MiB records: the staging grows to hold one.
         small = os.urandom(2 << 20)
         out = bytearray(len(small))
         _move(tx, rx, _cut(small, [16 << 10]), [memoryview(out)[:100], memoryview(out)[100:]])
         assert out == small
-        assert tx._stagev.nbytes == MAX_RECORD
-        assert rx._plainv.nbytes == MAX_RECORD  # the first record did not fit 100 bytes
+        assert staging_bytes(tx) == MAX_RECORD
+        assert plaintext_bytes(rx) == MAX_RECORD  # the first record did not fit 100 bytes
     finally:
         tx.close()
         rx.close()
@@ -312,8 +313,8 @@ def curve_pair(made: list[Any], producer_config: dict[str, Any] | None = None,
 
 
 def _inbound_socks(producer: Node) -> list[socket.socket]:
-    (inbound,) = producer._server._inbound.values()
-    return [s.stream._sock for s in inbound.streams.values()]
+    (inbound,) = inbound_connections(producer)
+    return [stream_socket(s) for s in inbound.streams.values()]
 
 
 @curve

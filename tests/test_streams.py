@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import pytest
+from internals import inbound_connections, stream_socket
 from nodeproc import content, fill
 from nodeproc import pooled_node as node
 from rawpeer import ThrottlingProxy, ipv6_loopback, wait_until
@@ -35,7 +36,7 @@ SEED_V1 = {"layout": "v1", "geometry": "seed"}  # 576 KiB blocks
 
 def server_streams(producer: Node) -> list[int]:
     """The indices of the data streams the producer's peers bound."""
-    peers = list(producer._server._inbound.values())
+    peers = inbound_connections(producer)
     return sorted(i for p in peers for i in p.streams)
 
 
@@ -143,8 +144,8 @@ def test_a_cancelled_striped_fetch_stops_on_every_stream(made: list[Any]) -> Non
 def test_a_striped_fetch_that_loses_a_stream_fails_as_a_whole(made: list[Any]) -> None:
     producer, consumer, _peer, _keys, fut = striped_fetch_under_way(made)
     # The producer's side of stream 2 goes away: the session ends with it.
-    (inbound,) = producer._server._inbound.values()
-    inbound.streams[2].stream._sock.shutdown(socket.SHUT_RDWR)
+    (inbound,) = inbound_connections(producer)
+    stream_socket(inbound.streams[2]).shutdown(socket.SHUT_RDWR)
     with pytest.raises(P2PKVError):
         fut.result(20)
     assert wait_until(lambda: consumer.store.stats().pinned == 0

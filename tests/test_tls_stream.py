@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import zmq
+from internals import break_data_port_pin, inbound_connections, stream_socket
 from nodeproc import fill, moves_both_ways
 from nodeproc import pooled_node as node
 from rawpeer import Acceptor, ThrottlingProxy, ipv6_loopback, wait_until
@@ -65,9 +66,9 @@ def test_several_tls_streams(made: list[Any]) -> None:
     peer = consumer.connect(producer.address)
     assert peer.data_path_detail.startswith("3 data streams"), peer.data_path_detail
     assert consumer.fetch(peer, keys).outcomes == (KeyOutcome.LANDED,) * len(keys)
-    (inbound,) = producer._server._inbound.values()
+    (inbound,) = inbound_connections(producer)
     assert sorted(inbound.streams) == [0, 1, 2]
-    assert all(isinstance(s.stream._sock, ssl.SSLSocket) for s in inbound.streams.values())
+    assert all(isinstance(stream_socket(s), ssl.SSLSocket) for s in inbound.streams.values())
 
 
 class TlsMitm(Acceptor):
@@ -124,9 +125,8 @@ def test_a_man_in_the_middle_of_the_data_port_is_refused_and_learns_nothing(
 
 def test_a_welcome_that_pins_another_certificate_is_refused(made: list[Any]) -> None:
     producer, consumer = curve_pair(made)
-    listener = producer._rt.data_listener
-    assert listener is not None and listener._tls is not None
-    listener._tls.pin = bytes(32)  # what the welcome pins from now on: not its certificate
+    # What the welcome pins from now on: not its certificate.
+    break_data_port_pin(producer, bytes(32))
     keys = fill(producer, 4)
     peer = consumer.connect(producer.address)
     assert peer.data_path == "tcp"

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import numpy as np
+from internals import request_adapter, start_tier_node
 
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
@@ -64,8 +65,8 @@ def lora_handover(spec: Any, view: Any, vllm_config: Any,
         result = {"plain_lora": plain.identity.lora_enabled, "plain_warnings": plain_warnings,
                   "connector_warnings": list(records),
                   "registered": [t is told for t in context.tiers],
-                  "base_request_state": told._adapters.state("r1"),
-                  "untold_request_state": told._adapters.state("r2")}
+                  "base_request_state": request_adapter(told, "r1"),
+                  "untold_request_state": request_adapter(told, "r2")}
         plain.shutdown()
         told.shutdown()
         return result
@@ -309,9 +310,9 @@ def directory_pending(spec: Any, vllm_config: Any, region: Any, row: int,
                                        model_revision="r1", lookup_timeout=2.0,
                                        directory=server.url))
         for tier in tiers:
-            assert tier.identity.wait(60) and tier._ensure_node(60) is not None
-            assert tier._run.directory.cluster.wait_registered(15), "not registered"
-        cluster_b = tiers[1]._run.directory.cluster
+            assert tier.identity.wait(60) and start_tier_node(tier, 60) is not None
+            assert tier.cluster.wait_registered(15), "not registered"
+        cluster_b = tiers[1].cluster
 
         def announced(keys: list[bytes]) -> None:
             deadline = time.monotonic() + 10
@@ -320,7 +321,7 @@ def directory_pending(spec: Any, vllm_config: Any, region: Any, row: int,
                 time.sleep(0.01)
 
         out = pending_checks(*tiers, row, raw_a, wait_finished, announced)
-        stats_a, stats_b = (t._run.directory.cluster.stats() for t in tiers)
+        stats_a, stats_b = (t.cluster.stats() for t in tiers)
         out["through"] = {"lookups_b": stats_b.lookups, "announced_a": stats_a.pending_announced,
                           "withdrawn_a": stats_a.pending_withdrawn,
                           "announced_b": stats_b.pending_announced}

@@ -54,6 +54,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from p2pkv.cluster import Cluster
 from p2pkv.identity import RunConfig
 from p2pkv.integrations.vllm.adapters import (
     ADAPTER_UNKNOWN,
@@ -193,6 +194,13 @@ class P2PKVTier(SecondaryTierManager):
     def node(self) -> Node | None:
         """The node, once started (after the engine initialised its block hashing)."""
         return self._run.node
+
+    @property
+    def cluster(self) -> Cluster | None:
+        """The cluster the node registers in (the ``directory`` option), once the node
+        started; None without a directory."""
+        directory = self._run.directory
+        return None if directory is None else directory.cluster
 
     def _ensure_node(self, wait: float = 0.0) -> Node | None:
         return self._run.ensure(wait)
