@@ -27,7 +27,6 @@ The block store is shared with the engine threads and has its own lock.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import os
@@ -38,6 +37,8 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
+
+import zmq
 
 from p2pkv import protocol as proto
 from p2pkv.errors import ConfigError, LocalLimitExceeded, PeerGone, PeerTimeout
@@ -432,8 +433,10 @@ class Node:
     def _release(self) -> None:
         """IO thread, last: stop the authenticator and release the ZeroMQ context."""
         if self._rt.auth is not None:
-            with contextlib.suppress(Exception):
+            try:
                 self._rt.auth.stop()
+            except zmq.ZMQError as exc:  # its pipe or socket already gone: it stops anyway
+                log.warning("node %s: stopping the CURVE authenticator: %s", self.node_id, exc)
         self._rt.ctx.term()
         if self._own_pool is not None:
             self._own_pool.close()  # the segment's name goes; mapped memory stays valid

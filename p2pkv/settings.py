@@ -10,6 +10,7 @@ message starts with the option's flag, and the vLLM tier spells it as its own ke
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -245,8 +246,15 @@ OPTIONS: tuple[Option, ...] = (
            "log level (stderr)"),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
-#: Checkpoint identities already computed in this process, by --model-path.
-_checkpoints: dict[str, Any] = {}
+#: How many --model-path identities a process keeps once hashed (the most recent).
+_CHECKPOINTS_KEPT = 4
+
+
+@functools.lru_cache(maxsize=_CHECKPOINTS_KEPT)  # thread-safe; a failure is not kept
+def _checkpoint_identity(path: str) -> Any:
+    from p2pkv.identity.checkpoint import checkpoint_identity
+
+    return checkpoint_identity(path)
 
 
 @dataclass(frozen=True)
@@ -317,16 +325,15 @@ class Settings:
             raise ConfigError(str(exc), option="layout") from exc
 
     def checkpoint(self) -> Any:
-        """The identity ``--model-path`` gives (hashed once per process; None without it)."""
+        """The identity ``--model-path`` gives (None without it); the process keeps the
+        identities of the last few paths it hashed, so each is hashed once."""
         path = self.values["model_path"]
         if path is None:
             return None
-        from p2pkv.identity.checkpoint import CheckpointError, checkpoint_identity
+        from p2pkv.identity.checkpoint import CheckpointError
 
         try:
-            if path not in _checkpoints:
-                _checkpoints[path] = checkpoint_identity(path)
-            return _checkpoints[path]
+            return _checkpoint_identity(path)
         except CheckpointError as exc:
             raise ConfigError(str(exc), option="model_path") from None
 
@@ -440,6 +447,16 @@ def load_settings(flags: Mapping[str, Any], *, config_file: str | None = None,
     return Settings(values, sources)
 
 
+def _certificate(values: Mapping[str, Any], option: str) -> tuple[bytes, bytes | None]:
+    """The (public, secret) keys of the ZeroMQ certificate file ``option`` names."""
+    import zmq.auth
+
+    try:
+        return zmq.auth.load_certificate(values[option])
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {values[option]!r}: {exc}", option=option) from exc
+
+
 def node_config(settings: Settings, *, listen: str | None = None) -> NodeConfig:
     """The :class:`~p2pkv.node.NodeConfig` the options describe (CURVE keys read and
     checked, heartbeat defaults applied): one place for ``serve``, the other commands
@@ -458,23 +475,13 @@ def node_config(settings: Settings, *, listen: str | None = None) -> NodeConfig:
                                   "node's own key pair)", option=name,
                                   mentions=("curve_secret_key",))
     if v["curve_secret_key"] is not None:
-        import zmq.auth
-
-        try:
-            public, secret = zmq.auth.load_certificate(v["curve_secret_key"])
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read {v['curve_secret_key']!r}: {exc}",
-                              option="curve_secret_key") from exc
+        public, secret = _certificate(v, "curve_secret_key")
         if secret is None:
             raise ConfigError(f"{v['curve_secret_key']!r} holds no secret key (use the "
                               ".key_secret file)", option="curve_secret_key")
         server_key = None
         if v["curve_server_key"] is not None:
-            try:
-                server_key, _ = zmq.auth.load_certificate(v["curve_server_key"])
-            except (OSError, ValueError) as exc:
-                raise ConfigError(f"cannot read {v['curve_server_key']!r}: {exc}",
-                                  option="curve_server_key") from exc
+            server_key, _ = _certificate(v, "curve_server_key")
         authorized = None
         if v["curve_authorized"] is not None:
             try:

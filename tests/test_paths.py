@@ -174,3 +174,59 @@ def test_a_shared_memory_reader_that_releases_is_never_cut(made: list[Any]) -> N
     assert done is not None and done.outcomes == (0,) * len(keys)
     assert time.monotonic() - started > 1.0  # longer than two send deadlines
     assert producer.stats().paths["shm"].readers_stalled == 0
+
+
+class _FakeTracker:
+    def __init__(self) -> None:
+        self.done = False
+
+
+class _FakeSocket:
+    """Records what :func:`send_payload` sends; a tracked send returns a fake tracker."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, int, bool, bool]] = []
+        self.trackers: list[_FakeTracker] = []
+
+    def send(self, data: Any, flags: int = 0, copy: bool = True, track: bool = False) -> Any:
+        self.sent.append((memoryview(data).nbytes, flags, copy, track))
+        if not track:
+            return None
+        self.trackers.append(_FakeTracker())
+        return self.trackers[-1]
+
+
+class _FakeStore:
+    def __init__(self) -> None:
+        self.released: list[Any] = []
+
+    def release_many(self, readers: Any) -> None:
+        self.released.extend(readers)
+
+
+def test_the_ledger_unpins_a_message_only_once_every_zero_copy_frame_is_let_go() -> None:
+    import zmq
+
+    from p2pkv.runtime.paths.sender import SendLedger, send_payload
+    from p2pkv.runtime.tuning import ZERO_COPY_MIN
+
+    big, small = memoryview(bytearray(ZERO_COPY_MIN)), memoryview(bytearray(16))
+    sock = _FakeSocket()
+    trackers = send_payload(sock, [big, small, big, big])  # type: ignore[arg-type]
+    # Every zero-copy frame is tracked, the small one copied, the last ends the message.
+    assert sock.sent == [(ZERO_COPY_MIN, zmq.SNDMORE, False, True), (16, zmq.SNDMORE, True, False),
+                         (ZERO_COPY_MIN, zmq.SNDMORE, False, True), (ZERO_COPY_MIN, 0, False, True)]
+    assert trackers == sock.trackers and len(trackers) == 3
+    store = _FakeStore()
+    ledger = SendLedger(store)  # type: ignore[arg-type]
+    ledger.hold(b"peer", trackers, ["reader-1", "reader-2"])  # type: ignore[list-item]
+    # libzmq lets go of the last frame first: the earlier ones still point into the pool.
+    sock.trackers[2].done = True
+    ledger.reap()
+    assert store.released == [] and ledger
+    sock.trackers[0].done = True
+    ledger.reap()
+    assert store.released == [] and ledger
+    sock.trackers[1].done = True
+    ledger.reap()
+    assert store.released == ["reader-1", "reader-2"] and not ledger

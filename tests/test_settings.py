@@ -280,3 +280,50 @@ def test_configuration_doc_lists_every_option() -> None:
         else:
             assert row[4] == f"`{opt.default}`", row
         assert row[5] == opt.help, row
+
+
+def test_checkpoint_identities_are_kept_for_a_bounded_number_of_paths(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import p2pkv.identity.checkpoint as checkpoint
+
+    hashed: list[str] = []
+
+    def fake_identity(path: str) -> str:
+        hashed.append(path)
+        return f"identity of {path}"
+
+    monkeypatch.setattr(checkpoint, "checkpoint_identity", fake_identity)
+    paths = [str(tmp_path / f"model-{i}") for i in range(64)]
+    for path in paths:
+        settings = load({"model_path": path})
+        assert settings.checkpoint() == f"identity of {path}"
+        assert settings.checkpoint() == f"identity of {path}"  # kept: not hashed again
+    assert hashed == paths
+    # The most recent path is still kept; the first one was let go (the cache is bounded).
+    load({"model_path": paths[-1]}).checkpoint()
+    assert hashed == paths
+    load({"model_path": paths[0]}).checkpoint()
+    assert hashed == [*paths, paths[0]]
+
+
+def test_checkpoint_identities_from_many_threads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import p2pkv.identity.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "checkpoint_identity", lambda path: f"identity of {path}")
+    paths = [str(tmp_path / f"model-{i % 6}") for i in range(48)]
+    got: list[Any] = []
+    barrier = threading.Barrier(8)
+
+    def worker(mine: list[str]) -> None:
+        barrier.wait()
+        got.extend((p, load({"model_path": p}).checkpoint()) for p in mine)
+
+    threads = [threading.Thread(target=worker, args=(paths[i::8],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(got) == sorted((p, f"identity of {p}") for p in paths)

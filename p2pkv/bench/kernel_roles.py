@@ -18,8 +18,8 @@ import threading
 import time
 from typing import Any
 
-from p2pkv.bench.data import BenchError, Dataset, fd_count, proc_status
-from p2pkv.bench.raw_roles import RawBuffers
+from p2pkv.bench.data import BenchError, Dataset
+from p2pkv.bench.raw_roles import RawBuffers, serve_ready
 from p2pkv.workers import say, serve_commands
 
 _HEADER = struct.Struct("<II")  # first block, blocks in this message
@@ -112,14 +112,7 @@ def role_kernel_server(spec: dict[str, Any]) -> int:
 
     threading.Thread(target=accept, daemon=True).start()
     try:
-        say({"event": "ready", "pid": os.getpid(), "address": address})
-
-        def stats(cmd: dict[str, Any]) -> dict[str, Any]:
-            if failure:
-                raise BenchError(failure[0])
-            return {**proc_status(), "fds": fd_count()}
-
-        serve_commands({"stats": stats})
+        serve_ready(address, failure)
     finally:
         listener.close()
     return 0

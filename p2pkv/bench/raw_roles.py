@@ -17,6 +17,20 @@ from p2pkv.runtime.tuning import ZERO_COPY_MIN
 from p2pkv.workers import say, serve_commands
 
 
+def serve_ready(address: str, failure: list[str]) -> None:
+    """A bench server's main thread: say it is ready at ``address``, then answer
+    ``stats`` until stdin closes (failing it with the first of ``failure``, what its
+    serving threads caught)."""
+    say({"event": "ready", "pid": os.getpid(), "address": address})
+
+    def stats(cmd: dict[str, Any]) -> dict[str, Any]:
+        if failure:
+            raise BenchError(failure[0])
+        return {**proc_status(), "fds": fd_count()}
+
+    serve_commands({"stats": stats})
+
+
 def _raw_socket(ctx: zmq.Context[zmq.Socket[bytes]], kind: int, hwm: int) -> zmq.Socket[bytes]:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
@@ -124,14 +138,7 @@ def role_raw_server(spec: dict[str, Any]) -> int:
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()
     try:
-        say({"event": "ready", "pid": os.getpid(), "address": address})
-
-        def stats(cmd: dict[str, Any]) -> dict[str, Any]:
-            if failure:
-                raise BenchError(failure[0])
-            return {**proc_status(), "fds": fd_count()}
-
-        serve_commands({"stats": stats})
+        serve_ready(address, failure)
     finally:
         stop.set()
         thread.join(30)

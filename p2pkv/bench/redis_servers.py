@@ -66,6 +66,11 @@ def _resp(*args: str) -> bytes:
         b"$%d\r\n%s\r\n" % (len(a.encode()), a.encode()) for a in args)
 
 
+def _node_port(fields: list[str]) -> int:
+    """The port of a ``CLUSTER NODES`` row (``ID HOST:PORT@BUS FLAGS ...``)."""
+    return int(fields[1].split("@")[0].rsplit(":", 1)[1])
+
+
 def command(port: int, *args: str, timeout: float = 2.0,
             auth: tuple[str, ...] = ()) -> bytes:
     """One plain-text RESP command to 127.0.0.1:``port``; the raw reply (b"" if none).
@@ -279,34 +284,9 @@ class LocalRedisCluster:
             if i:
                 command(n.port, "CLUSTER", "MEET", "127.0.0.1", str(self.nodes[0].port))
 
-    def topology(self) -> list[tuple[int, str, bool, list[tuple[int, int]]]]:
-        """``(port, node id, is a master, slot ranges)`` of every node a live one knows."""
-        for n in self.nodes:
-            if not n.running:
-                continue
-            raw = command(n.port, "CLUSTER", "NODES")
-            if not raw.startswith(b"$"):
-                continue
-            out = []
-            for line in raw.split(b"\r\n", 1)[1].decode().splitlines():
-                f = line.split()
-                if len(f) < 8:
-                    continue
-                port = int(f[1].split("@")[0].rsplit(":", 1)[1])
-                flags = f[2].split(",")
-                ranges = []
-                for r in f[8:]:
-                    if r.startswith("["):
-                        continue
-                    lo, _, hi = r.partition("-")
-                    ranges.append((int(lo), int(hi or lo)))
-                alive = "fail" not in flags and "fail?" not in flags
-                out.append((port, f[0], "master" in flags and alive, ranges))
-            return out
-        return []
-
-    def replicas_of(self, port: int) -> list[int]:
-        """The ports of the live replicas of the master on ``port``."""
+    def _nodes(self) -> list[list[str]]:
+        """The rows of ``CLUSTER NODES`` (split into their fields) as the first live node
+        that answers sees them; none when no node answers."""
         for n in self.nodes:
             if not n.running:
                 continue
@@ -314,10 +294,30 @@ class LocalRedisCluster:
             if not raw.startswith(b"$"):
                 continue
             rows = [line.split() for line in raw.split(b"\r\n", 1)[1].decode().splitlines()]
-            ids = {int(f[1].split("@")[0].rsplit(":", 1)[1]): f[0] for f in rows if len(f) >= 8}
-            return sorted(int(f[1].split("@")[0].rsplit(":", 1)[1]) for f in rows
-                          if len(f) >= 8 and f[3] == ids.get(port) and "fail" not in f[2])
+            return [f for f in rows if len(f) >= 8]
         return []
+
+    def topology(self) -> list[tuple[int, str, bool, list[tuple[int, int]]]]:
+        """``(port, node id, is a master, slot ranges)`` of every node a live one knows."""
+        out = []
+        for f in self._nodes():
+            flags = f[2].split(",")
+            ranges = []
+            for r in f[8:]:
+                if r.startswith("["):
+                    continue
+                lo, _, hi = r.partition("-")
+                ranges.append((int(lo), int(hi or lo)))
+            alive = "fail" not in flags and "fail?" not in flags
+            out.append((_node_port(f), f[0], "master" in flags and alive, ranges))
+        return out
+
+    def replicas_of(self, port: int) -> list[int]:
+        """The ports of the live replicas of the master on ``port``."""
+        rows = self._nodes()
+        ids = {_node_port(f): f[0] for f in rows}
+        return sorted(_node_port(f) for f in rows
+                      if f[3] == ids.get(port) and "fail" not in f[2])
 
     def master_ports(self) -> list[int]:
         return sorted(p for p, _, master, ranges in self.topology() if master and ranges)

@@ -13,14 +13,16 @@ and only update this pool's tables.
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import threading
 import time
 from concurrent.futures import Future
 from typing import Any
 
-from p2pkv.errors import PeerIncompatible
+from p2pkv.errors import PeerGone, PeerIncompatible, PeerTimeout
 from p2pkv.node import Node, PeerHandle
+
+log = logging.getLogger("p2pkv.cluster")
 
 __all__ = ["PeerPool"]
 
@@ -92,8 +94,12 @@ class PeerPool:
             del self._futures[address]
         if fut.exception() is None:
             # Already gone, or the node is closing: nothing to undo.
-            with contextlib.suppress(Exception):
+            try:
                 self._node.disconnect(fut.result())
+            except PeerGone:
+                pass
+            except PeerTimeout as exc:  # the IO thread did not answer: say so, go on
+                log.warning("cluster: disconnecting from %s: %s", address, exc)
 
     def refused(self) -> dict[str, PeerIncompatible]:
         """Addresses that refused the handshake recently, with the refusal."""

@@ -347,7 +347,7 @@ def _unpack_head(frame0: object) -> dict[Any, Any]:
         raise ProtocolError(Code.TOO_LARGE, f"frame 0 is {size} bytes (max {MAX_HEAD_BYTES})")
     try:
         head = msgpack.unpackb(frame0, **_UNPACK_OPTIONS)
-    except Exception as exc:  # msgpack raises ValueError, StackError, ExtraData, ...
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:  # StackError, ExtraData, ...
         raise ProtocolError(
             Code.MALFORMED, f"frame 0 is not valid msgpack: {type(exc).__name__}: {exc}"[:300]
         ) from None
@@ -418,7 +418,7 @@ def decode(
     """
     try:
         payload = tuple(frames)
-    except Exception:
+    except TypeError:
         raise ProtocolError(Code.MALFORMED, "frames must be a sequence of bytes") from None
     if not payload:
         raise ProtocolError(Code.FRAME_COUNT, "a message needs at least frame 0")

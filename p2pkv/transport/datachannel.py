@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import bisect
 import collections
-import contextlib
 import errno
 import itertools
+import logging
 import operator
 import socket
 import ssl
@@ -53,6 +53,8 @@ __all__ = [
     "sendmsg",
     "tune",
 ]
+
+log = logging.getLogger("p2pkv.node")
 
 IOV_MAX: Final = 1000
 """Buffers per ``sendmsg``/``recvmsg_into`` call (Linux allows 1024)."""
@@ -269,8 +271,10 @@ class Gather:
         self.queued_bytes = 0
         for _, _, done in queue:
             if done is not None:
-                with contextlib.suppress(Exception):
+                try:
                     done()
+                except Exception:  # a bug in one; every other unit's must still run
+                    log.exception("data stream: a dropped unit's completion failed")
 
 
 class Scatter:

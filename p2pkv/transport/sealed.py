@@ -234,6 +234,8 @@ class SealedSocket(socket.socket):
 
     def _open_into(self, out: memoryview) -> None:
         """Open the record read whole into ``out`` (exactly its plaintext's size)."""
+        from cryptography.exceptions import InvalidTag
+
         keys = self.opener
         assert keys is not None
         number = keys.next
@@ -243,7 +245,7 @@ class SealedSocket(socket.socket):
         self._got, self._need = 0, _HEAD
         try:
             aead.decrypt_into(nonce, inv[_HEAD:end], inv[:_HEAD], out)
-        except Exception as exc:  # InvalidTag: every other record is suspect too
+        except InvalidTag as exc:  # every other record is suspect too
             raise SealError(f"sealed record {number} failed authentication: altered, "
                             "replayed, reordered or not sealed by this stream's peer"
                             ) from exc

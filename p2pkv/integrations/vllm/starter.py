@@ -10,12 +10,12 @@ recomputes, nothing is shared under an identity that is not known.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from dataclasses import replace
 from typing import Any
 
+from p2pkv.errors import P2PKVError
 from p2pkv.identity import IdentityExtension, RunConfig
 from p2pkv.integrations.vllm.directory import DirectorySource
 from p2pkv.integrations.vllm.identity import TierIdentity, VLLMKeyHash, current_key_hash
@@ -132,9 +132,18 @@ class TierNode:
     def close(self) -> None:
         """Withdraw this engine's claims from the directory, then drain the node (new
         fetches declined so consumers ask another holder, those in flight finish)."""
-        if self.directory is not None:
-            with contextlib.suppress(Exception):
-                self.directory.close()
-        if self.node is not None:
-            with contextlib.suppress(Exception):
-                self.node.drain()
+        try:
+            if self.directory is not None:
+                try:
+                    self.directory.close()
+                except (P2PKVError, OSError) as exc:
+                    log.warning("p2pkv tier: could not withdraw from directory %s (%s: %s); "
+                                "its claims lapse with their TTL", self._directory_url,
+                                type(exc).__name__, exc)
+        finally:
+            if self.node is not None:
+                try:
+                    self.node.drain()
+                except P2PKVError as exc:
+                    log.warning("p2pkv tier: the node did not drain cleanly (%s: %s)",
+                                type(exc).__name__, exc)

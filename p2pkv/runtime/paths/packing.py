@@ -29,7 +29,7 @@ from p2pkv.runtime.state import Receiving
 from p2pkv.runtime.tuning import ZERO_COPY_MIN
 from p2pkv.store import BlockReader, BlockStore
 
-__all__ = ["STAGING_KEPT", "PackedReceiver", "PackedSender", "packs"]
+__all__ = ["STAGING_KEPT", "PackedReceiver", "PackedSender", "packs", "start_message"]
 
 log = logging.getLogger("p2pkv.node")
 
@@ -41,6 +41,20 @@ def packs(segments: Sequence[int]) -> bool:
     """Whether blocks of ``segments`` travel packed when the peer accepts it: every
     segment would be copied into libzmq anyway, and a block fits one packed frame."""
     return max(segments) < ZERO_COPY_MIN and sum(segments) <= MAX_PACKED_BYTES
+
+
+def start_message(sock: zmq.Socket[bytes], rid: bytes, head: bytes) -> bool:
+    """Send the routing id and frame 0 of a message to peer ``rid`` on the ROUTER, its
+    payload frames to follow (``SNDMORE``). False, logged, when the peer is unreachable:
+    nothing was sent."""
+    try:
+        sock.send(rid, zmq.SNDMORE | zmq.NOBLOCK)
+    except zmq.ZMQError as exc:
+        log.info("peer %s unreachable while sending (%s); dropping it", rid.hex(), exc)
+        return False
+    # ROUTER accepts the rest of a multipart once its first frame went through.
+    sock.send(head, zmq.SNDMORE)
+    return True
 
 
 class PackedSender:
@@ -88,14 +102,9 @@ class PackedSender:
         finally:
             self._store.release_many(readers)
         sock = self._sock
-        try:
-            sock.send(rid, zmq.SNDMORE | zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
+        if not start_message(sock, rid, head):
             self._free.append(buf)
-            log.info("peer %s unreachable while sending (%s); dropping it", rid.hex(), exc)
             return False
-        # ROUTER accepts the rest of a multipart once its first frame went through.
-        sock.send(head, zmq.SNDMORE)
         self._inflight.append((sock.send(view[:off], 0, copy=False, track=True), buf))
         return True
 

@@ -3,8 +3,9 @@
 Each block's segments go to ZeroMQ straight from the pool with ``copy=False``; segments
 under :data:`~p2pkv.runtime.tuning.ZERO_COPY_MIN` are copied into libzmq instead (cheaper
 than tracking them). A sent block stays pinned in the store (so it is never evicted or
-overwritten) until ZeroMQ's tracker says libzmq let go of its memory; the
-:class:`SendLedger` keeps those pins in send order, per peer, and releases them.
+overwritten) until ZeroMQ's trackers say libzmq let go of every zero-copy frame of its
+message; the :class:`SendLedger` keeps those pins in send order, per peer, and releases
+them.
 
 How many blocks go out, and in which batches, is decided by the session's window and
 :mod:`p2pkv.protocol.flow`; this module only moves them.
@@ -13,57 +14,72 @@ How many blocks go out, and in which batches, is decided by the session's window
 from __future__ import annotations
 
 import collections
-import logging
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
 import zmq
 
 from p2pkv import protocol as proto
 from p2pkv.protocol.codes import OUTCOME_MISSING, OUTCOME_SENT
 from p2pkv.runtime.paths.interfaces import Sending
-from p2pkv.runtime.paths.packing import PackedSender, packs
+from p2pkv.runtime.paths.packing import PackedSender, packs, start_message
 from p2pkv.runtime.stats import SENT, Count, Counters
 from p2pkv.runtime.tuning import REAP_TICK_MS, ZERO_COPY_MIN
 from p2pkv.store import BlockReader, BlockStore
 
-__all__ = ["SendLedger", "Sender"]
+__all__ = ["SendLedger", "Sender", "Tracker", "send_payload"]
 
-log = logging.getLogger("p2pkv.node")
+
+class Tracker(Protocol):
+    """What the ledger reads of a :class:`zmq.MessageTracker`."""
+
+    @property
+    def done(self) -> bool: ...
+
+
+def _let_go(trackers: Sequence[Tracker]) -> bool:
+    return all(t.done for t in trackers)
 
 
 class SendLedger:
     """Blocks handed to ZeroMQ without a copy, pinned until libzmq let go of them.
 
-    One queue per peer (routing id): libzmq frees the frames of one connection in the
-    order it sends them, but connections progress independently, so a peer that stops
-    reading holds back only its own pins, never those of the others.
+    One queue per peer (routing id), released from its front: a message is unpinned once
+    it and every earlier message of that peer are let go (a late release, never an early
+    one, should libzmq let go out of order). Connections progress independently, so a
+    peer that stops reading holds back only its own pins, never those of the others.
     """
 
     def __init__(self, store: BlockStore) -> None:
         self._store = store
-        # rid -> (tracker, readers) in send order; released once libzmq let go.
+        # rid -> (trackers, readers) in send order; released once libzmq let go of every
+        # zero-copy frame of the message.
         self._inflight: dict[bytes, collections.deque[
-            tuple[zmq.MessageTracker, list[BlockReader]]]] = {}
+            tuple[Sequence[Tracker], list[BlockReader]]]] = {}
         # rid -> since when none of its messages was let go while some waited.
         self._progress: dict[bytes, float] = {}
 
     def __bool__(self) -> bool:
         return bool(self._inflight)
 
-    def hold(self, rid: bytes, tracker: zmq.MessageTracker, readers: list[BlockReader]) -> None:
+    def hold(self, rid: bytes, trackers: Sequence[Tracker],
+             readers: list[BlockReader]) -> None:
+        """Keep ``readers`` pinned until every one of ``trackers`` (those of the message's
+        zero-copy frames) is done."""
         queue = self._inflight.get(rid)
         if queue is None:
             queue = self._inflight[rid] = collections.deque()
             self._progress[rid] = time.monotonic()
-        queue.append((tracker, readers))
+        queue.append((trackers, readers))
 
     def reap(self) -> None:
         """Unpin every message libzmq has released (in send order, per peer)."""
         now = time.monotonic()
         for rid, q in list(self._inflight.items()):
-            if q and q[0][0].done:
+            if q and _let_go(q[0][0]):
                 self._progress[rid] = now
-            while q and q[0][0].done:
+            while q and _let_go(q[0][0]):
                 self._store.release_many(q.popleft()[1])
             if not q:
                 del self._inflight[rid]
@@ -149,39 +165,33 @@ class Sender:
         return True
 
     def _send_message(self, rid: bytes, head: bytes, readers: list[BlockReader]) -> bool:
-        sock = self._sock
-        try:
-            sock.send(rid, zmq.SNDMORE | zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
+        if not start_message(self._sock, rid, head):
             self._store.release_many(readers)
-            log.info("peer %s unreachable while sending (%s); dropping it", rid.hex(), exc)
             return False
-        # ROUTER accepts the rest of a multipart once its first frame went through.
-        sock.send(head, zmq.SNDMORE)
-        # Which frame is the last one sent without copying: only it is tracked. libzmq
-        # frees the frames of a connection in the order it sends them, so when the last
-        # zero-copy frame is released every earlier one is too, and one tracker can
-        # unpin all the blocks of the message.
-        frames = [view for reader in readers for view in reader.views]
-        last_zero_copy = -1
-        for f, view in enumerate(frames):
-            if view.nbytes >= ZERO_COPY_MIN:
-                last_zero_copy = f
-        final = len(frames) - 1
-        tracker: zmq.MessageTracker | None = None
-        for f, view in enumerate(frames):
-            flags = 0 if f == final else zmq.SNDMORE
-            if f == last_zero_copy:
-                tracker = sock.send(view, flags, copy=False, track=True)
-            elif view.nbytes >= ZERO_COPY_MIN:
-                sock.send(view, flags, copy=False)
-            else:
-                sock.send(view, flags, copy=True)
-        if tracker is None:
-            self._store.release_many(readers)  # every segment was copied into libzmq
+        trackers = send_payload(self._sock, [view for reader in readers
+                                             for view in reader.views])
+        if trackers:
+            self.ledger.hold(rid, trackers, readers)
         else:
-            self.ledger.hold(rid, tracker, readers)
+            self._store.release_many(readers)  # every segment was copied into libzmq
         return True
+
+
+def send_payload(sock: zmq.Socket[bytes], frames: Sequence[memoryview]) -> list[Tracker]:
+    """Send ``frames`` as the rest of a message: each of at least
+    :data:`~p2pkv.runtime.tuning.ZERO_COPY_MIN` bytes without a copy, the others copied
+    into libzmq. Returns the trackers of the zero-copy frames, one each: their memory is
+    free once every one of them is done (pyzmq does not promise that libzmq lets go of a
+    message's frames in order, so no one tracker stands for the others)."""
+    trackers: list[Tracker] = []
+    final = len(frames) - 1
+    for f, view in enumerate(frames):
+        flags = 0 if f == final else zmq.SNDMORE
+        if view.nbytes >= ZERO_COPY_MIN:
+            trackers.append(sock.send(view, flags, copy=False, track=True))
+        else:
+            sock.send(view, flags, copy=True)
+    return trackers
 
 
 def pin_next_slots(store: BlockStore, job: Sending, credit: int,
