@@ -194,10 +194,12 @@ class SilentRouter(_BackgroundRouter):
 
 class FakeServer(_BackgroundRouter):
     """A ROUTER that completes the handshake by hand (a welcome mirroring ``identity``),
-    then answers every later message with ``script(msg)`` (default: nothing at all)."""
+    then answers every later message with ``script(msg)`` (default: nothing at all): a
+    list of messages, each encoded, or of frame lists sent as they are."""
 
     def __init__(self, identity: proto.Greeting,
-                 script: Callable[[proto.Message], list[proto.Message]] | None = None) -> None:
+                 script: Callable[[proto.Message], Sequence[proto.Message | list[bytes]]]
+                 | None = None) -> None:
         super().__init__()
         self.welcome = proto.Welcome(
             "fake-server", identity.minor, identity.rc, identity.fp, identity.geo,
@@ -217,7 +219,8 @@ class FakeServer(_BackgroundRouter):
                 self.received.append(msg)
                 replies = [self.welcome] if type(msg) is proto.Hello else self.script(msg)
                 for reply in replies:
-                    self.sock.send_multipart([rid, *proto.encode(reply)])
+                    out = reply if isinstance(reply, list) else proto.encode(reply)
+                    self.sock.send_multipart([rid, *out])
         except Exception:
             self.errors.append(traceback.format_exc())
 

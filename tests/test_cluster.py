@@ -83,6 +83,12 @@ class ClusterProcess(NodeProcess):
         self.proc = self._child.proc
         self.ready: dict[str, Any] = {}
 
+    def await_ready(self, timeout: float = 60) -> dict[str, Any]:
+        """Wait for its ``ready`` event (kept in :attr:`ready`)."""
+        self.ready = self.event(timeout)
+        assert self.ready["event"] == "ready", self.ready
+        return self.ready
+
     def send(self, **command: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(command) + "\n")
@@ -90,25 +96,26 @@ class ClusterProcess(NodeProcess):
         return self.event(30)
 
 
+def start_holders(procs: list[Any], url: str, *specs: dict[str, Any]) -> list[ClusterProcess]:
+    """Start holder processes in directory ``url`` (all started first, then all awaited),
+    each added to ``procs`` as it starts (the caller kills them)."""
+    started = []
+    for spec in specs:
+        full = {**SMALL, "directory": url, "cluster": FAST, **spec}
+        full.setdefault("pool", full["count"] + 8)
+        proc = ClusterProcess(full)
+        procs.append(proc)
+        started.append(proc)
+    for proc in started:
+        proc.await_ready()
+    return started
+
+
 @pytest.fixture
-def holders(redis_server: LocalRedis) -> Iterator[Callable[..., ClusterProcess]]:
+def holders(redis_server: LocalRedis) -> Iterator[Callable[..., list[ClusterProcess]]]:
     """Start holder processes (all started first, then all awaited); killed at teardown."""
     procs: list[ClusterProcess] = []
-
-    def start(*specs: dict[str, Any]) -> list[ClusterProcess]:
-        started = []
-        for spec in specs:
-            full = {**SMALL, "directory": redis_server.url, "cluster": FAST, **spec}
-            full.setdefault("pool", full["count"] + 8)
-            proc = ClusterProcess(full)
-            procs.append(proc)
-            started.append(proc)
-        for proc in started:
-            proc.ready = proc.event(60)
-            assert proc.ready["event"] == "ready", proc.ready
-        return started
-
-    yield start  # type: ignore[misc]
+    yield lambda *specs: start_holders(procs, redis_server.url, *specs)
     for p in procs:
         p.kill()
 

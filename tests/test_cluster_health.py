@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from nodeproc import content, keys_for, make_node
 from rawpeer import CorruptingProxy, ThrottlingProxy
+from test_cluster import FAST, SMALL, ClusterProcess, wait_for
 
 from p2pkv.cluster import Cluster, ClusterConfig
 from p2pkv.cluster.health import HealthConfig, HolderHealth
@@ -28,8 +29,6 @@ from p2pkv.errors import ConfigError, TransferFailed
 from p2pkv.node import KeyOutcome
 
 pytestmark = pytest.mark.timeout(180)
-
-SMALL = {"layout": "v2", "geometry": "small"}
 
 
 class Clock:
@@ -295,7 +294,6 @@ def test_a_holder_killed_and_restarted_is_asked_again_at_once(redis_url: str,
     new node id: the consumer finds and fetches from it at once (slowly at first),
     instead of waiting out the dead node's quarantine."""
     from redisprocs import free_port
-    from test_cluster import FAST, ClusterProcess
 
     port = free_port()
     spec = {**SMALL, "directory": redis_url, "cluster": FAST, "count": 16, "pool": 24,
@@ -303,8 +301,7 @@ def test_a_holder_killed_and_restarted_is_asked_again_at_once(redis_url: str,
     first = ClusterProcess(spec)
     second: ClusterProcess | None = None
     try:
-        first.ready = first.event(60)
-        assert first.ready["event"] == "ready", first.ready
+        first.await_ready()
         node = make_node({**SMALL, "pool": 32})
         built.append(node)
         cluster = Cluster(node, directory=redis_url, config=ClusterConfig(**{
@@ -324,8 +321,7 @@ def test_a_holder_killed_and_restarted_is_asked_again_at_once(redis_url: str,
         assert left > 10.0 and times == 1
         assert cluster.lookup_prefix(keys, timeout=5).length == 0
         second = ClusterProcess(spec)
-        second.ready = second.event(60)
-        assert second.ready["event"] == "ready", second.ready
+        second.await_ready()
         assert second.ready["node_id"] != first.ready["node_id"]
         found = cluster.lookup_prefix(keys, timeout=10)
         assert found.length == 16 and second.ready["node_id"] in {
@@ -362,17 +358,6 @@ def _verdicts(url: str, partition: str) -> dict[int, list[Any]]:
     return {m.member: list(m.reports) for m in members if m.reports}
 
 
-def _until(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        time.sleep(0.05)
-
-
 def test_cluster_command_shows_who_quarantines_a_corrupting_holder(redis_url: str) -> None:
     """Three processes in one Redis directory: a good holder, a holder behind a proxy
     that corrupts every block it relays (the address it registered), and a consumer that
@@ -384,7 +369,6 @@ def test_cluster_command_shows_who_quarantines_a_corrupting_holder(redis_url: st
     invisible once its TTL passed, then swept out of Redis)."""
     import redis as redis_py
     from redisprocs import free_port
-    from test_cluster import FAST, ClusterProcess
 
     port = free_port()
     proxy = CorruptingProxy(f"tcp://127.0.0.1:{port}", every=1, first=1)
@@ -396,8 +380,7 @@ def test_cluster_command_shows_who_quarantines_a_corrupting_holder(redis_url: st
                  **FAST, "health": {"after": 2, "base": 10.0, "longest": 60.0, "ramp": 0}}})]
     try:
         for p in procs:
-            p.ready = p.event(60)
-            assert p.ready["event"] == "ready", p.ready
+            p.await_ready()
         good, sick, reporter = procs
         me = reporter.ready["member"]
         for r in range(2):  # two rounds with failed blocks from it: quarantined
@@ -413,8 +396,8 @@ def test_cluster_command_shows_who_quarantines_a_corrupting_holder(redis_url: st
         partition = stats["partition"]
         # Published at the next registration round (20 ms); on a loaded machine that can
         # take seconds, so the wait is bounded by the verdict's own life, not a guess.
-        (verdict,) = _until(lambda: _verdicts(redis_url, partition).get(me), left,
-                            "the verdict in the directory")
+        (verdict,) = wait_for(lambda: _verdicts(redis_url, partition).get(me), left,
+                               "the verdict in the directory")
         assert (verdict.address, verdict.node_id, verdict.reason, verdict.times) == (
             proxy.address, sick.ready["node_id"], "failed blocks", 1)
         assert abs(verdict.expires_in - (left - (time.monotonic() - seen))) < 1.0
@@ -437,25 +420,25 @@ def test_cluster_command_shows_who_quarantines_a_corrupting_holder(redis_url: st
         # The backoff ends: the consumer withdraws its verdict; nothing is left in Redis.
         client = redis_py.Redis.from_url(redis_url)
         key = f"p2pkv:{{{partition}}}:quarantine"
-        _until(lambda: not _verdicts(redis_url, partition) and client.hlen(key) == 0, 15,
-               "the verdict withdrawn after the backoff")
+        wait_for(lambda: not _verdicts(redis_url, partition) and client.hlen(key) == 0, 15,
+                  "the verdict withdrawn after the backoff")
         assert reporter.send(op="stats")["quarantined"] == {}
 
         # Quarantined again (the second time in a row), then the consumer dies.
         for r in range(2, 4):
             fetched = reporter.send(op="fetch", count=20, offset=20 * r)
             assert fetched["outcomes"] == ["LANDED"] * 20 and fetched["corrupt"] == 0
-        (verdict,) = _until(lambda: _verdicts(redis_url, partition).get(me), 10.0,
-                            "the second verdict")
+        (verdict,) = wait_for(lambda: _verdicts(redis_url, partition).get(me), 10.0,
+                               "the second verdict")
         assert verdict.times == 2 and 10.0 < verdict.expires_in <= 20.0
         os.kill(reporter.proc.pid, signal.SIGKILL)  # no goodbye: it cannot deregister
         reporter.proc.wait(10)
         killed = time.monotonic()
-        _until(lambda: not _verdicts(redis_url, partition), FAST["ttl"] + 5,
-               "a dead reporter's verdict hidden")
+        wait_for(lambda: not _verdicts(redis_url, partition), FAST["ttl"] + 5,
+                  "a dead reporter's verdict hidden")
         # Before its verdict would have ended.
         assert time.monotonic() - killed < verdict.expires_in
-        _until(lambda: client.hlen(key) == 0, 15, "a dead reporter's verdict swept")
+        wait_for(lambda: client.hlen(key) == 0, 15, "a dead reporter's verdict swept")
         doc = json.loads(_cluster_command(redis_url, "--json"))
         assert all(n["quarantined_by"] == [] for g in doc["groups"] for n in g["nodes"])
         client.close()

@@ -31,7 +31,15 @@ from redisprocs import (
     find_tool,
     free_port,
 )
-from test_cluster import FAST, SMALL, ClusterProcess, holder_ids, verify, wait_for
+from test_cluster import (
+    FAST,
+    SMALL,
+    ClusterProcess,
+    holder_ids,
+    start_holders,
+    verify,
+    wait_for,
+)
 
 from p2pkv.bench.directory import _fake_record
 from p2pkv.cluster import Cluster, ClusterConfig, DirectoryError, NodeRecord, RedisDirectory
@@ -81,20 +89,6 @@ def procs() -> Iterator[list[Any]]:
     built: list[Any] = []
     yield built
     close_all(built)
-
-
-def start_holders(procs: list[Any], url: str, *specs: dict[str, Any]) -> list[ClusterProcess]:
-    started = []
-    for spec in specs:
-        full = {**SMALL, "directory": url, "cluster": FAST, **spec}
-        full.setdefault("pool", full["count"] + 8)
-        p = ClusterProcess(full)
-        procs.append(p)
-        started.append(p)
-    for p in started:
-        p.ready = p.event(60)
-        assert p.ready["event"] == "ready", p.ready
-    return started
 
 
 def start_consumer(procs: list[Any], url: str, spec: dict[str, Any] | None = None,

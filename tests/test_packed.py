@@ -159,25 +159,7 @@ def _hostile_fetch(made: list[Any], answer: Any, *, offer: bool = True) -> tuple
                             hello.limits)
     bpb = consumer.layout.bytes_per_block
 
-    class Scripted(FakeServer):
-        def _run(self) -> None:
-            import zmq
-            try:
-                while not self._stop.is_set():
-                    if not self.sock.poll(50, zmq.POLLIN):
-                        continue
-                    rid, *frames = self.sock.recv_multipart()
-                    msg = proto.decode(frames)
-                    if type(msg) is proto.Hello:
-                        self.sock.send_multipart([rid, *proto.encode(self.welcome)])
-                    elif type(msg) is Fetch:
-                        for out in answer(msg, bpb):
-                            self.sock.send_multipart([rid, *out])
-            except Exception:
-                import traceback
-                self.errors.append(traceback.format_exc())
-
-    server = Scripted(hello)
+    server = FakeServer(hello, lambda msg: list(answer(msg, bpb)) if type(msg) is Fetch else [])
     made.append(server)
     peer = consumer.connect(server.address)
     assert (CAP_PACKED_V1 in peer.capabilities) == offer

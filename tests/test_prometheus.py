@@ -226,8 +226,7 @@ def test_dashboard_and_alerts_against_a_real_cluster(prometheus: Prometheus,
     def started(spec: dict[str, Any]) -> tuple[ClusterProcess, str]:
         proc = ClusterProcess({**base, **spec})
         procs.append(proc)
-        proc.ready = proc.event(60)
-        assert proc.ready["event"] == "ready", proc.ready
+        proc.await_ready()
         return proc, f"127.0.0.1:{proc.ready['metrics_port']}"
 
     def firing() -> set[str]:
