@@ -12,7 +12,9 @@ from typing import Any
 __all__ = [
     "ConfigError",
     "LocalLimitExceeded",
+    "LocalProtocolError",
     "P2PKVError",
+    "P2PKVProtocolError",
     "PeerGone",
     "PeerIncompatible",
     "PeerTimeout",
@@ -74,16 +76,33 @@ class ConfigError(P2PKVError, ValueError):
         return text
 
 
-class ProtocolError(P2PKVError):
-    """A peer sent something the protocol does not allow.
+class P2PKVProtocolError(P2PKVError):
+    """A rule of the p2pkv protocol was broken, by one side or the other.
 
-    ``code`` is the wire error code (see ``protocol/SPEC.md``, "Error codes").
+    ``code`` is the wire error code (see ``protocol/SPEC.md``, "Error codes"). Never
+    raised as such: as in h11, the two sides are sibling types, so that catching one
+    never catches the other. :class:`ProtocolError`: the peer broke the protocol (what
+    it sent is not allowed); :class:`LocalProtocolError`: this node's own code asked its
+    session for something the protocol does not allow now (a bug, or a caller's misuse).
     """
 
     def __init__(self, code: int, message: str) -> None:
         super().__init__(f"[{code}] {message}")
         self.code = code
         self.message = message
+
+
+class ProtocolError(P2PKVProtocolError):
+    """A peer sent something the protocol does not allow (h11's ``RemoteProtocolError``).
+
+    ``code`` is the wire error code (see ``protocol/SPEC.md``, "Error codes").
+    """
+
+
+class LocalProtocolError(P2PKVProtocolError):
+    """This node asked its session for something the protocol does not allow now (a
+    call in the wrong state, or one the negotiated capabilities do not allow). Nothing
+    was sent; the peer did nothing wrong. Not a :class:`ProtocolError`."""
 
 
 class PeerIncompatible(P2PKVError):

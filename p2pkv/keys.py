@@ -89,8 +89,12 @@ def find_bad_key(keys: Sequence[object], max_len: int) -> tuple[int, str] | None
     """``None`` when every key is ``bytes`` of 1..``max_len`` bytes; otherwise the index
     of the first bad key and what is wrong with it (``"type"`` or ``"length"``).
 
-    The one key check of the package: the node's API, the session, the codec and the
-    store each phrase the error their own way (a ``ValueError`` or a wire error code).
+    The one key rule of the package, checked once at each boundary a key crosses into
+    p2pkv: the node's API for its callers' keys, the codec for a peer's (a wire error
+    code), the session for the keys of a request it is asked to send (the sans-IO core
+    never emits what SPEC §15 forbids, whoever drives it), and the store's per-key API
+    for its own callers. Inside a boundary keys are trusted (the store's slot batches,
+    the data paths).
     """
     if keys_well_formed(keys, max_len):
         return None

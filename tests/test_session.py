@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from p2pkv.errors import P2PKVProtocolError, ProtocolError
 from p2pkv.identity import RunConfig
 from p2pkv.protocol import (
     CAP_CHECKSUM_XXH3_64,
@@ -44,6 +45,7 @@ from p2pkv.protocol import (
     Geometry,
     HandshakeAccepted,
     HandshakeRefused,
+    HandshakeTimedOut,
     Hello,
     Hits,
     KeyHash,
@@ -621,6 +623,33 @@ def test_handshake_deadline() -> None:
     assert client.state is State.CLOSED
     assert out.events == (PeerClosed(Code.TIMEOUT, "no welcome within 3 s", False),)
     assert isinstance(out.replies[0], Bye)
+
+
+def test_the_callers_handshake_deadline_is_the_sessions_too() -> None:
+    # One clock: the caller's deadline for the handshake (the connect timeout) is kept
+    # and checked by the session, before its own; the caller gave up, nothing is sent.
+    client = Session(Role.CLIENT, hello(), deadlines=Deadlines(handshake=3.0), now=10.0)
+    client.start(10.0, deadline=11.5)
+    assert client.handshake_until == 11.5
+    assert client.next_deadline() == 11.5
+    assert client.poll(11.4) == Output()
+    assert client.poll(11.5) == Output(events=(HandshakeTimedOut(),))
+    assert client.state is State.CLOSED and client.next_deadline() is None
+
+
+def test_local_and_remote_protocol_errors_are_siblings() -> None:
+    # As in h11: a caller's misuse is never taken for the peer's violation, nor the
+    # other way round; both are P2PKVProtocolErrors with a wire code.
+    assert issubclass(LocalProtocolError, P2PKVProtocolError)
+    assert issubclass(ProtocolError, P2PKVProtocolError)
+    assert not issubclass(LocalProtocolError, ProtocolError)
+    assert not issubclass(ProtocolError, LocalProtocolError)
+    client = Session(Role.CLIENT, hello(), now=0.0)
+    client.start(0.0)
+    with pytest.raises(LocalProtocolError) as excinfo:
+        client.start(0.0)
+    assert not isinstance(excinfo.value, ProtocolError)
+    assert excinfo.value.code == Code.UNEXPECTED
 
 
 def test_lookup_deadline_and_late_reply_ignored() -> None:

@@ -119,8 +119,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             except (P2PKVError, OSError) as exc:
                 emit(args, {"event": "peer", "address": address, "ok": False,
                              "error": str(exc)}, f"peer {address}: {exc}")
-        while not stop.wait(0.5):
-            pass
+        # The handlers set ``stop``; a signal interrupts the wait (Python retries it
+        # after running them), so nothing needs to poll.
+        stop.wait()
         # A signal means a drain (below); the stopping event says for how long at most.
         emit(args, {"event": "stopping", "drain_seconds": settings["drain_timeout"]},
               "shutting down")

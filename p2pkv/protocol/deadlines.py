@@ -1,10 +1,12 @@
 """What time does to a connection, with no IO (``protocol/SPEC.md`` §8, "Deadlines").
 
 Every wait of a connection has a deadline, and they are all checked here against the
-``now`` the session is given: the handshake, the heartbeat (a ping when the line was
-quiet, the end of a peer silent too long) and each request's (the answer, the next
-block or credit, the abort_ack, and the caller's deadline for the whole request: the
-one clock a request has). :func:`expire` turns what passed into events and replies;
+``now`` the session is given: the handshake (its own, and the caller's: the connect
+timeout, which also bounds the client's wait for the shared-memory proof's verdict),
+the heartbeat (a ping when the line was quiet, the end of a peer silent too long) and
+each request's (the answer, the next block or credit, the abort_ack, and the caller's
+deadline for the whole request). One clock per connection: the runtime keeps none of
+its own. :func:`expire` turns what passed into events and replies;
 :func:`next_deadline` says when it next has something to do.
 """
 
@@ -13,8 +15,15 @@ from __future__ import annotations
 import math
 
 from p2pkv.protocol.codes import Code
-from p2pkv.protocol.events import NOTHING, Event, Output, PeerClosed, RequestTimedOut
-from p2pkv.protocol.machine import HANDSHAKE_STATES, Machine, Role, State
+from p2pkv.protocol.events import (
+    NOTHING,
+    Event,
+    HandshakeTimedOut,
+    Output,
+    PeerClosed,
+    RequestTimedOut,
+)
+from p2pkv.protocol.machine import HANDSHAKE_STATES, Machine, Proof, Role, State
 from p2pkv.protocol.messages import Abort, Bye, Message, Ping
 from p2pkv.protocol.requests import Request
 
@@ -26,6 +35,11 @@ def expire(m: Machine, now: float) -> Output:
     replies (the handshake, the heartbeat, each request's deadline, §8)."""
     state = m.state
     d = m.deadlines
+    if _setting_up(m) and now >= m.handshake_until:
+        # The caller's deadline for the handshake: it gave up, nothing is sent.
+        failed = m.fail_all(Code.TIMEOUT, "the deadline for the handshake passed")
+        m.state = State.CLOSED
+        return Output(events=(*failed, HandshakeTimedOut()))
     if state in HANDSHAKE_STATES:
         if now >= m.handshake_deadline:
             want = "hello" if m.role is Role.SERVER else "welcome"
@@ -74,14 +88,22 @@ def _closing(m: Machine, code: int, text: str, events: list[Event],
     return Output(events=tuple(events), replies=tuple(replies))
 
 
+def _setting_up(m: Machine) -> bool:
+    """Whether the caller's deadline for the handshake still applies: the handshake is
+    under way, or (client) the shared-memory proof awaits its verdict."""
+    return m.state in HANDSHAKE_STATES or (
+        m.state is State.READY and m.role is Role.CLIENT and m.proof is Proof.PENDING)
+
+
 def next_deadline(m: Machine) -> float | None:
     """The earliest time :func:`expire` has something to do, or ``None`` when closed."""
+    until = m.handshake_until if _setting_up(m) else math.inf
     if m.state in HANDSHAKE_STATES:
-        return m.handshake_deadline
+        return min(m.handshake_deadline, until)
     if m.state is not State.READY:
         return None
     d = m.deadlines
-    soonest = min(m.last_rx + d.heartbeat_timeout,
+    soonest = min(until, m.last_rx + d.heartbeat_timeout,
                   max(m.last_rx, m.last_ping) + d.heartbeat_interval)
     if m.role is Role.CLIENT:
         for r in m.requests.values():

@@ -36,6 +36,7 @@ __all__ = [
     "FetchRequested",
     "HandshakeAccepted",
     "HandshakeRefused",
+    "HandshakeTimedOut",
     "LocatedAbandoned",
     "LookupAnswered",
     "LookupRequested",
@@ -213,6 +214,16 @@ class RequestTimedOut(Event):
 
 
 # shm-v1 (protocol/SPEC.md §16)
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeTimedOut(Event):
+    """Client: the caller's deadline for the handshake (the ``deadline`` given to
+    :meth:`~p2pkv.protocol.Session.start`) passed before the handshake, and the
+    shared-memory proof if one was sent, were answered. Nothing is sent: the caller gave
+    up on the connection, which is over (the session is CLOSED); its transport is
+    dropped. The handshake's own deadline (``Deadlines.handshake``) ends it with a
+    ``bye`` and :class:`PeerClosed` instead."""
 
 
 @dataclass(frozen=True, slots=True)

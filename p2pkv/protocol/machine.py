@@ -10,6 +10,7 @@ violation.
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import Final
 
@@ -73,6 +74,7 @@ class Machine:
         "data_offer",
         "deadlines",
         "handshake_deadline",
+        "handshake_until",
         "identity_policy",
         "implements",
         "last_ping",
@@ -104,6 +106,10 @@ class Machine:
         self.state = State.AWAITING_WELCOME if role is Role.CLIENT else State.AWAITING_HELLO
         self.started = False
         self.handshake_deadline = now + deadlines.handshake
+        #: Client: the caller's deadline for the handshake and the shared-memory proof
+        #: (inf: none), checked by :func:`~p2pkv.protocol.deadlines.expire` like a
+        #: request's ``until``.
+        self.handshake_until = math.inf
         self.last_rx = now
         self.last_ping = now
         self.ping_nonce = 0

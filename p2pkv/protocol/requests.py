@@ -12,7 +12,7 @@ import math
 from collections import deque
 from typing import Final
 
-from p2pkv.errors import ProtocolError
+from p2pkv.errors import LocalProtocolError
 from p2pkv.protocol.codes import Code
 from p2pkv.protocol.events import RequestFailed
 
@@ -20,10 +20,6 @@ __all__ = ["FINISHED_MEMORY", "KeyLimitExceeded", "LocalProtocolError", "Request
 
 FINISHED_MEMORY: Final = 4096
 """How many finished request ids a session remembers, so late replies are not violations."""
-
-
-class LocalProtocolError(ProtocolError):
-    """This node asked its session for something the protocol does not allow now."""
 
 
 class KeyLimitExceeded(LocalProtocolError, ValueError):

@@ -6,7 +6,7 @@ A rule here is a check that answers with what is broken, as a :class:`Broken` (t
 protocol code and the text), or None. The same check runs on what the peer sends (the
 rows of :data:`~p2pkv.protocol.transitions.TRANSITIONS` turn a break into a violation:
 ``bye`` with the code, the state to ERROR) and on what this node is about to send (the
-session's calls turn it into :class:`~p2pkv.protocol.requests.LocalProtocolError`, or
+session's calls turn it into :class:`~p2pkv.errors.LocalProtocolError`, or
 ``ValueError`` for a bad argument), so the two sides cannot drift apart.
 
 Capabilities are data: :data:`FIELD_CAPABILITIES` says which field of which message

@@ -96,7 +96,9 @@ __all__ = ["LocalProtocolError", "Session"]
 
 def _check_keys(keys: Sequence[bytes], limit: int) -> tuple[bytes, ...]:
     """A request's keys: 1 to the peer's ``max_keys`` of them (KeyLimitExceeded, which
-    the runtime reports as LocalLimitExceeded), each a valid key."""
+    the runtime reports as LocalLimitExceeded), each a valid key: the session's own
+    boundary (whoever drives it, it sends nothing SPEC §15 forbids), one pass in C for
+    valid keys. Keys the peer sent were checked by the codec."""
     out = tuple(keys)
     if not out:
         raise ValueError("keys: need at least one key")
@@ -187,13 +189,19 @@ class Session(SessionView):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self, now: float) -> list[Message]:
-        """Open the connection: the client returns ``[hello]``, the server ``[]``."""
+    def start(self, now: float, *, deadline: float = math.inf) -> list[Message]:
+        """Open the connection: the client returns ``[hello]``, the server ``[]``.
+
+        ``deadline`` (client): the caller's deadline for the handshake and, when one is
+        sent, the shared-memory proof's verdict; once it passes, :meth:`poll` reports
+        HandshakeTimedOut. The handshake's own deadline (``Deadlines.handshake``)
+        applies either way."""
         m = self._m
         if m.started:
             raise LocalProtocolError(Code.UNEXPECTED, "start() called twice")
         m.started = True
         m.handshake_deadline = now + m.deadlines.handshake
+        m.handshake_until = deadline
         m.last_rx = now
         if m.role is Role.CLIENT:
             local = m.local

@@ -11,7 +11,7 @@ two parts, both here:
 * :data:`CALLS`, what this node may send: ``(role, call) -> Call(states,
   capability)``; :func:`allow` checks a call against it before the session builds the
   message, and a call it does not allow raises
-  :class:`~p2pkv.protocol.requests.LocalProtocolError`.
+  :class:`~p2pkv.errors.LocalProtocolError`.
 
 Capabilities are data the table consults. What a capability allows is checked against
 what the two sides *negotiated* (``Machine.caps``): the calls of a capability (the

@@ -33,6 +33,13 @@ class SessionView:
         return self._m.state
 
     @property
+    def handshake_until(self) -> float:
+        """The caller's deadline for the handshake (``start``'s ``deadline``; inf: none).
+        It is the session's to enforce; a runtime reads it to bound what it does for the
+        handshake on its own (binding a data stream)."""
+        return self._m.handshake_until
+
+    @property
     def local(self) -> Greeting:
         return self._m.local
 

@@ -6,7 +6,9 @@ they :meth:`Reactor.submit` a command (a callable) and wake the thread through a
 the command runs on the IO thread and reports on a :class:`concurrent.futures.Future`.
 
 One loop turn: poll (its timeout from the participants: 0 while a send is ready, a short
-tick while sent blocks wait for release, else the next deadline), run every queued
+tick while sent blocks wait for release, else the next deadline; with none, it sleeps
+until a socket or the wake-up pipe says there is something to do: every command, and the
+close, write to the pipe), run every queued
 command, call the handler of every readable socket (in registration order), let each
 participant do its after-IO work (send blocks, release sent ones), and every
 :data:`~p2pkv.runtime.tuning.DEADLINE_CHECK_S` check deadlines.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import socket
 import threading
@@ -203,8 +206,12 @@ class Reactor:
             return min(busy)
         deadlines = [d for d in (p.next_deadline() for p in self._participants)
                      if d is not None]
-        wait = 0.1 if not deadlines else max(0.0, min(0.1, min(deadlines) - now))
-        return int(wait * 1000) + 1
+        if self._closing:
+            deadlines.append(self._close_deadline)
+        soonest = min(deadlines, default=math.inf)
+        if soonest == math.inf:
+            return -1  # nothing is due: a socket or the wake-up pipe wakes the loop
+        return int(max(0.0, soonest - now) * 1000) + 1
 
     def _run_commands(self) -> None:
         while True:

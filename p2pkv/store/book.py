@@ -38,12 +38,11 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeAlias
 
 from p2pkv.errors import P2PKVError, StoreFullError
-from p2pkv.keys import MAX_KEY_LEN, check_keys, keys_well_formed
 from p2pkv.store.pool import BlockPool, MemoryKind
 
 __all__ = [
@@ -52,8 +51,6 @@ __all__ = [
     "StoreError",
     "StoreListener",
     "StoreStats",
-    "check_key",
-    "check_keys_batch",
 ]
 
 #: ``listener(key, visible)``: ``visible`` is True when ``key`` was committed, False when
@@ -106,19 +103,6 @@ class StoreStats:
     checksum_failures: int
     memory_kind: MemoryKind
     bytes_per_block: int
-
-
-def check_key(key: object) -> bytes:
-    """``key`` if it is a block store key (``bytes`` of 1..``MAX_KEY_LEN``), else
-    ValueError."""
-    return check_keys((key,), MAX_KEY_LEN, what="block store keys")[0]
-
-
-def check_keys_batch(keys: Sequence[bytes]) -> None:
-    """ValueError naming the first bad key, unless every key is well formed (the common
-    case costs no Python step per key)."""
-    if not keys_well_formed(keys, MAX_KEY_LEN):
-        check_keys(keys, MAX_KEY_LEN, what="block store keys")
 
 
 class StoreBook:

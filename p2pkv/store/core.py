@@ -32,7 +32,11 @@ order: ``listener(key, True)`` when a block is committed, ``listener(key, False)
 it is evicted or discarded. A directory of who holds what (``p2pkv.cluster``) is built
 on them.
 
-Keys are non-empty ``bytes`` of at most 64 bytes (block keys are 20). LRU order is
+Keys are non-empty ``bytes`` of at most 64 bytes (block keys are 20): the rule of
+:func:`p2pkv.keys.check_keys`, checked once, where a key enters the store through the
+per-key API (one pass in C for a valid batch; ValueError naming the first bad key).
+:attr:`BlockStore.slots` trusts its callers: the data path's keys were checked where
+they entered the node (its API, or the codec for a peer's). LRU order is
 updated by lookup hits, pins (:meth:`BlockStore.acquire_read`, ``slots.pin``) and
 commits; :meth:`BlockStore.contains` is a pure query. ``hits``/``misses`` count
 :meth:`BlockStore.lookup` only.
@@ -57,19 +61,20 @@ from collections.abc import Iterable, Sequence
 
 from p2pkv.checksum import BytesLike, block_checksum
 from p2pkv.errors import StoreFullError
-from p2pkv.keys import MAX_KEY_LEN
+from p2pkv.keys import MAX_KEY_LEN, check_keys
 from p2pkv.store.book import (
     ChecksumMismatch,
     StoreBook,
     StoreError,
     StoreListener,
     StoreStats,
-    check_key,
-    check_keys_batch,
 )
 from p2pkv.store.handles import BlockReader, BlockWriter, split_segments
 from p2pkv.store.pool import BlockPool
 from p2pkv.store.slots import SlotBatches
+
+_KEYS = "block store keys"
+"""How the store's ValueError names the keys it was given."""
 
 __all__ = [
     "BlockReader",
@@ -117,7 +122,7 @@ class BlockStore:
 
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         """Which ``keys`` are stored. Counts hits/misses; hits become most recent."""
-        check_keys_batch(keys)
+        check_keys(keys, MAX_KEY_LEN, what=_KEYS)
         book = self._book
         with book.lock:
             entries = book.entries
@@ -133,7 +138,7 @@ class BlockStore:
 
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` is stored (committed). No counters, no LRU change."""
-        check_key(key)
+        check_keys((key,), MAX_KEY_LEN, what=_KEYS)
         with self._book.lock:
             return key in self._book.entries
 
@@ -185,7 +190,7 @@ class BlockStore:
         :class:`StoreFullError` when no slot is free and every stored block is
         pinned by a reader, or all slots are being written.
         """
-        (writer,) = self.begin_write_many((check_key(key),))
+        (writer,) = self.begin_write_many((key,))
         if isinstance(writer, StoreFullError):
             raise writer
         return writer
@@ -196,7 +201,9 @@ class BlockStore:
         Per key: its writer; None when it is already stored or being written (a key
         repeated in ``keys`` too); once no slot is left, the :class:`StoreFullError`, for
         that key and every later one that needed a slot. Writers taken stay valid.
+        ValueError (nothing taken) if a key is malformed.
         """
+        check_keys(keys, MAX_KEY_LEN, what=_KEYS)
         taken = self._slots.begin_write(keys)
         views = self._pool.slot_views
         return [BlockWriter(self, key, t, views(t)) if type(t) is int else t  # type: ignore[misc]
@@ -260,7 +267,9 @@ class BlockStore:
         return self.acquire_read_many((key,))[0]
 
     def acquire_read_many(self, keys: Sequence[bytes]) -> list[BlockReader | None]:
-        """:meth:`acquire_read` for each key, under one lock (the sender's batches)."""
+        """:meth:`acquire_read` for each key, under one lock (the sender's batches).
+        ValueError (nothing pinned) if a key is malformed."""
+        check_keys(keys, MAX_KEY_LEN, what=_KEYS)
         pinned = self._slots.pin(keys)
         views = self._pool.slot_views
         return [None if slot < 0 else BlockReader(self, key, slot, views(slot))
@@ -320,7 +329,7 @@ class BlockStore:
         is freed only when the last one releases. Writes in progress are not
         affected (abort those through their writer).
         """
-        check_key(key)
+        check_keys((key,), MAX_KEY_LEN, what=_KEYS)
         book = self._book
         with book.lock:
             slot = book.entries.pop(key, None)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from p2pkv.checksum import block_checksum, block_checksums
 from p2pkv.errors import StoreFullError
-from p2pkv.store.book import ChecksumMismatch, StoreBook, StoreError, check_keys_batch
+from p2pkv.store.book import ChecksumMismatch, StoreBook, StoreError
 from p2pkv.store.pool import BlockPool
 
 __all__ = ["SlotBatches"]
@@ -76,6 +76,10 @@ class SlotBatches:
     block whose bytes stay still (never evicted, overwritten or reused) until it is
     unpinned. After that the same number may hold another block.
 
+    Keys are trusted: its callers' keys were checked where they entered the node (the
+    node's API for this node's requests, the codec for a peer's), and the store's per-key
+    API checks its own before it calls here; a batch costs no second pass over them.
+
     What must be paid back, whatever happens (``finally``):
 
     - every slot :meth:`begin_write` gave (each int) is finished, by :meth:`commit` or
@@ -106,9 +110,8 @@ class SlotBatches:
         stored or being written (a key repeated in ``keys`` too); once no slot is left,
         the :class:`StoreFullError`, for that key and every later one that needed a slot.
         Each slot taken is finished with :meth:`commit` or :meth:`abort`, by the thread
-        that took it; slots taken stay valid when a later key found none. ValueError
-        (nothing taken) if a key is malformed."""
-        check_keys_batch(keys)
+        that took it; slots taken stay valid when a later key found none. The keys are
+        trusted (see the class docstring)."""
         book = self._book
         taken: list[int | StoreFullError | None] = []
         full: StoreFullError | None = None
@@ -193,9 +196,8 @@ class SlotBatches:
         block: per key, the slot now pinned for it, or -1 when it is not stored (a key
         repeated in ``keys`` is pinned once per time). Pinned blocks become most
         recently used. Each pin is released once with :meth:`unpin`; the slot's bytes
-        stay still until then (:meth:`checksums` gives their checksums). ValueError
-        (nothing pinned) if a key is malformed."""
-        check_keys_batch(keys)
+        stay still until then (:meth:`checksums` gives their checksums). The keys are
+        trusted (see the class docstring)."""
         book = self._book
         pinned: list[int] = []
         with book.lock:

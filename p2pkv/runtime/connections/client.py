@@ -57,11 +57,11 @@ class Client:
                 allowed=self._max_peers, requested=live + 1))
             return
         now = time.monotonic()
-        conn = OutboundConnection(self._parts, next(self._peer_ids), address, fut, deadline,
-                                  now, self._forget)
+        conn = OutboundConnection(self._parts, next(self._peer_ids), address, fut, now,
+                                  self._forget)
         with self._lock:
             self._outbound[conn.peer_id] = conn
-        conn.open(now)
+        conn.open(now, deadline)
 
     def lookup(self, peer_id: int, keys: tuple[bytes, ...],
                fut: Future[list[bool]] | Future[LookupAnswer], deadline: float, *,

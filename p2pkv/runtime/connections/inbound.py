@@ -29,7 +29,7 @@ from typing import Any, Final
 import zmq
 
 from p2pkv import protocol as proto
-from p2pkv.errors import ProtocolError
+from p2pkv.errors import P2PKVProtocolError
 from p2pkv.protocol.codes import OUTCOME_FAILED
 from p2pkv.reports import reason_name
 from p2pkv.runtime.paths.data_sender import BoundStream, DataSender, StreamOut
@@ -164,8 +164,7 @@ class InboundConnection:
             self.drop()
             return
         timeout = self._parts.send_timeout
-        for path in {id(p): p for p in (self.path, self._shared, *self.streams.values())
-                     if p is not None}.values():
+        for path in self._serving_paths():
             if (stalled := path.stalled_for(now)) >= timeout:
                 self._parts.counters.stalled(path.kind)
                 self.stream_lost(proto.Code.PEER_TIMEOUT,
@@ -173,6 +172,23 @@ class InboundConnection:
                                  f"{timeout:g} s) while blocks waited for it: its fetches "
                                  "fail and their blocks are released")
                 return
+
+    def next_deadline(self, now: float) -> float | None:
+        """When :meth:`poll` next has something to do: the session's next deadline, or
+        sooner a path's send deadline (a path holding nothing is ``send_timeout`` away:
+        asked again every loop turn, that never comes due)."""
+        soonest = self.session.next_deadline()
+        if soonest is None:
+            return None
+        timeout = self._parts.send_timeout
+        for path in self._serving_paths():
+            soonest = min(soonest, now + timeout - path.stalled_for(now))
+        return soonest
+
+    def _serving_paths(self) -> Iterable[ServePath]:
+        """Every path that serves this peer, each once."""
+        return {id(p): p for p in (self.path, self._shared, *self.streams.values())
+                if p is not None}.values()
 
     def _handle(self, out: proto.Output) -> None:
         # Handshake verdicts are counted before the answer goes out, so that a peer that
@@ -350,7 +366,7 @@ class InboundConnection:
                 break
             try:
                 self._serve(job)
-            except (ProtocolError, ValueError, zmq.ZMQError) as exc:
+            except (P2PKVProtocolError, ValueError, zmq.ZMQError) as exc:
                 # One peer's trouble must never stop the node serving the others.
                 log.warning("dropping peer %s while serving request %d: %s",
                             self.rid.hex(), job.req, exc)

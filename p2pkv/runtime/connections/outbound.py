@@ -32,7 +32,9 @@ import zmq
 from p2pkv import protocol as proto
 from p2pkv.errors import (
     LocalLimitExceeded,
+    LocalProtocolError,
     P2PKVError,
+    P2PKVProtocolError,
     PeerGone,
     PeerTimeout,
     ProtocolError,
@@ -78,9 +80,9 @@ def opened(session: proto.Session, address: str, open_request: Callable[[], M], 
             f"{what} of {exc.requested} keys: {address} accepts at most {exc.allowed} "
             "keys per request; split the request", limit="max_keys", allowed=exc.allowed,
             requested=exc.requested) from None
-    except proto.LocalProtocolError as exc:
+    except LocalProtocolError as exc:
         if exc.code != proto.Code.TOO_MANY_IN_FLIGHT:
-            raise
+            raise  # this node's misuse of its session: a LocalProtocolError, never the peer's
         in_flight, allowed = session.in_flight, session.request_limit
         raise LocalLimitExceeded(
             f"{what}: {in_flight} requests already in flight to {address} "
@@ -169,7 +171,7 @@ class OutboundConnection:
     once, when it ends."""
 
     def __init__(self, parts: OutboundParts, peer_id: int, address: str,
-                 connected: Future[PeerHandle], handshake_deadline: float, now: float,
+                 connected: Future[PeerHandle], now: float,
                  on_closed: Callable[[OutboundConnection], None]) -> None:
         self.peer_id = peer_id
         self.address = address
@@ -179,7 +181,6 @@ class OutboundConnection:
         self.session = parts.new_session(now)
         self._parts = parts
         self._connected = connected
-        self._handshake_deadline = handshake_deadline
         self._on_closed = on_closed
         self._waiting = Waiting()
         self._fetches = self._waiting.fetches
@@ -193,11 +194,12 @@ class OutboundConnection:
                                      fetch_of=self._fetches.get, deliver=self._deliver,
                                      lost=self._stream_lost), self._ready)
 
-    def open(self, now: float) -> None:
-        """Watch the socket and its monitor, and say hello."""
+    def open(self, now: float, deadline: float) -> None:
+        """Watch the socket and its monitor, and say hello; ``deadline`` is the caller's
+        for the handshake, which the session keeps (with the proof, if any)."""
         self._parts.reactor.register(self._sock, self._on_readable)
         self._parts.reactor.register(self._monitor, self._on_monitor)
-        self._send(self.session.start(now))
+        self._send(self.session.start(now, deadline=deadline))
 
     # -- requests ------------------------------------------------------------------------
 
@@ -284,21 +286,20 @@ class OutboundConnection:
         return bool(self._waiting)
 
     def next_deadline(self) -> float | None:
-        # The session holds every request's deadline; the handshake's is the caller's.
+        # The session holds every deadline of the connection (the handshake's, the
+        # caller's for it included, and every request's); a data stream still being
+        # bound gives up at the caller's, which it was given.
         session = self.session.next_deadline()
-        if self.handle is None:
-            return min(self._handshake_deadline, session or self._handshake_deadline)
-        return session
+        binding = self._paths.next_deadline() if self.handle is None else None
+        if binding is None or session is None:
+            return session if binding is None else binding
+        return min(session, binding)
 
     def check_deadlines(self, now: float) -> None:
         if self.closed:
             return
         if self.handle is None:
             self._paths.check(now)  # a data port that does not answer: stay on ZeroMQ
-        if self.handle is None and now >= self._handshake_deadline:
-            self.close(PeerTimeout(f"no handshake answer from {self.address} within the "
-                                   "deadline"))
-            return
         self._handle(self.session.poll(now), now)
 
     # -- the socket ----------------------------------------------------------------------
@@ -369,9 +370,11 @@ class OutboundConnection:
 
     def _stream_lost(self, exc: P2PKVError) -> None:
         """The bound data stream ended, or carried a violation (the peer is told)."""
-        if isinstance(exc, ProtocolError) and not self.closed:
-            self._parts.counters.add(Count.PROTOCOL_VIOLATIONS)
-            log.warning("protocol violation by %s on its data stream: %s", self.address, exc)
+        if isinstance(exc, P2PKVProtocolError) and not self.closed:
+            if isinstance(exc, ProtocolError):  # the peer's; a LocalProtocolError is ours
+                self._parts.counters.add(Count.PROTOCOL_VIOLATIONS)
+                log.warning("protocol violation by %s on its data stream: %s", self.address,
+                            exc)
             self._send(self.session.close(exc.code, exc.message).replies)
         self.close(exc)
 
@@ -392,7 +395,7 @@ class OutboundConnection:
         for req, n in self._paths.path.budget.grants(self._credit_state()):
             try:
                 credit = self.session.credit(req, n, now)
-            except (ProtocolError, ValueError):
+            except (LocalProtocolError, ValueError):
                 continue  # the fetch is aborting; it needs no more credit
             self._send([credit])
             if self.closed:
@@ -424,10 +427,14 @@ class OutboundConnection:
         # A same-host peer first gets our shared-memory proof, others a data stream if
         # both sides take one; the connection is ready once that is over (within the
         # handshake deadline).
-        self._send(self._paths.begin(self.session, self._handshake_deadline))
+        self._send(self._paths.begin(self.session, self.session.handshake_until))
 
     def _on_attach_answered(self, ev: proto.AttachAnswered, now: float) -> None:
-        self._paths.answered(self.session, ev, self._handshake_deadline)
+        self._paths.answered(self.session, ev, self.session.handshake_until)
+
+    def _on_handshake_timed_out(self, ev: proto.HandshakeTimedOut, now: float) -> None:
+        self.close(PeerTimeout(f"no handshake answer from {self.address} within the "
+                               "deadline"))
 
     def _ready(self) -> None:
         """The handshake (and the shm proof or the data stream) is over: choose the data
@@ -489,7 +496,7 @@ class OutboundConnection:
             # A striped fetch fails as a whole: its other parts are aborted.
             for other in take_others(recv, self._fetches):
                 self._paths.path.cancel(other.req)
-                with contextlib.suppress(ProtocolError):
+                with contextlib.suppress(LocalProtocolError):
                     self._send([self.session.abort(other.req, time.monotonic())])
             self._refill_credit(time.monotonic())  # its budget goes to the others
 
@@ -521,6 +528,7 @@ _ON_EVENT: Final[dict[type[proto.Event], Callable[[OutboundConnection, Any, floa
     proto.HandshakeAccepted: OutboundConnection._on_accepted,
     proto.AttachAnswered: OutboundConnection._on_attach_answered,
     proto.HandshakeRefused: OutboundConnection._on_refused,
+    proto.HandshakeTimedOut: OutboundConnection._on_handshake_timed_out,
     proto.LookupAnswered: OutboundConnection._on_lookup_answered,
     proto.FetchFinished: OutboundConnection._on_fetch_finished,
     proto.AbortAcknowledged: OutboundConnection._on_abort_acknowledged,

@@ -132,8 +132,9 @@ class Server:
 
     def next_deadline(self) -> float | None:
         deadlines = []
+        now = time.monotonic()
         for peer in self._inbound.values():
-            deadline = peer.session.next_deadline()
+            deadline = peer.next_deadline(now)
             if deadline is not None:
                 deadlines.append(deadline)
         data = self._parts.data

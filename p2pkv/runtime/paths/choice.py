@@ -78,6 +78,11 @@ class PathChoice:
         else:
             self._open_stream(session, deadline)
 
+    def next_deadline(self) -> float | None:
+        """When :meth:`check` next has something to do (a stream still being bound)."""
+        return min((d for d in (dialer.next_deadline() for dialer in self._dialers)
+                    if d is not None), default=None)
+
     def check(self, now: float) -> None:
         """A data port that does not answer by the deadline: stay on ZeroMQ."""
         for dialer in self._dialers:

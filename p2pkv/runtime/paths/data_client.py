@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from p2pkv import protocol as proto
-from p2pkv.errors import P2PKVError, PeerGone, ProtocolError
+from p2pkv.errors import P2PKVError, P2PKVProtocolError, PeerGone, ProtocolError
 from p2pkv.protocol.seal import SealError
 from p2pkv.runtime.paths.landing import Landed, Landing
 from p2pkv.runtime.reactor import Reactor
@@ -213,7 +213,7 @@ class StreamIn:
     def _on_event(self, now: float) -> None:
         try:
             self._read(now)
-        except (ProtocolError, PeerGone) as exc:
+        except (P2PKVProtocolError, PeerGone) as exc:
             self._lose(exc)
         except SealError as exc:
             self._parts.counters.add(Count.DATA_RECORDS_REFUSED)

@@ -125,6 +125,10 @@ class StreamDialer:
         self._reactor.register(sock, self._on_event, writable=True)
         return True
 
+    def next_deadline(self) -> float | None:
+        """When :meth:`check` gives the stream up, while it is being bound."""
+        return self._deadline if self.pending else None
+
     def check(self, now: float) -> None:
         """A stream not bound by the deadline is given up: blocks stay on ZeroMQ."""
         if self.pending and now >= self._deadline:
