@@ -13,6 +13,11 @@ SmolLM2 chat model, each bound to its own core. nginx balances them round-robin.
 - One request at a time, a prompt nobody holds is computed by one engine and then loaded
   by the other: the greedy texts are equal (the first engine's is the no-sharing answer,
   since nothing was loaded for it).
+- A long prompt nobody holds, sent to one engine and, once that engine announced its
+  prefill (pending-v1), to the other: the second waits for the first and loads the
+  prefix instead of computing it beside it, and both answer alike.
+- The same with the first engine killed in the middle of its prefill: the second
+  computes the prompt itself within the heartbeat deadline, and its request succeeds.
 - When the cluster stops, none of its processes is left.
 
 The full comparison (no sharing, the offloading connector alone, vLLM's ``fs`` tier,
@@ -24,6 +29,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -114,3 +121,102 @@ def test_one_at_a_time_a_loaded_prompt_answers_as_the_one_that_computed_it(
         loaded = complete(b, NAME, prompt, 24)
         assert peer_tokens(cluster, b_name) - before >= 256, "nothing was loaded"
         assert loaded == computed
+
+
+#: vLLM's counters (``_total`` in the Prometheus text) of the tier's lookups that waited
+#: for a prefix a peer is computing, and of the chunks an engine announced as computing.
+PENDING_STEPS = "vllm:p2pkv_lookup_steps_total{outcome=pending}"
+ANNOUNCED = "vllm:p2pkv_pending_announced_blocks_total"
+
+
+def long_prompt(tag: str) -> str:
+    """About 1,500 tokens nobody holds: a prefill of seconds on one core."""
+    return (" ".join(f"Entry {i} of ledger {tag}: the {w} went to shelf {i % 7}." for i, w in
+                     enumerate(["cup", "map", "key", "pen"] * 20))
+            + f" Which shelf holds the most keys in ledger {tag}?")
+
+
+class Completion:
+    """One completion on a thread of its own, timed."""
+
+    def __init__(self, url: str, prompt: str) -> None:
+        self.text: str | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._run, args=(url, prompt), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, prompt: str) -> None:
+        started = time.monotonic()
+        try:
+            self.text = complete(url, NAME, prompt, 8, timeout=120)
+        except BaseException as exc:  # reported by result()
+            self.error = exc
+        self.seconds = time.monotonic() - started
+
+    def result(self, timeout: float = 150.0) -> str:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the completion did not end"
+        assert self.error is None and self.text is not None, self.error
+        return self.text
+
+
+@pytest.fixture(scope="module")
+def prefill_seconds(cluster: ServingCluster) -> float:
+    """Each engine computes a long prompt of its own (so both have measured their
+    prefill rate at this length): the longer of the two times."""
+    runs = [Completion(cluster.engine_url(s.name), long_prompt(f"warm-{s.name}"))
+            for s in cluster.specs]
+    for run in runs:
+        run.result()
+    return max(run.seconds for run in runs)
+
+
+def test_a_prefix_a_peer_is_computing_is_waited_for_and_loaded(
+        cluster: ServingCluster, prefill_seconds: float) -> None:
+    """The second engine finds the prefix pending on the first (pending-v1), waits, and
+    loads it once stored: it computes none of it beside the first engine."""
+    (a, b) = (s.name for s in cluster.specs)
+    before = {n: cluster.metrics(n) for n in (a, b)}
+    prompt = long_prompt("north")
+    first = Completion(cluster.engine_url(a), prompt)
+    # vLLM publishes a step's counters when the step ends, so the first engine's
+    # announcement cannot be seen before its prefill is over: time it instead. Asked
+    # a third of the way in, waiting is shorter than computing (the load policy's rule);
+    # asked at the very start, the two would be level.
+    time.sleep(0.3 * prefill_seconds)
+    second = Completion(cluster.engine_url(b), prompt)
+    computed, loaded = first.result(), second.result()
+    after = cluster.metrics(b)
+    assert loaded == computed
+    assert cluster.metrics(a).get(ANNOUNCED, 0.0) > before[a].get(ANNOUNCED, 0.0)
+    assert after.get(PENDING_STEPS, 0.0) > before[b].get(PENDING_STEPS, 0.0), \
+        cluster.log_tail(b)
+    assert peer_tokens(cluster, b) - before[b].get(
+        "vllm:prompt_tokens_cached_by_source_total{source=p2p}", 0.0) >= 1024, \
+        cluster.log_tail(b)
+
+
+def test_a_holder_killed_mid_prefill_leaves_its_waiter_to_compute(
+        cluster: ServingCluster, prefill_seconds: float) -> None:
+    """Runs last in this module: it kills the first engine (the cluster is stopped after
+    it). The waiter notices the holder gone within the heartbeat deadline and computes
+    the prompt itself; its request succeeds."""
+    (a, b) = (s.name for s in cluster.specs)
+    before = {n: cluster.metrics(n) for n in (a, b)}
+    prompt = long_prompt("south")
+    first = Completion(cluster.engine_url(a), prompt)
+    time.sleep(0.3 * prefill_seconds)
+    second = Completion(cluster.engine_url(b), prompt)
+    time.sleep(min(1.0, 0.1 * prefill_seconds))  # the second engine asked, and waits
+    killed = time.monotonic()
+    cluster.kill(a)
+    second.result()
+    after = cluster.metrics(b)
+    assert peer_tokens(cluster, b) == before[b].get(
+        "vllm:prompt_tokens_cached_by_source_total{source=p2p}", 0.0)
+    # Its own prefill (a few seconds on one core) plus the heartbeat deadline, at most.
+    assert time.monotonic() - killed < 30, cluster.log_tail(b)
+    assert first.error is not None  # the killed engine's request failed, not the waiter's
+    assert after.get(PENDING_STEPS, 0.0) > before[b].get(PENDING_STEPS, 0.0), \
+        cluster.log_tail(b)
