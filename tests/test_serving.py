@@ -172,20 +172,29 @@ def prefill_seconds(cluster: ServingCluster) -> float:
     return max(run.seconds for run in runs)
 
 
+def one_prompt_to_both(cluster: ServingCluster, tag: str, prefill_seconds: float
+                       ) -> tuple[str, str, dict[str, dict[str, float]], Completion,
+                                  Completion]:
+    """A long prompt nobody holds to the first engine, and the same prompt to the second
+    a third of the way into the first one's prefill: the engines' names, their metrics
+    before, and the two completions under way. vLLM publishes a step's counters when
+    the step ends, so the first engine's announcement cannot be seen before its prefill
+    is over: the second request is timed instead. Asked a third of the way in, waiting
+    is shorter than computing (the load policy's rule); asked at the very start, the two
+    would be level."""
+    (a, b) = (s.name for s in cluster.specs)
+    before = {n: cluster.metrics(n) for n in (a, b)}
+    prompt = long_prompt(tag)
+    first = Completion(cluster.engine_url(a), prompt)
+    time.sleep(0.3 * prefill_seconds)
+    return a, b, before, first, Completion(cluster.engine_url(b), prompt)
+
+
 def test_a_prefix_a_peer_is_computing_is_waited_for_and_loaded(
         cluster: ServingCluster, prefill_seconds: float) -> None:
     """The second engine finds the prefix pending on the first (pending-v1), waits, and
     loads it once stored: it computes none of it beside the first engine."""
-    (a, b) = (s.name for s in cluster.specs)
-    before = {n: cluster.metrics(n) for n in (a, b)}
-    prompt = long_prompt("north")
-    first = Completion(cluster.engine_url(a), prompt)
-    # vLLM publishes a step's counters when the step ends, so the first engine's
-    # announcement cannot be seen before its prefill is over: time it instead. Asked
-    # a third of the way in, waiting is shorter than computing (the load policy's rule);
-    # asked at the very start, the two would be level.
-    time.sleep(0.3 * prefill_seconds)
-    second = Completion(cluster.engine_url(b), prompt)
+    a, b, before, first, second = one_prompt_to_both(cluster, "north", prefill_seconds)
     computed, loaded = first.result(), second.result()
     after = cluster.metrics(b)
     assert loaded == computed
@@ -202,12 +211,7 @@ def test_a_holder_killed_mid_prefill_leaves_its_waiter_to_compute(
     """Runs last in this module: it kills the first engine (the cluster is stopped after
     it). The waiter notices the holder gone within the heartbeat deadline and computes
     the prompt itself; its request succeeds."""
-    (a, b) = (s.name for s in cluster.specs)
-    before = {n: cluster.metrics(n) for n in (a, b)}
-    prompt = long_prompt("south")
-    first = Completion(cluster.engine_url(a), prompt)
-    time.sleep(0.3 * prefill_seconds)
-    second = Completion(cluster.engine_url(b), prompt)
+    a, b, before, first, second = one_prompt_to_both(cluster, "south", prefill_seconds)
     time.sleep(min(1.0, 0.1 * prefill_seconds))  # the second engine asked, and waits
     killed = time.monotonic()
     cluster.kill(a)

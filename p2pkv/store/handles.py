@@ -43,7 +43,31 @@ class HandleOwner(Protocol):
     def checksum_of(self, reader: BlockReader) -> int: ...
 
 
-class BlockWriter:
+class _SlotHandle:
+    """What both handles are: one slot of ``store``'s pool holding ``key``, seen through
+    one memoryview per segment, and a flag the store sets once as it finishes the
+    handle (see :meth:`_end`)."""
+
+    __slots__ = ("_ended", "_store", "key", "slot", "views")
+
+    def __init__(self, store: HandleOwner, key: bytes, slot: int,
+                 views: Sequence[memoryview]) -> None:
+        self._store = store
+        self._ended = False
+        self.key = key
+        #: The pool slot.
+        self.slot = slot
+        #: One memoryview per segment, aliasing the pool slot.
+        self.views = views
+
+    def _end(self) -> bool:
+        """True the first time, False once ended."""
+        first = not self._ended
+        self._ended = True
+        return first
+
+
+class BlockWriter(_SlotHandle):
     """Exclusive access to one slot being filled for ``key``.
 
     Fill :attr:`views`, then :meth:`commit` or :meth:`abort` exactly once
@@ -51,29 +75,18 @@ class BlockWriter:
     Created only by :meth:`BlockStore.begin_write`.
     """
 
-    __slots__ = ("_done", "_store", "key", "slot", "views")
-
-    def __init__(self, store: HandleOwner, key: bytes, slot: int,
-                 views: Sequence[memoryview]) -> None:
-        self._store = store
-        self._done = False
-        self.key = key
-        self.slot = slot
-        #: One writable memoryview per segment, aliasing the pool slot.
-        self.views = views
+    __slots__ = ()
 
     @property
     def done(self) -> bool:
         """True once committed or aborted."""
-        return self._done
+        return self._ended
 
     def finish(self) -> bool:
         """Mark the write committed or aborted: for the store that made it, as it does
         either. True the first time, False once finished (a writer belongs to one
         thread)."""
-        first = not self._done
-        self._done = True
-        return first
+        return self._end()
 
     def commit(self, expected_checksum: int | None = None) -> None:
         """Make the block visible.
@@ -105,38 +118,26 @@ class BlockWriter:
         self.abort()
 
 
-class BlockReader:
-    """A pin on one committed block; its slot is not reused until released.
+class BlockReader(_SlotHandle):
+    """A pin on one committed block; its slot is not reused until released. Its
+    :attr:`views` are read-only in use: do not write.
 
     Created only by :meth:`BlockStore.acquire_read`. :meth:`release` is
     idempotent and may be called from any thread (for example the thread that
     sees a ``zmq`` send tracker finish).
     """
 
-    __slots__ = ("_released", "_store", "key", "slot", "views")
-
-    def __init__(
-        self, store: HandleOwner, key: bytes, slot: int, views: Sequence[memoryview]
-    ) -> None:
-        self._store = store
-        self._released = False
-        self.key = key
-        #: The pool slot it pins.
-        self.slot = slot
-        #: One memoryview per segment, aliasing the pool slot. Do not write.
-        self.views = views
+    __slots__ = ()
 
     @property
     def released(self) -> bool:
         """True once released: its slot may hold another block since."""
-        return self._released
+        return self._ended
 
     def unpin(self) -> bool:
         """Mark the reader released: for the store that made it, under its book's lock,
         as it drops the pin. True the first time, False once released."""
-        first = not self._released
-        self._released = True
-        return first
+        return self._end()
 
     @property
     def checksum(self) -> int:
