@@ -1,7 +1,8 @@
 """Two vLLM engines share a prompt's KV cache through p2pkv.
 
-Engine A computes a long prompt; engine B, a separate process, gets the same prompt and
-loads its shared prefix from A's p2pkv tier instead of recomputing it. Both print their
+Engine A computes a long prompt; engine B, a separate process started beside A, gets
+the same prompt once A has answered and loads its shared prefix from A's p2pkv tier
+instead of recomputing it. Both print their
 greedy tokens, which must be equal. Run it with the vLLM environment (``make vllm-env``)::
 
     .venv-vllm/bin/python examples/vllm_two_engines.py [--model PATH]
@@ -46,7 +47,8 @@ def free_address() -> str:
 
 
 def run_engine(model: str, config: dict[str, Any]) -> None:
-    """One engine: run the prompt, print the result, keep serving until stdin closes."""
+    """One engine: start, run the prompt once told to (a line on stdin), print the
+    result, keep serving until stdin closes."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -55,6 +57,7 @@ def run_engine(model: str, config: dict[str, Any]) -> None:
               max_model_len=2048, enforce_eager=True, max_num_seqs=2,
               kv_transfer_config=KVTransferConfig(**config))
     params = SamplingParams(max_tokens=16, temperature=0.0, detokenize=False)
+    sys.stdin.readline()
     out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0]
     print("@result " + json.dumps({"tokens": list(out.outputs[0].token_ids),
                                    "cached_tokens": out.num_cached_tokens or 0}), flush=True)
@@ -71,7 +74,10 @@ def start(model: str, config: dict[str, Any]) -> subprocess.Popen[str]:
 
 
 def result(proc: subprocess.Popen[str]) -> dict[str, Any]:
-    assert proc.stdout is not None
+    """Tell the engine to run the prompt, and read its result."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
     for line in proc.stdout:
         if line.startswith("@result "):
             answer: dict[str, Any] = json.loads(line[len("@result "):])
@@ -101,11 +107,11 @@ def main() -> int:
               "--kv-transfer-config '...')")
         engine_a = start(model, config_a)
         try:
-            first = result(engine_a)
-            print(f"A computed the prompt: {first['cached_tokens']} cached tokens, "
-                  f"tokens {first['tokens']}")
             engine_b = start(model, config_b)
             try:
+                first = result(engine_a)
+                print(f"A computed the prompt: {first['cached_tokens']} cached tokens, "
+                      f"tokens {first['tokens']}")
                 second = result(engine_b)
             finally:
                 engine_b.communicate("", timeout=120)

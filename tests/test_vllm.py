@@ -90,13 +90,18 @@ ROPE_OVERRIDE = {"rope_parameters": {"rope_theta": 25000.0, "rope_type": "defaul
 
 
 class Engine:
-    """One vLLM engine process (its engine-core and worker children in its session)."""
+    """One vLLM engine process (its engine-core and worker children in its session).
+
+    With ``wait=False`` the constructor returns as soon as the process is started and
+    :meth:`wait_ready` waits for it: an engine spends most of its start in one thread,
+    so two started together on two cores are ready in about the time of one."""
 
     def __init__(self, name: str, model_dir: Path, logs: Path, *,
                  tier: dict[str, Any] | None = None, offload_block_size: int = OFFLOAD_TOKENS,
                  env: dict[str, str] | None = None, chat: bool = True,
                  hf_overrides: dict[str, Any] | None = None, lora: bool = False,
-                 cwd: Path | None = None, args: tuple[str, ...] = ()) -> None:
+                 cwd: Path | None = None, args: tuple[str, ...] = (),
+                 wait: bool = True) -> None:
         self.name = name
         self.address: str | None = (tier or {}).get("listen")
         self.log_path = logs / f"{name}.log"
@@ -120,7 +125,12 @@ class Engine:
                                          start_new_session=True, cwd=cwd or logs)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        self.ready = self.read(START_TIMEOUT)
+        self.ready: dict[str, Any] | None = self.read(START_TIMEOUT) if wait else None
+
+    def wait_ready(self) -> Engine:
+        if self.ready is None:
+            self.ready = self.read(START_TIMEOUT)
+        return self
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -284,7 +294,9 @@ def engines() -> Iterator[list[Engine]]:
 
 
 @pytest.fixture(scope="module")
-def baseline(model_dir: Path, logs: Path, engines: list[Engine]) -> dict[str, str]:
+def baseline(model_dir: Path, logs: Path, engines: list[Engine],
+             producer_started: Engine) -> dict[str, str]:
+    """The answers of an engine without a connector (started beside the producer)."""
     engine = Engine("baseline", model_dir, logs)
     engines.append(engine)
     out = engine.chat(*CONVERSATIONS)
@@ -319,19 +331,27 @@ def adapter_homes(logs: Path) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def producer_engine(model_dir: Path, logs: Path, engines: list[Engine],
-                    baseline: dict[str, str], module_redis_url_if_installed: str | None,
-                    adapter_homes: dict[str, Path]) -> Engine:
-    """The producer serves its static peers and, when Redis is there, registers in it.
-    Nothing about its identity is declared: the tier derives all of it. It runs with
-    LoRA enabled (adapter ``v1``): its base-model requests are shared with the plain
-    consumers as they would be without LoRA."""
+def producer_started(model_dir: Path, logs: Path, engines: list[Engine],
+                     module_redis_url_if_installed: str | None,
+                     adapter_homes: dict[str, Path]) -> Engine:
+    """The producer's process, started (not waited for): it serves its static peers
+    and, when Redis is there, registers in it. Nothing about its identity is declared:
+    the tier derives all of it. It runs with LoRA enabled (adapter ``v1``): its
+    base-model requests are shared with the plain consumers as they would be without
+    LoRA."""
     address = f"tcp://127.0.0.1:{free_port()}"
     directory = ({"directory": module_redis_url_if_installed}
                  if module_redis_url_if_installed else {})
     engine = Engine("producer", model_dir, logs, tier={"listen": address, **directory},
-                    lora=True, cwd=adapter_homes["v1"])
+                    lora=True, cwd=adapter_homes["v1"], wait=False)
     engines.append(engine)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def producer_engine(producer_started: Engine, baseline: dict[str, str]) -> Engine:
+    """The producer, ready, once it answered as the baseline and stored the chunks."""
+    engine = producer_started.wait_ready()
     out = engine.chat(*CONVERSATIONS)
     assert dict(zip(CONVERSATIONS, out["texts"], strict=True)) == baseline
     metrics = engine.metrics()
@@ -516,6 +536,12 @@ def test_tier_driven_like_vllms_tiering_manager(path: str, vllm: str) -> None:
     assert pending["local_after"] == ["MISS"], pending
     assert any("('pending',)" in d for d in pending["decisions"]), pending
     assert any("('pending_no_estimate',)" in d for d in pending["decisions"]), pending
+    # The same through a Redis directory alone (no peers): the script fails unless the
+    # answers equal the ones above and the announcements and lookups went through Redis.
+    directory = checks["pending_directory"]
+    assert "skipped" not in directory, directory
+    assert directory["after_store"] == ["HIT"] * 3, directory
+    assert directory["through"]["announced_a"] >= 9, directory
     assert checks["shutdown"]["has_pending"] == [False, False, False]
 
 
@@ -654,13 +680,13 @@ def test_rope_override_on_one_side_is_refused(
     """``hf_overrides`` that change RoPE change every K: refused on
     ``ext.model_overrides``; the consumer's text equals its own baseline (an engine with
     the same override and no connector)."""
-    own = Engine("baseline-rope", model_dir, logs, hf_overrides=ROPE_OVERRIDE)
+    own = Engine("baseline-rope", model_dir, logs, hf_overrides=ROPE_OVERRIDE, wait=False)
     engines.append(own)
-    expected = own.chat("egypt")["texts"]
-    own.close()
     engine = consumer("consumer-rope", model_dir, logs, engines, producer,
-                      hf_overrides=ROPE_OVERRIDE)
-    out = engine.chat("egypt")
+                      hf_overrides=ROPE_OVERRIDE, wait=False)
+    expected = own.wait_ready().chat("egypt")["texts"]
+    own.close()
+    out = engine.wait_ready().chat("egypt")
     assert out["texts"] == expected
     assert out["cached"] == [0]
     metrics = engine.metrics()
@@ -779,16 +805,17 @@ def test_other_adapter_content_under_the_same_name_and_path_is_not_shared(
     equal those of an engine with its adapter and no sharing, and the tier counts the
     chunks it did not take as an adapter mismatch."""
     names = ("japan", "spain")
-    own = Engine("baseline-lora-v2", model_dir, logs, lora=True, cwd=adapter_homes["v2"])
+    own = Engine("baseline-lora-v2", model_dir, logs, lora=True, cwd=adapter_homes["v2"],
+                 wait=False)
     engines.append(own)
-    expected = own.chat(*names, lora=ADAPTER)["texts"]
+    engine = consumer("consumer-lora-other", model_dir, logs, engines, producer,
+                      lora=True, cwd=adapter_homes["v2"], wait=False)
+    expected = own.wait_ready().chat(*names, lora=ADAPTER)["texts"]
     own.close()
     held = producer_engine.chat(*names, lora=ADAPTER)["texts"]
     # The two versions answer differently: KV of the other one would change the text.
     assert held != expected, (held, expected)
-    engine = consumer("consumer-lora-other", model_dir, logs, engines, producer,
-                      lora=True, cwd=adapter_homes["v2"])
-    out = engine.chat(*names, lora=ADAPTER)
+    out = engine.wait_ready().chat(*names, lora=ADAPTER)
     metrics = engine.metrics()
     log = engine.log_text()
     engine.close()
@@ -978,9 +1005,25 @@ if __name__ == "__main__":  # pragma: no cover
 # ---------------------------------------------------------------------- MLA across TP sizes
 
 MLA_MODEL = Path(__file__).with_name("mla_model.py")
-#: vLLM's CPU MLA backend takes blocks of 16 tokens; chunks of two.
-MLA_ARGS = ("--block-size", "16", "--canonical")
+#: vLLM's reference CPU MLA backend, asked for by name: on a CPU with AMX tiles vLLM
+#: would pick ``AMX_MLA`` (bfloat16 only), which the float32 test model cannot run. It
+#: takes blocks of 16 tokens; chunks of two.
+MLA_ARGS = ("--attention-backend", "CPU_MLA", "--block-size", "16", "--canonical")
 MLA_CHUNK = 32
+
+
+def amx_tiles() -> str | None:
+    """None where vLLM can run its ``AMX_MLA`` backend here (vLLM asks torch whether the
+    CPU and the kernel give AMX tiles); else why not."""
+    out = subprocess.run([str(VLLM_PY), "-c",
+                          "import torch; print(torch.cpu._is_amx_tile_supported())"],
+                         capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        return f"torch could not say whether this CPU has AMX tiles: {out.stderr[-500:]}"
+    if out.stdout.strip() != "True":
+        return ("this CPU has no AMX tiles (torch.cpu._is_amx_tile_supported() is False): "
+                "vLLM's AMX_MLA backend cannot run here")
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -1015,19 +1058,20 @@ def test_mla_rows_are_shared_across_tensor_parallel_sizes(
     tp2.generate(prompt)
     tp1 = consumer("mla-tp1", mla_model, logs, engines, address, chat=False,
                    offload_block_size=MLA_CHUNK, args=MLA_ARGS,
-                   env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
-    loaded = tp1.generate(prompt)
+                   env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, wait=False)
+    direct = consumer("mla-tp1-direct", mla_model, logs, engines, address, chat=False,
+                      offload_block_size=MLA_CHUNK, args=MLA_ARGS[:-1],
+                      env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, wait=False)
+    loaded = tp1.wait_ready().generate(prompt)
     metrics = tp1.metrics()
     assert tp1.fingerprint() == tp2.fingerprint()
     assert loaded["cached"] == [3 * MLA_CHUNK], loaded
     assert p2p_hits(metrics) == 3 * MLA_CHUNK, metrics
     assert "kv_memory_layout=MLA_LATENT (vLLM's MLA backend" in tp1.log_text()
+    assert "Using CPU_MLA backend" in tp1.log_text()
     tp1.close()
 
-    direct = consumer("mla-tp1-direct", mla_model, logs, engines, address, chat=False,
-                      offload_block_size=MLA_CHUNK, args=MLA_ARGS[:2],
-                      env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
-    own = direct.generate(prompt)
+    own = direct.wait_ready().generate(prompt)
     metrics = direct.metrics()
     log = direct.log_text()
     direct.close()
@@ -1039,3 +1083,48 @@ def test_mla_rows_are_shared_across_tensor_parallel_sizes(
                                        "run_config.replicated_layout"}, metrics
     assert "run_config.replicated_layout" in log
     print(json.dumps({"with_tp2_rows": loaded["tokens"], "own": own["tokens"]}))
+
+
+def test_mla_rows_of_the_amx_backend_and_the_reference_backend(
+        mla_model: Path, logs: Path, engines: list[Engine]) -> None:
+    """On a CPU with AMX tiles vLLM runs an MLA model on ``AMX_MLA`` (bfloat16 only, blocks
+    a multiple of 32) unless ``CPU_MLA`` is asked for (blocks of 16). Both keep one
+    576-wide latent row per token, so a bfloat16 ``CPU_MLA`` engine either has the
+    ``AMX_MLA`` engine's identity and loads its three chunks, or is refused at the
+    handshake on the fields that differ and computes the prompt itself; a float32
+    ``CPU_MLA`` engine (other bytes per row) is refused on its dtype. Either way no
+    request fails and the tokens come from a prefill of this engine or from rows the
+    identity says are the same bytes."""
+    reason = amx_tiles()
+    if reason is not None:
+        pytest.skip(reason)
+    prompt = list(range(5, 5 + 3 * MLA_CHUNK + 4))
+    address = f"tcp://127.0.0.1:{free_port()}"
+    amx = Engine("mla-amx", mla_model, logs, tier={"listen": address}, chat=False,
+                 offload_block_size=MLA_CHUNK,
+                 args=("--attention-backend", "AMX_MLA", "--dtype", "bfloat16",
+                       "--block-size", "32", "--canonical"))
+    engines.append(amx)
+    amx.generate(prompt)
+    assert "Using AMX_MLA backend" in amx.log_text(), amx.log_tail()
+    outcomes = {}
+    for dtype in ("bfloat16", "float32"):
+        ref = consumer(f"mla-ref-{dtype}", mla_model, logs, engines, address, chat=False,
+                       offload_block_size=MLA_CHUNK, args=(*MLA_ARGS, "--dtype", dtype))
+        out = ref.generate(prompt)
+        metrics = ref.metrics()
+        same = ref.fingerprint() == amx.fingerprint()
+        outcomes[dtype] = (same, out["cached"], p2p_hits(metrics), refused_fields(metrics))
+        assert "Using CPU_MLA backend" in ref.log_text()
+        ref.close()
+    amx.close()
+    print(json.dumps(outcomes, default=sorted))
+    same, cached, hits, refused = outcomes["bfloat16"]
+    if same:
+        assert cached == [3 * MLA_CHUNK] and hits == 3 * MLA_CHUNK and not refused, outcomes
+    else:
+        assert cached == [0] and hits == 0 and "fingerprint" in refused, outcomes
+        assert len(refused) > 1, outcomes  # a field beside the fingerprint is named
+    same, cached, hits, refused = outcomes["float32"]
+    assert not same and cached == [0] and hits == 0, outcomes
+    assert any("dtype" in field for field in refused), outcomes

@@ -51,6 +51,9 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (mp executor)")
     ap.add_argument("--canonical", action="store_true",
                     help="canonical_layout in the offloading config")
+    ap.add_argument("--attention-backend", default=None,
+                    help="vLLM's attention backend by name (e.g. CPU_MLA; omit: vLLM picks)")
+    ap.add_argument("--dtype", default="float32", help="the model's dtype in vLLM")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -74,8 +77,10 @@ def main() -> int:
         kwargs["hf_overrides"] = json.loads(args.hf_overrides)
     if args.lora:
         kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=8)
+    if args.attention_backend is not None:
+        kwargs["attention_backend"] = args.attention_backend
     started = time.monotonic()
-    llm = LLM(model=args.model_dir, skip_tokenizer_init=not args.chat, dtype="float32",
+    llm = LLM(model=args.model_dir, skip_tokenizer_init=not args.chat, dtype=args.dtype,
               block_size=args.block_size, max_model_len=args.max_model_len,
               enforce_eager=True, max_num_seqs=4, seed=0,
               prefix_caching_hash_algo=args.hash_algo, disable_log_stats=False, **kwargs)
