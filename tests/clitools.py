@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -65,10 +64,9 @@ def config_error(result: subprocess.CompletedProcess[str]) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    from p2pkv.bench.serving.processes import free_port as outside_ephemeral
+
+    return outside_ephemeral()
 
 
 class Serve:

@@ -37,10 +37,11 @@ Frames = list[bytes]
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on (right now)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on (right now), outside the kernel's
+    ephemeral range (see :func:`p2pkv.bench.serving.processes.free_port`)."""
+    from p2pkv.bench.serving.processes import free_port as outside_ephemeral
+
+    return outside_ephemeral()
 
 
 def raw_hello(server: Node, name: str = "raw") -> proto.Hello:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -25,9 +24,9 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 
 
 def free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    from p2pkv.bench.serving.processes import free_port
+
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def lora_handover(spec: Any, view: Any, vllm_config: Any,
