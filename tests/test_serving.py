@@ -2,7 +2,8 @@
 own benchmark client.
 
 The engines run the README's ``--kv-transfer-config``, read from the README itself (only
-the addresses, and the primary region scaled to this machine, are replaced), each as
+the addresses, the primary region scaled to this machine, and ``pending_wait``, see
+:data:`PENDING_WAIT`, are replaced), each as
 ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs), the real
 SmolLM2 chat model, each bound to its own core. nginx balances them round-robin.
 
@@ -48,6 +49,11 @@ pytestmark = pytest.mark.timeout(900)
 NAME = "smollm2"
 #: The primary region per engine here (the README says 8 GiB, sized for a GPU host).
 CPU_BYTES = 512 * 2**20
+#: How long a request here waits for a prefix its peer is computing (the default is
+#: 10 s). An engine waiting with nothing else to do runs vLLM's scheduler loop without
+#: a pause, and on a machine of two cores that loop takes time from the engine it waits
+#: for: its prefill can run past 10 s.
+PENDING_WAIT = 30.0
 
 
 def readme_kv_transfer_config() -> dict[str, Any]:
@@ -66,6 +72,7 @@ def engine_config(readme: dict[str, Any], listen: str, peers: list[str]) -> dict
     (tier,) = extra["secondary_tiers"]
     assert set(tier) >= {"listen", "peers"}, tier
     tier["listen"], tier["peers"] = listen, peers
+    tier["pending_wait"] = PENDING_WAIT
     return config
 
 
@@ -202,10 +209,9 @@ def test_a_prefix_a_peer_is_computing_is_waited_for_and_loaded(
     assert after.get(PENDING_STEPS, 0.0) > before[b].get(PENDING_STEPS, 0.0), \
         cluster.log_tail(b)
     # Nothing of the prompt was held when the second engine asked: what it loaded, it
-    # waited for. (In one run of three it loaded 2 of the 25 chunks and computed the
-    # rest; why is not established, so the test asks for a load, not all of it.)
+    # waited for (the prompt is 25 chunks).
     assert peer_tokens(cluster, b) - before[b].get(
-        "vllm:prompt_tokens_cached_by_source_total{source=p2p}", 0.0) >= 64, \
+        "vllm:prompt_tokens_cached_by_source_total{source=p2p}", 0.0) >= 1024, \
         cluster.log_tail(b)
 
 
