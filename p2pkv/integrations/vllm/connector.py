@@ -3,7 +3,7 @@ plain one does not.
 
 vLLM builds a secondary tier from inside its offloading connector and then hands it only
 what its API carries: the offloading spec, and per request a ``ReqContext`` (the id,
-transfer parameters, hints). The tier needs two more things:
+transfer parameters, hints). The tier needs more:
 
 - the engine's ``VllmConfig``, for its identity (weights, revision, overrides, whether
   LoRA is enabled): :class:`P2PKVConnector` receives it in its constructor and makes it
@@ -15,7 +15,12 @@ transfer parameters, hints). The tier needs two more things:
   tier salts the keys of a request under an adapter with the files' digest
   (:mod:`~p2pkv.integrations.vllm.adapters`). :meth:`P2PKVConnector.on_new_request`
   receives the scheduler's ``Request`` and hands the tier its ``lora_request`` before
-  the offloading connector starts the request.
+  the offloading connector starts the request;
+- whether a scheduler step scheduled anything: vLLM's loop does not pause while its
+  only requests wait on a tier, and on a machine of few cores the spinning takes CPU
+  from the peer computing what they wait for. :meth:`P2PKVConnector.build_connector_meta`
+  tells the tiers of a step that scheduled no token and left no transfer under way, and
+  a tier whose lookups are waiting sleeps briefly instead.
 
 Load it by module path, with the p2pkv tier in ``secondary_tiers`` as before::
 
@@ -43,6 +48,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 __all__ = ["ConnectorContext", "P2PKVConnector", "building"]
@@ -51,6 +58,8 @@ __all__ = ["ConnectorContext", "P2PKVConnector", "building"]
 class _Tier(Protocol):
     def begin_request(self, req_id: str, lora_request: Any,
                       block_hashes: Sequence[bytes] = ()) -> None: ...
+
+    def scheduled_nothing(self) -> None: ...
 
 
 @dataclass
@@ -93,6 +102,16 @@ class P2PKVConnector(OffloadingConnector):
         # Scheduler role: the tiers of this engine; worker role: none (tiers live in the
         # scheduler's process only).
         self._p2pkv_tiers: tuple[_Tier, ...] = tuple(context.tiers)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput
+                             ) -> KVConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        # After the tiers' own end of step (their lookups gathered in it are asked).
+        if self._p2pkv_tiers and scheduler_output.total_num_scheduled_tokens == 0 and \
+                not self.has_pending_push_work():
+            for tier in self._p2pkv_tiers:
+                tier.scheduled_nothing()
+        return meta
 
     def on_new_request(self, request: Request) -> None:
         # Before the offloading connector starts the request (vLLM 0.33 calls the

@@ -26,7 +26,12 @@ block hashes are known when it arrives. So:
 - a key an ask found **pending** (being computed by a peer or by this engine, SPEC §19)
   is answered RETRY until the time the ask named (:class:`Pending`), then asked again;
   a request waits on pending keys at most ``pending_limit`` seconds in all, then they
-  are MISS (vLLM computes them). Whether waiting pays at all is the ask's decision.
+  are MISS (vLLM computes them). Whether waiting pays at all is the ask's decision;
+- a step that **scheduled nothing** while requests wait on an ask or on pending keys
+  (:meth:`RequestLookups.pause`): vLLM's scheduler loop does not pause while a request
+  waits, and its steps would re-ask the same cached RETRY hundreds of times a second,
+  taking CPU from the engine that computes what they wait for; the scheduler thread
+  sleeps instead until an ask comes back or a recheck is due, at most ``wait``.
 
 Threads: every method runs on the scheduler thread (under vLLM 0.33's manager lock);
 the asks run on the tier's lookup threads and hand their answers back through futures
@@ -85,6 +90,9 @@ class LookupCounts:
     steps: dict[str, int] = field(default_factory=dict)
     #: Seconds the scheduler thread waited for asks.
     wait_seconds: float = 0.0
+    #: Seconds the scheduler thread slept in steps that scheduled nothing
+    #: (:meth:`RequestLookups.pause`).
+    pause_seconds: float = 0.0
 
 
 @dataclass
@@ -195,6 +203,41 @@ class RequestLookups:
                 steps[req.outcome] = steps.get(req.outcome, 0) + 1
                 req.outcome = None
         self._step_deadline = None
+
+    def pause(self) -> float:
+        """The step scheduled nothing (called after :meth:`flush`): sleep until what a
+        waiting request needs may have changed (an ask came back, a pending key's
+        recheck or a request's ``pending_limit`` is due), at most ``wait`` seconds.
+        No sleep when no request waits on an ask or a pending key, or an ask already
+        came back. The seconds slept."""
+        if self._wait <= 0:
+            return 0.0
+        now = time.monotonic()
+        wake = now + self._wait
+        asks: set[Future[list[Answer]]] = set()
+        waiting = False
+        for req in self._requests.values():
+            for fut, _ in req.asking.values():
+                if fut.done():
+                    return 0.0  # its answer is read at the next step
+                asks.add(fut)
+            rechecks = [a.recheck for a in req.answers.values() if isinstance(a, Pending)]
+            if rechecks:
+                wake = min(wake, *rechecks)
+                if req.pending_since is not None:
+                    wake = min(wake, req.pending_since + self._pending_limit)
+            waiting = waiting or bool(rechecks) or bool(req.asking)
+        if not waiting or wake <= now:
+            return 0.0
+        started = time.perf_counter()
+        if asks:
+            concurrent.futures.wait(asks, timeout=wake - now,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        else:
+            time.sleep(wake - now)
+        slept = time.perf_counter() - started
+        self._counts.pause_seconds += slept
+        return slept
 
     def take_counts(self) -> LookupCounts:
         """What the lookups did since the last call (steps counted at their end)."""

@@ -50,6 +50,7 @@ class Metrics:
     LOOKUP_STEPS = "vllm:p2pkv_lookup_steps"
     PENDING_ANNOUNCED = "vllm:p2pkv_pending_announced_blocks"
     LOOKUP_WAIT_SECONDS = "vllm:p2pkv_lookup_wait_seconds"
+    IDLE_PAUSE_SECONDS = "vllm:p2pkv_idle_pause_seconds"
     HOOK_CALLS = "vllm:p2pkv_request_hook_calls"
     HOOK_SECONDS = "vllm:p2pkv_request_hook_seconds"
     HOOK_MAX_SECONDS = "vllm:p2pkv_request_hook_max_seconds"
@@ -139,6 +140,10 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             "scheduled their request."),
         Metrics.LOOKUP_WAIT_SECONDS: OffloadingCounterMetadata(
             "Seconds the scheduler thread waited for lookups (at most lookup_wait a step)."),
+        Metrics.IDLE_PAUSE_SECONDS: OffloadingCounterMetadata(
+            "Seconds the scheduler thread slept in steps that scheduled nothing while "
+            "requests waited for a lookup or for chunks being computed (at most "
+            "lookup_wait a step; under P2PKVConnector only)."),
         Metrics.HOOK_CALLS: OffloadingCounterMetadata(
             "Calls of the tier's request hooks, by hook: begin_request (from "
             "P2PKVConnector, outside vLLM's locks) and on_new_request (vLLM 0.33 holds "

@@ -292,6 +292,14 @@ class P2PKVTier(SecondaryTierManager):
         self._policy.scheduled(context)
         self._maintain()
 
+    def scheduled_nothing(self) -> None:
+        """The scheduler step that just ended scheduled no token and left no transfer
+        under way (from :class:`~p2pkv.integrations.vllm.P2PKVConnector`): every request
+        waits. When some wait on this tier's lookups, the scheduler thread sleeps until
+        their answers may have changed, at most ``lookup_wait``
+        (:meth:`RequestLookups.pause`); vLLM's loop would spin instead."""
+        self._lookups.pause()
+
     def drain_jobs(self) -> None:
         """Wait until no load or store touches the primary region; bounded by
         ``fetch_timeout`` and ``drain_grace`` (see :meth:`TierTransfers.drain`)."""
@@ -423,6 +431,8 @@ class P2PKVTier(SecondaryTierManager):
             stats.increase_counter(Metrics.LOOKUP_STEPS, steps, (outcome,))
         if lookups.wait_seconds:
             stats.increase_counter(Metrics.LOOKUP_WAIT_SECONDS, lookups.wait_seconds)
+        if lookups.pause_seconds:
+            stats.increase_counter(Metrics.IDLE_PAUSE_SECONDS, lookups.pause_seconds)
         self._policy.gauges(stats)
         if self._run.directory is not None:
             for name, delta in self._run.directory.deltas().items():

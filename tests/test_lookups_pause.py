@@ -1,0 +1,133 @@
+"""A scheduler step that scheduled nothing (p2pkv.integrations.vllm.lookups,
+``RequestLookups.pause``): the scheduler thread sleeps while its requests wait on the
+tier, instead of re-asking a cached RETRY in a busy loop, and wakes when their answers
+may have changed. Without vLLM: the asks here answer when the test says so."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from p2pkv.integrations.vllm.lookups import Answer, Pending, RequestLookups
+
+KEY = b"k" * 36
+
+
+class Asks:
+    """Asks that answer ``answers`` once their gate (if any) is open."""
+
+    def __init__(self) -> None:
+        self.gate: threading.Event | None = None
+        self.answer: Answer = False
+
+    def __call__(self, req_id: str, keys: list[bytes], first: bool) -> list[Answer]:
+        if self.gate is not None:
+            self.gate.wait(10)
+        return [self.answer] * len(keys)
+
+
+@pytest.fixture
+def asks() -> Iterator[Asks]:
+    made = Asks()
+    yield made
+    if made.gate is not None:
+        made.gate.set()
+
+
+def settled(lookups: RequestLookups, req_id: str) -> bool | None:
+    """The scheduler's lookup of KEY: its arrival ask answers at once, and the lookup
+    waits for it (within the step's ``wait``)."""
+    return lookups.lookup(req_id, KEY, lambda: True)
+
+
+def timed_pause(lookups: RequestLookups) -> tuple[float, float]:
+    started = time.monotonic()
+    slept = lookups.pause()
+    return slept, time.monotonic() - started
+
+
+def test_nothing_waiting_never_pauses(asks: Asks) -> None:
+    lookups = RequestLookups(asks, wait=1.0)
+    assert timed_pause(lookups)[1] < 0.05
+    lookups.begin("r", [KEY])
+    assert settled(lookups, "r") is False  # answered MISS: the request will compute
+    lookups.flush()
+    assert timed_pause(lookups)[1] < 0.05
+    assert lookups.take_counts().pause_seconds == 0.0
+    lookups.shutdown()
+
+
+def test_a_pending_key_pauses_until_its_recheck(asks: Asks) -> None:
+    lookups = RequestLookups(asks, wait=1.0, pending_limit=30.0)
+    asks.answer = Pending(time.monotonic() + 0.3)
+    lookups.begin("r", [KEY])
+    assert settled(lookups, "r") is None  # RETRY: being computed elsewhere
+    lookups.flush()
+    slept, took = timed_pause(lookups)
+    assert 0.1 <= took <= 0.6, took
+    assert lookups.take_counts().pause_seconds == pytest.approx(slept)
+    lookups.shutdown()
+
+
+def test_the_pause_is_bounded_by_the_lookup_wait(asks: Asks) -> None:
+    lookups = RequestLookups(asks, wait=0.1, pending_limit=30.0)
+    asks.answer = Pending(time.monotonic() + 20)
+    lookups.begin("r", [KEY])
+    assert settled(lookups, "r") is None
+    lookups.flush()
+    assert 0.05 <= timed_pause(lookups)[1] <= 0.5
+    # lookup_wait 0 keeps vLLM's own loop: no pause at all.
+    never = RequestLookups(asks, wait=0.0, pending_limit=30.0)
+    never.begin("r", [KEY])
+    time.sleep(0.05)
+    assert settled(never, "r") is None
+    never.flush()
+    assert timed_pause(never)[1] < 0.05
+    for m in (lookups, never):
+        m.shutdown()
+
+
+def test_a_request_past_its_pending_limit_does_not_pause(asks: Asks) -> None:
+    lookups = RequestLookups(asks, wait=1.0, pending_limit=0.05)
+    asks.answer = Pending(time.monotonic() + 20)
+    lookups.begin("r", [KEY])
+    assert settled(lookups, "r") is None
+    lookups.flush()
+    time.sleep(0.06)
+    # Its limit is due: the next step answers MISS, so the step comes at once.
+    assert timed_pause(lookups)[1] < 0.05
+    assert lookups.lookup("r", KEY, lambda: True) is False
+    lookups.shutdown()
+
+
+def test_an_ask_that_comes_back_ends_the_pause(asks: Asks) -> None:
+    asks.gate = threading.Event()
+    lookups = RequestLookups(asks, wait=2.0)
+    lookups.begin("r", [KEY])
+    timer = threading.Timer(0.2, asks.gate.set)
+    timer.start()
+    try:
+        lookups.flush()  # the step ends with the request's arrival ask still out
+        slept, took = timed_pause(lookups)
+        assert 0.1 <= took < 1.5, took
+        assert slept > 0.0
+        # The answer came: the next step reads it, and nothing pauses meanwhile.
+        assert timed_pause(lookups)[1] < 0.05
+        assert lookups.lookup("r", KEY, lambda: True) is False
+    finally:
+        timer.cancel()
+        lookups.shutdown()
+
+
+def test_a_finished_request_leaves_nothing_to_wait_for(asks: Asks) -> None:
+    lookups = RequestLookups(asks, wait=1.0, pending_limit=30.0)
+    asks.answer = Pending(time.monotonic() + 20)
+    lookups.begin("r", [KEY])
+    assert settled(lookups, "r") is None
+    lookups.finished("r")
+    lookups.flush()
+    assert timed_pause(lookups)[1] < 0.05
+    lookups.shutdown()
