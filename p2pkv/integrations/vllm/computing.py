@@ -7,8 +7,12 @@ now, announced so that nobody computes them a second time (``pending-v1``, SPEC 
   every peer that looks them up, through the tier's Redis directory when it has one
   (to every engine whose lookup goes there), and to this engine's own later requests.
 - A chunk leaves the announcement when its store is submitted (it is computed: a peer
-  that asks again finds it held a moment later), and all of a request's chunks leave
-  when the request is preempted or finishes; a node that stops takes its announcements
+  that asks again finds it held a moment later). All of a preempted request's chunks
+  leave at once. A finished request's chunks not stored yet stay announced for
+  :data:`FINISH_GRACE_S` more, then leave: vLLM finishes a request before its chunks
+  reach this tier (they are stored in the primary region first, then handed down), and
+  a waiter that found them gone in between would compute them again. A node that stops
+  takes its announcements
   with it (from the directory too: deregistering withdraws them, and a member whose
   registration lapsed is not reported). A request still running past its estimate
   renews it, a little at a time,
@@ -54,6 +58,8 @@ RENEW_S = 0.5
 #: own limit, ``pending_wait``). A prefill rate measured on other prompts can be far off
 #: under load, so the limit does not follow the estimate.
 RENEW_LIMIT_S = 30.0
+#: Seconds a finished request's chunks stay announced for their stores to arrive.
+FINISH_GRACE_S = 2.0
 
 
 @dataclass
@@ -64,6 +70,9 @@ class _Announced:
     #: When announced, and when the chunks are due now.
     since: float
     due: float
+    #: When the finished request's chunks not stored by then are withdrawn, or None (it
+    #: runs).
+    closing: float | None = None
 
 
 class Computing:
@@ -123,8 +132,14 @@ class Computing:
         now = time.monotonic()
         renewed: list[bytes] = []
         with self._lock:
+            closed = [r for r, a in self._requests.items()
+                      if a.closing is not None and now >= a.closing]
+        for req_id in closed:
+            self.withdraw(req_id)
+        with self._lock:
             for req_id, ann in self._requests.items():
-                if not ann.keys or now < ann.due or now > ann.since + RENEW_LIMIT_S:
+                if not ann.keys or ann.closing is not None or now < ann.due or \
+                        now > ann.since + RENEW_LIMIT_S:
                     continue
                 ann.due = now + RENEW_S
                 keys = list(ann.keys.values())
@@ -152,10 +167,36 @@ class Computing:
                 key = ann.keys.pop(bytes(engine_key), None)
                 if key is not None and self._due.get(key, ("", 0.0, 0.0))[0] == req_id:
                     del self._due[key]
+            if ann.closing is not None and not ann.keys:
+                del self._requests[req_id]
+
+    def finished(self, req_id: str) -> None:
+        """Request ``req_id`` finished (or was aborted): what it computed is on its way
+        to this tier. Its chunks not stored yet stay announced for
+        :data:`FINISH_GRACE_S`, due then; the renewing thread withdraws those still not
+        stored after that."""
+        with self._lock:
+            ann = self._requests.get(req_id)
+            if ann is None:
+                return
+            if not ann.keys:
+                del self._requests[req_id]
+                return
+            now = time.monotonic()
+            ann.closing = ann.due = now + FINISH_GRACE_S
+            keys = list(ann.keys.values())
+            self._mark(req_id, keys, now, FINISH_GRACE_S)
+        node = self._node()
+        if node is not None:
+            node.announce_pending(keys, [FINISH_GRACE_S] * len(keys))
+            directory = self._directory()
+            if directory is not None:
+                directory.announce_pending(keys, [FINISH_GRACE_S] * len(keys))
 
     def withdraw(self, req_id: str) -> None:
-        """Request ``req_id`` stopped (finished, aborted, preempted): what it did not
-        store is no longer coming."""
+        """Request ``req_id`` stopped computing and nothing more of it is coming
+        (preempted, or a finished request's grace is over): what it did not store is
+        no longer announced."""
         with self._lock:
             ann = self._requests.pop(req_id, None)
             if ann is None or not ann.keys:

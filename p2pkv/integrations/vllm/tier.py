@@ -278,7 +278,7 @@ class P2PKVTier(SecondaryTierManager):
         return self._transfers.pending()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._computing.withdraw(req_context.req_id)
+        self._computing.finished(req_context.req_id)
         self._lookups.finished(req_context.req_id)
         self._policy.finished(req_context.req_id)
         self._adapters.finished(req_context.req_id)
@@ -340,21 +340,37 @@ class P2PKVTier(SecondaryTierManager):
             self._adapters.mismatch(str(shared.adapter), len(keys))
         answers: list[Answer] = list(self._policy.advise(req_id, keys, found, holders))
         here = self._computing.due_here(req_id, shared.keys)
-        return self._wait_for(answers, found, [d or h for d, h in zip(due, here, strict=True)])
+        return self._wait_for(answers, found, [d or h for d, h in zip(due, here, strict=True)],
+                              exact=self._run.directory is None)
 
-    def _wait_for(self, answers: list[Answer], found: list[bool],
-                  due: list[float]) -> list[Answer]:
-        """The keys right after those to load that nobody holds but a peer or this
-        engine is computing (``due[i]`` seconds from now): answered :class:`Pending`
-        when waiting for them and loading them pays, and ``pending_wait`` allows."""
+    def _wait_for(self, answers: list[Answer], found: list[bool], due: list[float], *,
+                  exact: bool = True) -> list[Answer]:
+        """The keys right after those to load, when the first of them nobody holds but a
+        peer or this engine is computing (``due[i]`` seconds from now): that key and
+        the run after it of keys held or being computed are answered :class:`Pending`
+        when waiting for the last of them and loading the run pays, and
+        ``pending_wait`` allows. A holder stores the chunks of one prefill in any
+        order, so the run spans the ones it already stored. ``exact``: ``found`` says
+        of every key whether it is held; a directory says so only up to the first key
+        that is not (its lookups are prefix lookups), so there the run is the rest of
+        the prompt, weighed up to the last key being computed, and the keys after the
+        wait are asked again."""
         start = next((i for i, a in enumerate(answers) if a is not True), len(answers))
-        end = start
-        while end < len(answers) and not found[end] and due[end] > 0:
-            end += 1
-        if end == start or self._waits.pending_wait <= 0 or \
-                not self._policy.wait_pays(end - start, max(due[start:end])):
+        if start == len(answers) or found[start] or due[start] <= 0:
             return answers
-        recheck = time.monotonic() + min(max(due[start], PENDING_RECHECK_MIN),
+        if exact:
+            end = start
+            while end < len(answers) and (found[end] or due[end] > 0):
+                end += 1
+            weighed = end - start
+        else:
+            end = len(answers)
+            weighed = max(i for i in range(start, end) if due[i] > 0) + 1 - start
+        coming = [d for d in due[start:end] if d > 0]
+        if self._waits.pending_wait <= 0 or \
+                not self._policy.wait_pays(weighed, max(coming)):
+            return answers
+        recheck = time.monotonic() + min(max(min(coming), PENDING_RECHECK_MIN),
                                          PENDING_RECHECK_MAX)
         for i in range(start, end):
             answers[i] = Pending(recheck)
