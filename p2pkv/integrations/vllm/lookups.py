@@ -48,7 +48,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 __all__ = ["DEFERRED", "PENDING", "READY", "WAITED", "Answer", "Ask", "LookupCounts",
-           "Pending", "RequestLookups"]
+           "Pending", "RequestLookups", "waiting_run"]
 
 log = logging.getLogger("vllm.p2pkv")
 
@@ -339,6 +339,31 @@ class RequestLookups:
         if self._step_deadline is None:
             self._step_deadline = now + self._wait
         return max(0.0, self._step_deadline - now)
+
+
+def waiting_run(answers: Sequence[Answer], found: Sequence[bool], due: Sequence[float],
+                *, exact: bool = True) -> tuple[int, int, int] | None:
+    """Where one ask's answers would have a request wait, as ``(start, end, weighed)``:
+    the keys ``start:end`` right after those to load, when the first of them nobody
+    holds but somebody computes (``due[i] > 0`` seconds from now); ``weighed`` of them
+    count in whether the wait pays. None: nothing to wait for.
+
+    A holder stores the chunks of one prefill in any order, so the run goes on over the
+    keys held or being computed after ``start``, those already stored included.
+    ``exact``: ``found`` says of every key whether it is held; a directory says so only
+    up to the first key that is not (its lookups are prefix lookups), so there the run
+    is the rest of the prompt, weighed up to the last key being computed, and the keys
+    after the wait are asked again."""
+    start = next((i for i, a in enumerate(answers) if a is not True), len(answers))
+    if start == len(answers) or found[start] or due[start] <= 0:
+        return None
+    if not exact:
+        last = max(i for i in range(start, len(answers)) if due[i] > 0)
+        return start, len(answers), last + 1 - start
+    end = start
+    while end < len(answers) and (found[end] or due[end] > 0):
+        end += 1
+    return start, end, end - start
 
 
 def _note(req: _Request, outcome: str) -> None:

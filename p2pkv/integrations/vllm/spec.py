@@ -101,7 +101,8 @@ class P2PKVTieringSpec(TieringOffloadingSpec):
     """``TieringOffloadingSpec`` with a host-memory copy worker on CPU-only platforms,
     whose primary region leaves nothing in ``/dev/shm`` however the engine exits."""
 
-    _worker: Any
+    #: This spec's own worker (made once per worker process, on CPU-only platforms).
+    _p2pkv_worker: Any = None
     _region_unlinked = False
 
     def get_manager(self) -> Any:
@@ -115,8 +116,18 @@ class P2PKVTieringSpec(TieringOffloadingSpec):
         exits, whether it shut down or was killed.
         """
         manager = super().get_manager()
-        region = getattr(self, "_scheduler_mmap", None)
-        if not self._region_unlinked and region is not None:
+        if self._region_unlinked:
+            return manager
+        # vLLM (0.32, 0.33) keeps the scheduler's mapping of the region in a private
+        # attribute and offers no public way to its path.
+        if not hasattr(self, "_scheduler_mmap"):
+            self._region_unlinked = True  # said once
+            log.warning("p2pkv: this vLLM's TieringOffloadingSpec has no _scheduler_mmap: "
+                        "the primary region's file in /dev/shm is not unlinked early, and "
+                        "an engine that is killed leaves it behind")
+            return manager
+        region = self._scheduler_mmap
+        if region is not None:
             self._region_unlinked = True
             _unlink_region(region.mmap_path)
         return manager
@@ -124,9 +135,9 @@ class P2PKVTieringSpec(TieringOffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if _has_device_kv():
             return super().get_worker(kv_caches)
-        if self._worker is None:
-            self._worker = self.create_worker(kv_caches)
-        return self._worker
+        if self._p2pkv_worker is None:
+            self._p2pkv_worker = self.create_worker(kv_caches)
+        return self._p2pkv_worker
 
     def create_worker(self, kv_caches: CanonicalKVCaches) -> Any:
         if _has_device_kv():

@@ -66,7 +66,7 @@ from p2pkv.integrations.vllm.computing import Computing
 from p2pkv.integrations.vllm.connector import building
 from p2pkv.integrations.vllm.identity import TierIdentity, run_config_from_spec
 from p2pkv.integrations.vllm.loads import DIRECTORY, TierLoads
-from p2pkv.integrations.vllm.lookups import Answer, Pending, RequestLookups
+from p2pkv.integrations.vllm.lookups import Answer, Pending, RequestLookups, waiting_run
 from p2pkv.integrations.vllm.metrics import HookTimes, Metrics, metric_definitions
 from p2pkv.integrations.vllm.options import (
     CONNECTOR_KEYS,
@@ -345,30 +345,15 @@ class P2PKVTier(SecondaryTierManager):
 
     def _wait_for(self, answers: list[Answer], found: list[bool], due: list[float], *,
                   exact: bool = True) -> list[Answer]:
-        """The keys right after those to load, when the first of them nobody holds but a
-        peer or this engine is computing (``due[i]`` seconds from now): that key and
-        the run after it of keys held or being computed are answered :class:`Pending`
-        when waiting for the last of them and loading the run pays, and
-        ``pending_wait`` allows. A holder stores the chunks of one prefill in any
-        order, so the run spans the ones it already stored. ``exact``: ``found`` says
-        of every key whether it is held; a directory says so only up to the first key
-        that is not (its lookups are prefix lookups), so there the run is the rest of
-        the prompt, weighed up to the last key being computed, and the keys after the
-        wait are asked again."""
-        start = next((i for i, a in enumerate(answers) if a is not True), len(answers))
-        if start == len(answers) or found[start] or due[start] <= 0:
+        """The run of keys a request would wait for (:func:`waiting_run`), answered
+        :class:`Pending` when waiting for the last of them and loading the run pays, and
+        ``pending_wait`` allows."""
+        run = waiting_run(answers, found, due, exact=exact)
+        if run is None or self._waits.pending_wait <= 0:
             return answers
-        if exact:
-            end = start
-            while end < len(answers) and (found[end] or due[end] > 0):
-                end += 1
-            weighed = end - start
-        else:
-            end = len(answers)
-            weighed = max(i for i in range(start, end) if due[i] > 0) + 1 - start
+        start, end, weighed = run
         coming = [d for d in due[start:end] if d > 0]
-        if self._waits.pending_wait <= 0 or \
-                not self._policy.wait_pays(weighed, max(coming)):
+        if not self._policy.wait_pays(weighed, max(coming)):
             return answers
         recheck = time.monotonic() + min(max(min(coming), PENDING_RECHECK_MIN),
                                          PENDING_RECHECK_MAX)

@@ -1,7 +1,11 @@
-"""A scheduler step that scheduled nothing (p2pkv.integrations.vllm.lookups,
-``RequestLookups.pause``): the scheduler thread sleeps while its requests wait on the
-tier, instead of re-asking a cached RETRY in a busy loop, and wakes when their answers
-may have changed. Without vLLM: the asks here answer when the test says so."""
+"""The tier's lookups while a request waits (p2pkv.integrations.vllm.lookups), without
+vLLM: the asks here answer when the test says so.
+
+- A scheduler step that scheduled nothing (``RequestLookups.pause``): the scheduler
+  thread sleeps while its requests wait on the tier, instead of re-asking a cached RETRY
+  in a busy loop, and wakes when their answers may have changed.
+- The run of chunks a request waits for (``waiting_run``), when a holder stores them out
+  of order."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from p2pkv.integrations.vllm.lookups import Answer, Pending, RequestLookups
+from p2pkv.integrations.vllm.lookups import Answer, Pending, RequestLookups, waiting_run
 
 KEY = b"k" * 36
 
@@ -131,3 +135,21 @@ def test_a_finished_request_leaves_nothing_to_wait_for(asks: Asks) -> None:
     lookups.flush()
     assert timed_pause(lookups)[1] < 0.05
     lookups.shutdown()
+
+
+def test_the_wait_spans_chunks_a_holder_stored_out_of_order() -> None:
+    """A holder stores one prefill's chunks in any order: the run a request waits for
+    goes on over the chunks already stored, up to the first that is neither held nor
+    being computed."""
+    load, held, coming, gone = True, True, 0.4, 0.0
+    # keys 0-1 loaded; 2 being computed; 3 stored out of order; 4 being computed; 5 gone
+    answers = [load, load, False, False, False, False]
+    found = [held, held, False, held, False, False]
+    due = [0.0, 0.0, coming, 0.0, coming, gone]
+    assert waiting_run(answers, found, due) == (2, 5, 3)
+    # Through a directory the held keys after the first gap are not known: the run is
+    # the rest of the prompt, weighed up to the last key being computed.
+    assert waiting_run(answers, [held, held] + [False] * 4, due, exact=False) == (2, 6, 3)
+    # Nothing to wait for: the first key after the loaded ones is not being computed.
+    assert waiting_run(answers, found, [0.0, 0.0, 0.0, 0.0, coming, 0.0]) is None
+    assert waiting_run([load] * 3, [held] * 3, [0.0] * 3) is None
