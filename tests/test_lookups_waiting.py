@@ -47,6 +47,18 @@ def settled(lookups: RequestLookups, req_id: str) -> bool | None:
     return lookups.lookup(req_id, KEY, lambda: True)
 
 
+def waiting(asks: Asks, *, wait: float, pending_limit: float, due_in: float
+            ) -> RequestLookups:
+    """Lookups whose one request waits, at the end of its step, on a key being computed
+    elsewhere and due in ``due_in`` seconds."""
+    lookups = RequestLookups(asks, wait=wait, pending_limit=pending_limit)
+    asks.answer = Pending(time.monotonic() + due_in)
+    lookups.begin("r", [KEY])
+    assert settled(lookups, "r") is None  # RETRY: being computed elsewhere
+    lookups.flush()
+    return lookups
+
+
 def timed_pause(lookups: RequestLookups) -> tuple[float, float]:
     started = time.monotonic()
     slept = lookups.pause()
@@ -65,11 +77,7 @@ def test_nothing_waiting_never_pauses(asks: Asks) -> None:
 
 
 def test_a_pending_key_pauses_until_its_recheck(asks: Asks) -> None:
-    lookups = RequestLookups(asks, wait=1.0, pending_limit=30.0)
-    asks.answer = Pending(time.monotonic() + 0.3)
-    lookups.begin("r", [KEY])
-    assert settled(lookups, "r") is None  # RETRY: being computed elsewhere
-    lookups.flush()
+    lookups = waiting(asks, wait=1.0, pending_limit=30.0, due_in=0.3)
     slept, took = timed_pause(lookups)
     assert 0.1 <= took <= 0.6, took
     assert lookups.take_counts().pause_seconds == pytest.approx(slept)
@@ -77,11 +85,7 @@ def test_a_pending_key_pauses_until_its_recheck(asks: Asks) -> None:
 
 
 def test_the_pause_is_bounded_by_the_lookup_wait(asks: Asks) -> None:
-    lookups = RequestLookups(asks, wait=0.1, pending_limit=30.0)
-    asks.answer = Pending(time.monotonic() + 20)
-    lookups.begin("r", [KEY])
-    assert settled(lookups, "r") is None
-    lookups.flush()
+    lookups = waiting(asks, wait=0.1, pending_limit=30.0, due_in=20)
     assert 0.05 <= timed_pause(lookups)[1] <= 0.5
     # lookup_wait 0 keeps vLLM's own loop: no pause at all.
     never = RequestLookups(asks, wait=0.0, pending_limit=30.0)
@@ -95,11 +99,7 @@ def test_the_pause_is_bounded_by_the_lookup_wait(asks: Asks) -> None:
 
 
 def test_a_request_past_its_pending_limit_does_not_pause(asks: Asks) -> None:
-    lookups = RequestLookups(asks, wait=1.0, pending_limit=0.05)
-    asks.answer = Pending(time.monotonic() + 20)
-    lookups.begin("r", [KEY])
-    assert settled(lookups, "r") is None
-    lookups.flush()
+    lookups = waiting(asks, wait=1.0, pending_limit=0.05, due_in=20)
     time.sleep(0.06)
     # Its limit is due: the next step answers MISS, so the step comes at once.
     assert timed_pause(lookups)[1] < 0.05
@@ -127,10 +127,7 @@ def test_an_ask_that_comes_back_ends_the_pause(asks: Asks) -> None:
 
 
 def test_a_finished_request_leaves_nothing_to_wait_for(asks: Asks) -> None:
-    lookups = RequestLookups(asks, wait=1.0, pending_limit=30.0)
-    asks.answer = Pending(time.monotonic() + 20)
-    lookups.begin("r", [KEY])
-    assert settled(lookups, "r") is None
+    lookups = waiting(asks, wait=1.0, pending_limit=30.0, due_in=20)
     lookups.finished("r")
     lookups.flush()
     assert timed_pause(lookups)[1] < 0.05

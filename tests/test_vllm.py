@@ -90,7 +90,8 @@ ROPE_OVERRIDE = {"rope_parameters": {"rope_theta": 25000.0, "rope_type": "defaul
 
 
 class Engine:
-    """One vLLM engine process (its engine-core and worker children in its session).
+    """One vLLM engine process (at TP 1 the engine core and its worker run inside it,
+    see tests/vllm_engine.py; at TP 2 they are its children, in its session).
 
     With ``wait=False`` the constructor returns as soon as the process is started and
     :meth:`wait_ready` waits for it: an engine spends most of its start in one thread,

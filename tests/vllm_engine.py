@@ -57,6 +57,13 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if args.tp == 1:
+        # One process: the engine core and its worker run in this one (vLLM's in-process
+        # engine with the "uni" executor), where vLLM would start two more, each
+        # importing torch and vLLM again: most of an engine's start here. The tier, its
+        # node and the CPU copy worker are the same code either way; `vllm serve` (the
+        # serving tests) runs them in separate processes.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -73,6 +80,8 @@ def main() -> int:
             block_size=args.offload_block_size, **extra))
     if args.tp > 1:
         kwargs.update(tensor_parallel_size=args.tp, distributed_executor_backend="mp")
+    elif os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
+        kwargs["distributed_executor_backend"] = "uni"
     if args.hf_overrides is not None:
         kwargs["hf_overrides"] = json.loads(args.hf_overrides)
     if args.lora:

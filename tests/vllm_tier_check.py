@@ -236,6 +236,15 @@ def pending_checks(a: Any, b: Any, row: int, raw_a: bytearray,
             time.sleep(0.02)
         return ["RETRY"]
 
+    def computing(id_a: str, id_b: str, tag: int) -> tuple[Any, list[bytes], Any, list[str]]:
+        """A schedules a prompt nobody holds (and announces it), then B meets it: A's
+        request, the keys, B's request and B's first answers."""
+        req_a, keys, _ = start(a, id_a, tag)
+        a.on_schedule_end(ScheduleEndContext((id_a,), ()))
+        announced(keys)
+        req_b, _, answers = start(b, id_b, tag)
+        return req_a, keys, req_b, answers
+
     out: dict[str, Any] = {}
     # A is first: nobody holds or computes the prefix, so it computes it (MISS).
     req_a, keys, out["first"] = start(a, "pa", 7)
@@ -256,10 +265,7 @@ def pending_checks(a: Any, b: Any, row: int, raw_a: bytearray,
     b.on_request_finished(req_b)
     # A stores the chunks of one prefill in any order: B, waiting, keeps waiting for the
     # whole run (held or not yet), not only for the first chunk still missing.
-    req_a, keys, _ = start(a, "pk", 13)
-    a.on_schedule_end(ScheduleEndContext(("pk",), ()))
-    announced(keys)
-    req_b, _, _ = start(b, "pl", 13)
+    req_a, keys, req_b, _ = computing("pk", "pl", 13)
     a.submit_store(TransferJob(53, [keys[0], keys[2]], np.array([0, 2]), False, req_a))
     wait_finished(a, 53)
     deadline = time.monotonic() + 10
@@ -273,10 +279,7 @@ def pending_checks(a: Any, b: Any, row: int, raw_a: bytearray,
     a.on_request_finished(req_a)
     b.on_request_finished(req_b)
     # Withdrawn: A's request is preempted before storing; B stops waiting and computes.
-    req_a, keys, _ = start(a, "pc", 8)
-    a.on_schedule_end(ScheduleEndContext(("pc",), ()))
-    announced(keys)
-    req_b, _, out["withdrawn_before"] = start(b, "pd", 8)
+    req_a, keys, req_b, out["withdrawn_before"] = computing("pc", "pd", 8)
     a.on_schedule_end(ScheduleEndContext((), ("pc",)))
     started = time.monotonic()
     out["withdrawn_after"] = settle(b, req_b, keys)
@@ -285,10 +288,7 @@ def pending_checks(a: Any, b: Any, row: int, raw_a: bytearray,
     b.on_request_finished(req_b)
     # vLLM finishes a request before its chunks reach the tier: they stay announced a
     # moment longer, and B, still waiting, loads them once they arrive.
-    req_a, keys, _ = start(a, "pg", 11)
-    a.on_schedule_end(ScheduleEndContext(("pg",), ()))
-    announced(keys)
-    req_b, _, _ = start(b, "ph", 11)
+    req_a, keys, req_b, _ = computing("pg", "ph", 11)
     a.on_request_finished(req_a)
     out["finished_before_store"] = scan(b, req_b, keys)
     a.submit_store(TransferJob(52, keys, np.arange(3), False, req_a))
@@ -296,20 +296,14 @@ def pending_checks(a: Any, b: Any, row: int, raw_a: bytearray,
     out["finished_after_store"] = settle(b, req_b, keys)
     b.on_request_finished(req_b)
     # Finished without storing: withdrawn once the grace is over.
-    req_a, keys, _ = start(a, "pi", 12)
-    a.on_schedule_end(ScheduleEndContext(("pi",), ()))
-    announced(keys)
-    req_b, _, _ = start(b, "pj", 12)
+    req_a, keys, req_b, _ = computing("pi", "pj", 12)
     a.on_request_finished(req_a)
     started = time.monotonic()
     out["finished_unstored"] = settle(b, req_b, keys)
     out["finished_unstored_s"] = time.monotonic() - started
     b.on_request_finished(req_b)
     # The holder dies while B waits: B computes within a lookup's deadline.
-    req_a, keys, _ = start(a, "pe", 10)
-    a.on_schedule_end(ScheduleEndContext(("pe",), ()))
-    announced(keys)
-    req_b, _, out["dying_before"] = start(b, "pf", 10)
+    req_a, keys, req_b, out["dying_before"] = computing("pe", "pf", 10)
     a.shutdown()  # (the caller's cleanup shuts it down again: a no-op)
     started = time.monotonic()
     out["dying_after"] = settle(b, req_b, keys)
