@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from p2pkv.bench.ports import free_port as free_port  # the CLI tests take it from here
+
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "p2pkv.cli"]
 MODEL = "test/cli-model"
@@ -61,12 +63,6 @@ def config_error(result: subprocess.CompletedProcess[str]) -> str:
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("p2pkv-node: error: ")
     return lines[0]
-
-
-def free_port() -> int:
-    from p2pkv.bench.serving.processes import free_port as outside_ephemeral
-
-    return outside_ephemeral()
 
 
 class Serve:

@@ -30,18 +30,11 @@ import zmq
 from nodeproc import content
 
 from p2pkv import protocol as proto
+from p2pkv.bench.ports import free_port as free_port  # tests take it from here
 from p2pkv.node import Node, PeerHandle
 from p2pkv.transport import bound_address
 
 Frames = list[bytes]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on (right now), outside the kernel's
-    ephemeral range (see :func:`p2pkv.bench.serving.processes.free_port`)."""
-    from p2pkv.bench.serving.processes import free_port as outside_ephemeral
-
-    return outside_ephemeral()
 
 
 def raw_hello(server: Node, name: str = "raw") -> proto.Hello:

@@ -21,6 +21,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from p2pkv.bench.ports import free_port as outside_ephemeral
+
 __all__ = ["LocalRedis", "LocalRedisCluster", "command", "find_redis_server",
            "find_tool", "free_port"]
 
@@ -45,9 +47,7 @@ def free_port(*, cluster: bool = False) -> int:
     """A free TCP port on 127.0.0.1; with ``cluster``, one at most 55535 whose cluster
     bus port (10000 higher) is free too."""
     if not cluster:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
+        return outside_ephemeral()
     rng = random.Random()
     for _ in range(1000):
         port = rng.randrange(20000, 55535)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import re
 import signal
 import socket
@@ -21,6 +20,7 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
+from p2pkv.bench.ports import free_port
 from p2pkv.bench.serving.leftovers import remove_vllm_shm, vllm_shm, wait_group_empty
 
 __all__ = ["ServingProcess", "ServingStartError", "free_port", "scrape", "wait_listening"]
@@ -29,43 +29,6 @@ __all__ = ["ServingProcess", "ServingStartError", "free_port", "scrape", "wait_l
 class ServingStartError(RuntimeError):
     """A process of the cluster did not come up; the message names it and holds its log
     tail."""
-
-
-#: Where the kernel takes the ports of ``bind(0)`` and of outgoing connections, when
-#: /proc does not say (Linux's default).
-EPHEMERAL_PORTS = (32768, 60999)
-
-
-def _ephemeral_ports() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return EPHEMERAL_PORTS
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing holds now, outside the kernel's ephemeral
-    range: a port handed out by ``bind(0)`` and closed again can be handed out again at
-    once, to an engine's own internal sockets or as an outgoing connection's source
-    port, before the process it was chosen for binds it. Ports from below the range (or
-    above it, where the range starts low) are never handed out that way."""
-    low, high = _ephemeral_ports()
-    spans = [(s, e) for s, e in ((10000, low), (high + 1, 65536)) if e - s >= 1000]
-    rng = random.SystemRandom()
-    for _ in range(200):
-        start, end = rng.choice(spans) if spans else (1024, 65536)
-        port = rng.randrange(start, end)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # everything tried is taken: the kernel's choice
-        s.bind(("127.0.0.1", 0))
-        chosen: int = s.getsockname()[1]
-        return chosen
 
 
 class ServingProcess:

@@ -96,13 +96,9 @@ class Computing:
                  seconds: float) -> None:
         """Request ``req_id`` was scheduled and computes ``engine_keys`` (shared under
         ``shared_keys``), expected to be stored in ``seconds``."""
-        node = self._node()
-        if node is None or not shared_keys:
+        if self._node() is None or not shared_keys:
             return
-        node.announce_pending(shared_keys, [seconds] * len(shared_keys))
-        directory = self._directory()
-        if directory is not None:
-            directory.announce_pending(shared_keys, [seconds] * len(shared_keys))
+        self._publish(shared_keys, seconds)
         now = time.monotonic()
         if self._renewer is None:
             self._renewer = threading.Thread(target=self._renew_loop, daemon=True,
@@ -145,12 +141,8 @@ class Computing:
                 keys = list(ann.keys.values())
                 self._mark(req_id, keys, now, RENEW_S)
                 renewed += keys
-        node = self._node()
-        if renewed and node is not None:
-            node.announce_pending(renewed, [RENEW_S] * len(renewed))
-            directory = self._directory()
-            if directory is not None:
-                directory.announce_pending(renewed, [RENEW_S] * len(renewed))
+        if renewed:
+            self._publish(renewed, RENEW_S)
 
     def _mark(self, req_id: str, keys: Sequence[bytes], now: float, seconds: float) -> None:
         for key in keys:
@@ -186,12 +178,7 @@ class Computing:
             ann.closing = ann.due = now + FINISH_GRACE_S
             keys = list(ann.keys.values())
             self._mark(req_id, keys, now, FINISH_GRACE_S)
-        node = self._node()
-        if node is not None:
-            node.announce_pending(keys, [FINISH_GRACE_S] * len(keys))
-            directory = self._directory()
-            if directory is not None:
-                directory.announce_pending(keys, [FINISH_GRACE_S] * len(keys))
+        self._publish(keys, FINISH_GRACE_S)
 
     def withdraw(self, req_id: str) -> None:
         """Request ``req_id`` stopped computing and nothing more of it is coming
@@ -205,12 +192,23 @@ class Computing:
             for key in keys:
                 if self._due.get(key, ("", 0.0, 0.0))[0] == req_id:
                     del self._due[key]
+        self._publish(keys, None)
+
+    def _publish(self, keys: Sequence[bytes], seconds: float | None) -> None:
+        """Tell the node's peers and the directory (when the tier has one) that ``keys``
+        are due in ``seconds``, or with None that they are no longer coming."""
         node = self._node()
-        if node is not None:
-            node.withdraw_pending(keys)
-            directory = self._directory()
-            if directory is not None:
-                directory.withdraw_pending(keys)
+        if node is None:
+            return
+        sinks: list[PendingSink] = [node]
+        directory = self._directory()
+        if directory is not None:
+            sinks.append(directory)
+        for sink in sinks:
+            if seconds is None:
+                sink.withdraw_pending(keys)
+            else:
+                sink.announce_pending(keys, [seconds] * len(keys))
 
     def due_here(self, req_id: str, keys: Sequence[bytes]) -> list[float]:
         """Per key: seconds until another request of this engine expects to store it

@@ -215,7 +215,7 @@ class RequestLookups:
         now = time.monotonic()
         wake = now + self._wait
         asks: set[Future[list[Answer]]] = set()
-        waiting = False
+        pending = False
         for req in self._requests.values():
             for fut, _ in req.asking.values():
                 if fut.done():
@@ -223,11 +223,11 @@ class RequestLookups:
                 asks.add(fut)
             rechecks = [a.recheck for a in req.answers.values() if isinstance(a, Pending)]
             if rechecks:
+                pending = True
                 wake = min(wake, *rechecks)
                 if req.pending_since is not None:
                     wake = min(wake, req.pending_since + self._pending_limit)
-            waiting = waiting or bool(rechecks) or bool(req.asking)
-        if not waiting or wake <= now:
+        if not (asks or pending) or wake <= now:
             return 0.0
         started = time.perf_counter()
         if asks:
