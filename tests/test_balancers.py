@@ -26,6 +26,7 @@ from p2pkv.bench.serving.balancers import (
 )
 from p2pkv.bench.serving.clients import BenchWorkload, prefix_ids
 from p2pkv.bench.serving.cluster import BLOCK_SIZE, EngineSpec, ServingCluster
+from p2pkv.bench.serving.configs import engine_specs, tier_options
 from p2pkv.bench.serving.run import _parser, _problem, ratios, run_label
 from p2pkv.bench.serving.skew import MAX_PROMPT_TOKENS, prefix_order, zipf_weights
 
@@ -155,6 +156,32 @@ def test_faults_need_nginx_and_unknown_balancers_are_refused(tmp_path: Path) -> 
         _problem(_parser().parse_args([*base, "--balancer", "router:best"])) or "")
     assert "--balancer nginx" in (_problem(_parser().parse_args(
         [*base, "--faults", "--balancer", "router:cache_aware"])) or "")
+
+
+def test_tier_options_reach_every_p2pkv_engine_and_bad_ones_are_named(
+        tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    base = ["--model", str(model)]
+    args = _parser().parse_args([*base, "--pending-wait", "0", "--tier-option",
+                                 "load_policy=false", "--tier-option", "lookup_wait=0.2"])
+    assert _problem(args) is None
+    options = tier_options(args, heartbeat_timeout=5.0)
+    assert options == {"lookup_timeout": 1.0, "fetch_timeout": 30.0, "pending_wait": 0.0,
+                       "load_policy": False, "lookup_wait": 0.2, "heartbeat_timeout": 5.0}
+    spec = engine_specs("p2pkv", 2, cpu_bytes=2**28, workdir=tmp_path,
+                        tier_options=options)[0]
+    assert spec.kv_transfer_config is not None
+    (tier,) = spec.kv_transfer_config["kv_connector_extra_config"]["secondary_tiers"]
+    assert tier["load_policy"] is False and tier["pending_wait"] == 0.0
+    for bad, says in (("load_policy", "expected NAME=VALUE"),
+                      ("peers=[]", "'peers' is not a tier option the bench lets you set"),
+                      ("colour=red", "'colour' is not a tier option"),
+                      ("load_policy=sometimes", "load_policy must be true or false"),
+                      ("load_min_speedup=-1", "load_min_speedup must be a positive")):
+        assert says in (_problem(_parser().parse_args([*base, "--tier-option", bad]))
+                        or ""), bad
 
 
 def test_the_skewed_workload_draws_hot_prefixes() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from internals import publisher_stalled
 from nodeproc import content, keys_for, make_node
-from redisprocs import LocalRedis, LocalRedisCluster, find_redis_server, find_tool
+from redisprocs import LocalRedis, LocalRedisCluster, find_redis_server, find_tool, free_port
 from test_cluster import SMALL, wait_for
 
 from p2pkv.bench.directory import _fake_record
@@ -261,6 +261,7 @@ def test_a_cluster_announces_through_its_registration_and_withdraws_when_stored_
                      "the withdrawals counted")
     assert stats.pending_announced == 3
     assert stats.pending_dropped == 0
+    assert pending_metrics(a) == {"announced": 3.0, "withdrawn": 2.0, "dropped": 0.0}
     # Closing deregisters: keys[4] is no longer reported.
     assert due_of(b, keys)[4] > 0
     a.close()
@@ -286,6 +287,44 @@ def test_announcements_never_block_and_past_the_queue_bound_are_dropped(
     a.close()
     a.announce_pending(keys[:3], [1.0] * 3)
     assert a.stats().pending_dropped == 9
+
+
+def pending_metrics(c: Cluster) -> dict[str, float]:
+    """``p2pkv_directory_pending_keys_total`` by change, as Prometheus scrapes it."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from p2pkv.cluster.metrics import ClusterCollector
+
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(ClusterCollector(c))
+    return {change: registry.get_sample_value("p2pkv_directory_pending_keys_total",
+                                              {"change": change}) or 0.0
+            for change in ("announced", "withdrawn", "dropped")}
+
+
+@pytest.mark.parametrize("directory", ["unreachable", "static"])
+def test_a_lookup_answered_by_the_peers_reports_what_they_compute(
+        directory: str, nodes: list[tuple[Any, Cluster]]) -> None:
+    peer = make_node({**SMALL, "pool": 64})
+    try:
+        keys = keys_for(6)
+        peer.put(keys[0], content(keys[0], peer.layout.bytes_per_block))
+        peer.announce_pending(keys[2:4], [4.0, 4.0])
+        node = make_node({**SMALL, "pool": 64})
+        url = f"redis://127.0.0.1:{free_port()}/0" if directory == "unreachable" else None
+        c = Cluster(node, directory=url, peers=[peer.address],
+                    config=ClusterConfig(**FAST, namespace=f"pend{next(_namespaces)}"))
+        nodes.append((node, c))
+        found = c.lookup_prefix(keys)
+        assert found.source == "peers"
+        assert ("directory" in found.errors) == (directory == "unreachable")
+        assert found.length == 1
+        assert [d > 0 for d in found.due] == [False, False, True, True, False, False]
+        assert all(d <= 4.0 for d in found.due)
+        # Withdrawn on the peer: nothing pending any more.
+        peer.withdraw_pending(keys[2:4])
+        assert c.lookup_prefix(keys).due == ()
+    finally:
+        peer.close(timeout=1.0)
 
 
 # ----------------------------------------------------------------------- the tier

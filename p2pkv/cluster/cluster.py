@@ -306,12 +306,14 @@ class Cluster:
             addresses = list(self._peers)
             if self.directory is not None:
                 addresses += [h.address for h in self._pool.connected()]
-            holders = self._fan_out(list(dict.fromkeys(addresses)), keys, deadline, errors)
+            holders, due = self._fan_out(list(dict.fromkeys(addresses)), keys, deadline,
+                                         errors)
         # A holder in quarantine is no holder: a hit it would fail is a miss now.
         holders = [tuple(h for h in found
                          if not self.health.quarantined(h.address, h.node_id))
                    for found in holders]
         length = longest_prefix(holders)
+        due = [0.0 if i < length else d for i, d in enumerate(due)]
         result = PrefixLookup(keys=keys, length=length, holders=tuple(holders[:length]),
                               source=source, seconds=time.monotonic() - t0, errors=errors,
                               due=tuple(due) if any(due) else ())
@@ -322,10 +324,14 @@ class Cluster:
         return result
 
     def _fan_out(self, addresses: list[str], keys: tuple[bytes, ...], deadline: float,
-                 errors: dict[str, str]) -> list[tuple[Holder, ...]]:
+                 errors: dict[str, str]) -> tuple[list[tuple[Holder, ...]], list[float]]:
+        """Each peer's holders of ``keys`` and, for a key none holds, the soonest a peer
+        computing it expects to hold it (pending-v1; 0.0: nobody), as the directory
+        answers them: a lookup that falls back here still sees what peers compute."""
         per_key: list[list[Holder]] = [[] for _ in keys]
+        due = [0.0] * len(keys)
         if not keys or not addresses:
-            return [()] * len(keys)
+            return [()] * len(keys), due
         remaining = max(0.001, deadline - time.monotonic())
         connecting: dict[Future[Any], str] = {
             self._pool.handle_async(a, timeout=remaining): a
@@ -347,7 +353,7 @@ class Cluster:
                         continue
                     handle: PeerHandle = fut.result()
                     try:
-                        asking[self.node.lookup_async(
+                        asking[self.node.lookup_pending_async(
                             handle, keys, timeout=max(0.001, deadline - time.monotonic()))
                         ] = (address, handle)
                     except P2PKVError as exc2:
@@ -361,12 +367,16 @@ class Cluster:
                             self._pool.drop(address, handle)
                         continue
                     holder = Holder(handle.remote_node_id, address)
-                    for i, hit in enumerate(fut.result()):
+                    answer = fut.result()
+                    for i, hit in enumerate(answer.hits):
                         if hit:
                             per_key[i].append(holder)
+                        elif answer.due[i] and (not due[i] or answer.due[i] < due[i]):
+                            due[i] = answer.due[i]
         for address in [*connecting.values(), *(a for a, _ in asking.values())]:
             errors[address] = "PeerTimeout: no answer before the lookup deadline"
-        return [tuple(found) for found in per_key]
+        return ([tuple(found) for found in per_key],
+                [0.0 if found else d for found, d in zip(per_key, due, strict=True)])
 
     # -- fetches --------------------------------------------------------------------
 

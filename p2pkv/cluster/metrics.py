@@ -47,6 +47,15 @@ class ClusterCollector:
         announced.add_metric(["stored"], s.announced_stored)
         announced.add_metric(["removed"], s.announced_removed)
         yield announced
+        pending = CounterMetricFamily(
+            "p2pkv_directory_pending_keys",
+            "Pending keys (pending-v1) written to the directory, by change: announced "
+            "(renewals included), withdrawn, dropped (queue full or not registered)",
+            labels=["change"])
+        pending.add_metric(["announced"], s.pending_announced)
+        pending.add_metric(["withdrawn"], s.pending_withdrawn)
+        pending.add_metric(["dropped"], s.pending_dropped)
+        yield pending
         registered = GaugeMetricFamily("p2pkv_directory_registered",
                                        "1 while registered in the directory",
                                        labels=["backend"])

@@ -253,10 +253,11 @@ class PrefixLookup:
     unreachable). ``errors`` maps a peer address or ``"directory"`` to why it did not
     answer; a lookup never raises for an unreachable holder or directory.
 
-    ``due`` (``pending-v1`` through a Redis directory, :mod:`p2pkv.cluster.pending`):
-    one entry per key of ``keys``, the seconds until another live member expects to
-    hold it (it is computing it now), 0.0 for the keys of the prefix and for keys
-    nobody announced; empty when no key is pending (and for the static fan-out).
+    ``due`` (``pending-v1``): one entry per key of ``keys``, the seconds until another
+    live member expects to hold it (it is computing it now), 0.0 for the keys of the
+    prefix and for keys nobody announced; empty when no key is pending. Through Redis
+    it comes from the directory's entries (:mod:`p2pkv.cluster.pending`); from the
+    fan-out (static, or the fallback) from the peers' own answers, the soonest of them.
     """
 
     keys: tuple[bytes, ...]

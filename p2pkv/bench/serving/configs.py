@@ -16,17 +16,65 @@ configuration computes with the same cores.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 from p2pkv.bench.serving.cluster import EngineSpec, free_port
 
-__all__ = ["CONFIGS", "OFFLOAD_BLOCK_TOKENS", "engine_specs", "offloading_config"]
+__all__ = ["CONFIGS", "OFFLOAD_BLOCK_TOKENS", "engine_specs", "offloading_config",
+           "parse_tier_option", "tier_options"]
 
 CONFIGS = ("none", "offload", "p2pkv", "fs", "single")
 #: Tokens per offloaded chunk (vLLM's block size is 32 here).
 OFFLOAD_BLOCK_TOKENS = 64
+
+
+#: Tier options the bench sets itself (each engine's address and its peers').
+_BENCH_OWNED = ("listen", "peers", "directory")
+
+
+def parse_tier_option(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` of ``--tier-option``: a p2pkv tier option for every p2pkv engine,
+    VALUE as JSON (``false``, ``0.5``, ``[...]``), else as a string. Raises ValueError
+    naming what is wrong; load-policy values are checked here, the others when the
+    engines start."""
+    from p2pkv.errors import ConfigError
+    from p2pkv.integrations.vllm.options import TIER_OPTIONS, load_policy_config
+
+    name, sep, raw = text.partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise ValueError(f"--tier-option {text!r}: expected NAME=VALUE, e.g. "
+                         "load_policy=false")
+    if name not in TIER_OPTIONS or name in _BENCH_OWNED:
+        settable = sorted(set(TIER_OPTIONS) - set(_BENCH_OWNED))
+        raise ValueError(f"--tier-option: {name!r} is not a tier option the bench lets "
+                         f"you set; choose from {', '.join(settable)}")
+    try:
+        value: Any = json.loads(raw)
+    except ValueError:
+        value = raw
+    if name.startswith("load_"):
+        try:
+            load_policy_config({name: value})
+        except ConfigError as exc:
+            raise ValueError(f"--tier-option {text!r}: {exc}") from None
+    return name, value
+
+
+def tier_options(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    """The p2pkv tier options of every p2pkv engine of a sitting: the bench's deadlines,
+    ``--pending-wait``, ``--tier-option`` (last wins) and ``extra``."""
+    options: dict[str, Any] = {"lookup_timeout": args.lookup_timeout,
+                               "fetch_timeout": 30.0}
+    if args.pending_wait is not None:
+        options["pending_wait"] = args.pending_wait
+    options.update(parse_tier_option(text) for text in args.tier_option)
+    options.update(extra)
+    return options
 
 
 def offloading_config(cpu_bytes: int, tiers: list[dict[str, Any]], *,

@@ -26,7 +26,7 @@ from typing import Any
 
 from p2pkv.bench.serving.clients import BenchWorkload, complete, run_vllm_bench
 from p2pkv.bench.serving.cluster import ServingCluster, scrape
-from p2pkv.bench.serving.configs import engine_specs
+from p2pkv.bench.serving.configs import engine_specs, tier_options
 
 __all__ = ["run_faults"]
 
@@ -35,10 +35,10 @@ PEER_TOKENS = "vllm:prompt_tokens_cached_by_source_total{source=p2p}"
 
 def run_faults(args: argparse.Namespace, workdir: Path, workload: BenchWorkload,
                served_name: str) -> dict[str, Any]:
-    tier_options = {"lookup_timeout": args.lookup_timeout, "fetch_timeout": 30.0,
-                    "heartbeat_timeout": args.heartbeat_timeout}
     specs = engine_specs("p2pkv", args.engines, cpu_bytes=int(args.cpu_gib * 2**30),
-                         workdir=workdir, tier_options=tier_options)
+                         workdir=workdir,
+                         tier_options=tier_options(args,
+                                                   heartbeat_timeout=args.heartbeat_timeout))
     victim = specs[-1]
     cluster = ServingCluster(Path(args.model), specs, workdir / "faults",
                              served_name=served_name, max_model_len=args.max_model_len,

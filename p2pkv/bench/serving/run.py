@@ -21,7 +21,13 @@ from p2pkv.bench.serving.clients import (
     run_vllm_bench,
 )
 from p2pkv.bench.serving.cluster import ServingCluster
-from p2pkv.bench.serving.configs import CONFIGS, OFFLOAD_BLOCK_TOKENS, engine_specs
+from p2pkv.bench.serving.configs import (
+    CONFIGS,
+    OFFLOAD_BLOCK_TOKENS,
+    engine_specs,
+    parse_tier_option,
+    tier_options,
+)
 
 __all__ = ["main", "run_config", "summarize", "table"]
 
@@ -84,11 +90,8 @@ def run_config(config: str, args: argparse.Namespace, workdir: Path,
     Behind nginx the multi-turn workload sends each turn to another engine than the turn
     before (the worst case, as round-robin would). Behind vLLM's router it goes through
     the router, whose policy then places every turn."""
-    tier_options = {"lookup_timeout": args.lookup_timeout, "fetch_timeout": 30.0}
-    if args.pending_wait is not None:
-        tier_options["pending_wait"] = args.pending_wait
     specs = engine_specs(config, args.engines, cpu_bytes=int(args.cpu_gib * 2**30),
-                         workdir=workdir, tier_options=tier_options)
+                         workdir=workdir, tier_options=tier_options(args))
     where = workdir / label.replace(":", "-")
     cluster = ServingCluster(Path(args.model), specs, where, served_name=SERVED_NAME,
                              max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
@@ -271,6 +274,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pending-wait", type=float, default=None,
                    help="the p2pkv tier's pending_wait (0: never wait for chunks a peer "
                         "is computing); default: the tier's")
+    p.add_argument("--tier-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="a p2pkv tier option for every p2pkv engine (VALUE as JSON), "
+                        "e.g. load_policy=false; may be repeated")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--faults", action="store_true",
                    help="instead of the comparison: kill -9 one p2pkv engine mid-run, "
@@ -304,6 +310,11 @@ def _problem(args: argparse.Namespace) -> str | None:
     if args.faults and balancers != ["nginx"]:
         return ("--faults reads nginx's access log (which requests were in flight on the "
                 "killed engine); run it with --balancer nginx")
+    for text in args.tier_option:
+        try:
+            parse_tier_option(text)
+        except ValueError as exc:
+            return str(exc)
     if not (Path(args.model) / "config.json").exists():
         return f"no model at {args.model} (make real-model builds .models/smollm2)"
     if args.plot:
@@ -372,6 +383,7 @@ def _sitting(args: argparse.Namespace, workdir: Path, workload: BenchWorkload) -
                "workload": workload.describe(), "engines": args.engines,
                "balancers": balancers,
                "cpu_gib": args.cpu_gib, "offload_block_tokens": OFFLOAD_BLOCK_TOKENS,
+               "tier_options": tier_options(args),
                "multi_turn": {"conversations": args.conversations, "turns": args.turns}}
     for balancer in balancers:
         for name in order:

@@ -29,13 +29,17 @@ from p2pkv.node import Node
 
 __all__ = ["DirectorySource"]
 
-#: ClusterStats counters reported as vLLM metrics (cumulative -> per-interval deltas).
-_COUNTERS = {
-    "lookups": Metrics.DIRECTORY_LOOKUPS,
-    "hits": Metrics.DIRECTORY_HITS,
-    "stale_entries": Metrics.DIRECTORY_STALE,
-    "failovers": Metrics.DIRECTORY_FAILOVERS,
-    "directory_errors": Metrics.DIRECTORY_ERRORS,
+#: ClusterStats counters reported as vLLM metrics (cumulative -> per-interval deltas),
+#: with their labels.
+_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "lookups": (Metrics.DIRECTORY_LOOKUPS, ()),
+    "hits": (Metrics.DIRECTORY_HITS, ()),
+    "stale_entries": (Metrics.DIRECTORY_STALE, ()),
+    "failovers": (Metrics.DIRECTORY_FAILOVERS, ()),
+    "directory_errors": (Metrics.DIRECTORY_ERRORS, ()),
+    "pending_announced": (Metrics.DIRECTORY_PENDING, ("announced",)),
+    "pending_withdrawn": (Metrics.DIRECTORY_PENDING, ("withdrawn",)),
+    "pending_dropped": (Metrics.DIRECTORY_PENDING, ("dropped",)),
 }
 
 
@@ -74,10 +78,10 @@ class DirectorySource:
         return self.cluster.fetch_prefix_async(keys, destinations,
                                                timeout=self._fetch_timeout)
 
-    def deltas(self) -> dict[str, int]:
-        """Counter increments since the last call, by metric name."""
+    def deltas(self) -> dict[tuple[str, tuple[str, ...]], int]:
+        """Counter increments since the last call, by metric name and labels."""
         stats = self.cluster.stats()
-        out: dict[str, int] = {}
+        out: dict[tuple[str, tuple[str, ...]], int] = {}
         with self._lock:
             for field, metric in _COUNTERS.items():
                 value = int(getattr(stats, field))

@@ -42,6 +42,7 @@ class Metrics:
     DIRECTORY_FAILOVERS = "vllm:p2pkv_directory_failovers"
     DIRECTORY_ERRORS = "vllm:p2pkv_directory_errors"
     DIRECTORY_REGISTERED = "vllm:p2pkv_directory_registered"
+    DIRECTORY_PENDING = "vllm:p2pkv_directory_pending_keys"
     LOAD_DECISIONS = "vllm:p2pkv_load_decisions"
     LOAD_SKIPPED = "vllm:p2pkv_load_skipped_blocks"
     PEER_BANDWIDTH = "vllm:p2pkv_peer_bandwidth_bytes_per_second"
@@ -103,6 +104,10 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             "Directory calls that failed (lookups then fell back to the static peers)."),
         Metrics.DIRECTORY_REGISTERED: OffloadingGaugeMetadata(
             "1 while this engine is registered in the cluster directory."),
+        Metrics.DIRECTORY_PENDING: OffloadingCounterMetadata(
+            "Chunks being computed (pending-v1) written to the directory, by change: "
+            "announced (renewals included), withdrawn, dropped (queue full, or not "
+            "registered at the time).", labelnames=("change",)),
         Metrics.LOAD_DECISIONS: OffloadingCounterMetadata(
             "Load-or-recompute decisions of the load policy (one per lookup with a hit), "
             "by reason: pays, no_estimate, probe, policy_off, below_floor, "

@@ -436,8 +436,8 @@ class P2PKVTier(SecondaryTierManager):
             stats.increase_counter(Metrics.IDLE_PAUSE_SECONDS, lookups.pause_seconds)
         self._policy.gauges(stats)
         if self._run.directory is not None:
-            for name, delta in self._run.directory.deltas().items():
-                stats.increase_counter(name, delta)
+            for (name, labels), delta in self._run.directory.deltas().items():
+                stats.increase_counter(name, delta, labels)
             stats.set_gauge(Metrics.DIRECTORY_REGISTERED, int(self._run.directory.registered()))
         return stats
 
