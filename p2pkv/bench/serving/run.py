@@ -68,7 +68,8 @@ def counters(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
                 s in k for s in ("loaded_blocks", "stored_blocks", "load_failures",
                                  "lookup_hits", "handshakes_refused", "loaded_bytes",
                                  "load_skipped", "lookup_keys", "lookup_steps",
-                                 "lookup_wait_seconds")):
+                                 "lookup_wait_seconds", "load_decisions",
+                                 "idle_pause_seconds")):
             out[k.removeprefix("vllm:")] = v
         elif "request_hook" in k and not k.split("{")[0].endswith("_created"):
             # Calls and seconds add up over the engines; the longest call is the max.
@@ -119,7 +120,12 @@ def run_config(config: str, args: argparse.Namespace, workdir: Path,
                                                           for s in specs],
             "multi_turn": multi,
             "multi_turn_via": "engines in turn" if balancer == "nginx" else "balancer",
-            "counters": counters(metrics)}
+            "counters": counters(metrics),
+            # Each engine's load-policy estimates at the end (peer bandwidth, prefill
+            # rate by prompt band): what its load-or-recompute decisions went by.
+            "estimates": [{k.removeprefix("vllm:"): v for k, v in m.items()
+                           if "peer_bandwidth" in k or "prefill_tokens_per_second" in k}
+                          for m in metrics]}
 
 
 def _mismatch(texts: Sequence[str], reference: Sequence[str]) -> float:
