@@ -20,6 +20,7 @@ from p2pkv.integrations.vllm.loadpolicy import (
     LOAD_PROBE,
     LOAD_UNKNOWN,
     MAX_TRACKED_REQUESTS,
+    PROVISIONAL_CHUNKS,
     SKIP_FLOOR,
     SKIP_SLOWER,
     LoadPolicy,
@@ -134,6 +135,43 @@ def test_a_slower_fetch_is_believed_at_once_a_faster_one_halfway() -> None:
     # or slower, replaces it.
     measured(p, "a", 500e6, now=40.0)
     assert p.bandwidth["a"].value == pytest.approx(500e6)
+
+
+def test_a_first_sample_from_a_short_fetch_is_asked_again_before_it_refuses_a_peer(
+        ) -> None:
+    # The first fetch from a same-host peer was one chunk in 184 ms (16 MB/s: mapping its
+    # pool, or the holder mid-step); its loads then run at 1 GB/s.
+    p = policy()
+    smollm2_prefill(p)
+    p.fetched("a", CHUNK_BYTES, 0.184, now=0.0)
+    assert p.bandwidth["a"].provisional
+    assert p.describe(now=0.0)["bandwidth_bytes_per_s"]["a"]["provisional"] is True
+    # 14 chunks would take 2.6 s against 1.4 s of recompute: rather than skip, it asks
+    # again with one chunk (over the 5% budget: a second opinion goes whatever it costs).
+    again = p.advise(["a"] * 14, now=1.0)
+    assert (again.load, again.held, again.reason) == (1, 14, LOAD_PROBE)
+    # Once: until that sample lands, the estimate it has decides.
+    assert p.advise(["a"] * 14, now=1.1).reason == SKIP_SLOWER
+    # The next sample replaces it, even a faster one (no halfway), with no backoff.
+    p.fetched("a", CHUNK_BYTES, CHUNK_BYTES / 1e9, now=1.2)
+    est = p.bandwidth["a"]
+    assert est.value == pytest.approx(1e9) and not est.provisional and est.backoff == 0
+    assert p.advise(["a"] * 14, now=1.3).reason == LOAD_PAYS
+    # A second short sample as slow as the first is believed: skipped, probed after the
+    # interval as any slow peer.
+    q = policy()
+    smollm2_prefill(q)
+    q.fetched("a", CHUNK_BYTES, 0.184, now=0.0)
+    assert q.advise(["a"] * 14, now=1.0).reason == LOAD_PROBE
+    q.fetched("a", CHUNK_BYTES, 0.184, now=1.2)
+    assert q.advise(["a"] * 14, now=2.0).reason == SKIP_SLOWER
+    assert q.advise(["a"] * 14, now=20.0).reason == SKIP_SLOWER
+    # A first sample from a fetch of PROVISIONAL_CHUNKS or more counts in full.
+    r = policy()
+    smollm2_prefill(r)
+    r.fetched("a", PROVISIONAL_CHUNKS * CHUNK_BYTES, PROVISIONAL_CHUNKS * 0.184, now=0.0)
+    assert not r.bandwidth["a"].provisional
+    assert r.advise(["a"] * 14, now=1.0).reason == SKIP_SLOWER
 
 
 def test_estimates_are_bounded() -> None:

@@ -23,6 +23,12 @@ slow link); each probe that finds the peer still slow doubles the wait for the n
 up to ``2 ** MAX_PROBE_BACKOFF`` intervals, past which the next hit probes whatever it
 costs.
 
+A peer's first sample, when its fetch was shorter than ``PROVISIONAL_CHUNKS`` chunks,
+is provisional: such a fetch is mostly fixed costs that the next ones do not pay (the
+first message on a connection, mapping a same-host peer's pool), or it met the holder
+in the middle of a forward pass. It never refuses the peer alone: a hit it would skip
+probes the peer at once instead (whatever the budget), and the next sample replaces it.
+
 No IO, no clock: time (``now``, monotonic seconds) is an argument; the caller serialises
 calls (one lock).
 """
@@ -69,6 +75,9 @@ PREFILL_BOUNDS = (1e-1, 1e8)
 BANDWIDTH_RISE = 0.5
 #: Weight of a new prefill-rate sample (every computed request gives one).
 PREFILL_WEIGHT = 0.3
+#: A peer's first sample from a fetch of fewer chunks than this is provisional (see the
+#: module's docstring).
+PROVISIONAL_CHUNKS = 4
 #: Probes that found a peer still slow double its probe interval, at most this many times.
 MAX_PROBE_BACKOFF = 4
 #: Requests tracked at once for prefill samples (the oldest are dropped past it).
@@ -115,12 +124,18 @@ class Rate:
     probed: float
     #: Probes since the peer last paid (each doubles the interval to the next one).
     backoff: int = 0
+    #: From one short fetch only: the next sample replaces it, and until a hit has
+    #: asked for that sample (``rechecking``) it never refuses the peer.
+    provisional: bool = False
+    rechecking: bool = False
 
     def describe(self, now: float) -> dict[str, Any]:
         out: dict[str, Any] = {"per_second": round(self.value, 3), "samples": self.samples,
                                "age_s": round(now - self.updated, 3)}
         if self.backoff:
             out["probe_backoff"] = self.backoff
+        if self.provisional:
+            out["provisional"] = True
         return out
 
 
@@ -264,14 +279,18 @@ class LoadPolicy:
         sample = _clamp(nbytes / max(seconds, 1e-9), BANDWIDTH_BOUNDS)
         est = self.bandwidth.get(peer)
         if est is None:
-            self.bandwidth[peer] = Rate(sample, 1, now, now)
+            self.bandwidth[peer] = Rate(
+                sample, 1, now, now,
+                provisional=nbytes < PROVISIONAL_CHUNKS * self.chunk_bytes)
             return
-        # An estimate older than probe_interval has decayed: a new sample replaces it.
+        # An estimate older than probe_interval has decayed, and a provisional one is
+        # only a placeholder: a new sample replaces either.
         stale = now - est.updated >= self.config.probe_interval
-        est.value = sample if stale or sample < est.value else \
+        est.value = sample if stale or est.provisional or sample < est.value else \
             est.value + BANDWIDTH_RISE * (sample - est.value)
         est.samples += 1
         est.updated = est.probed = now
+        est.provisional = est.rechecking = False
 
     def computed(self, tokens: int, seconds: float, now: float) -> None:
         """This engine computed ``tokens`` prompt tokens of one request in ``seconds``."""
@@ -343,7 +362,10 @@ class LoadPolicy:
         cfg = self.config
 
         def waited(peer: str, backoff: int) -> bool:
-            return now - self.bandwidth[peer].probed >= cfg.probe_interval * (1 << backoff)
+            est = self.bandwidth[peer]
+            if est.provisional and not est.rechecking:
+                return True
+            return now - est.probed >= cfg.probe_interval * (1 << backoff)
 
         due = {p for p in run[best:] if waited(p, self.bandwidth[p].backoff)}
         if not due:
@@ -356,8 +378,11 @@ class LoadPolicy:
             return 0
         for p in due:
             est = self.bandwidth[p]
+            if est.provisional:  # a second opinion, no probe of a peer found slow
+                est.rechecking = True
+            else:
+                est.backoff = min(est.backoff + 1, MAX_PROBE_BACKOFF)
             est.probed = now
-            est.backoff = min(est.backoff + 1, MAX_PROBE_BACKOFF)
         return length
 
     def _best_prefix(self, run: list[str], rates: dict[str, float]
