@@ -177,11 +177,12 @@ def test_the_recipe_shares_through_the_directory_under_curve(
         # A counter is exported once it counts: absent is 0.
         assert metrics.get("vllm:p2pkv_directory_errors_total", 0) == 0, metrics
     assert cluster.metrics(b)["vllm:p2pkv_directory_hits_total"] >= took // CHUNK
-    # a announced the chunks it was computing to Redis (pending-v1), none dropped.
-    pending = "vllm:p2pkv_directory_pending_keys_total{change=%s}"
-    metrics = cluster.metrics(a)
-    assert metrics.get(pending % "announced", 0) >= 1, metrics
-    assert metrics.get(pending % "dropped", 0) == 0, metrics
+    # a announced the chunks it was computing to Redis (pending-v1). (What an engine
+    # announces or withdraws before its registration in Redis is done is dropped and
+    # counted, change=dropped: here the first request can come first. Its renewals
+    # every 0.25 s go through once it is registered.)
+    announced = "vllm:p2pkv_directory_pending_keys_total{change=announced}"
+    assert cluster.metrics(a).get(announced, 0) >= 1
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[int, str]:
