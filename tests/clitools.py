@@ -18,8 +18,6 @@ from typing import Any
 
 import pytest
 
-from p2pkv.bench.ports import free_port as free_port  # the CLI tests take it from here
-
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "p2pkv.cli"]
 MODEL = "test/cli-model"

@@ -30,7 +30,6 @@ import zmq
 from nodeproc import content
 
 from p2pkv import protocol as proto
-from p2pkv.bench.ports import free_port as free_port  # tests take it from here
 from p2pkv.node import Node, PeerHandle
 from p2pkv.transport import bound_address
 

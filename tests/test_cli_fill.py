@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from clitools import Serve, clean_env, config_error, free_port, run
+from clitools import Serve, clean_env, config_error, run
 
+from p2pkv.bench.ports import free_port
 from p2pkv.fill import fill_block, fill_keys
 from p2pkv.node import Node, NodeConfig
 from p2pkv.settings import load_settings

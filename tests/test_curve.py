@@ -26,8 +26,9 @@ import pytest
 import zmq
 import zmq.auth
 from nodeproc import content, keys_for
-from rawpeer import FakeServer, RawPeer, SilentRouter, free_port, raw_hello
+from rawpeer import FakeServer, RawPeer, SilentRouter, raw_hello
 
+from p2pkv.bench.ports import free_port
 from p2pkv.errors import (
     ConfigError,
     P2PKVError,

@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 from vllmenv import REQUIRED, VLLM_PY
 
+from p2pkv.bench.ports import free_port
 from p2pkv.bench.serving.balancers import RequestLogUnavailable, VllmRouter
 from p2pkv.bench.serving.clients import complete
-from p2pkv.bench.serving.cluster import EngineSpec, ServingCluster, ServingStartError, free_port
+from p2pkv.bench.serving.cluster import EngineSpec, ServingCluster, ServingStartError
 
 needs_nginx = pytest.mark.skipif(
     shutil.which("nginx") is None and not Path("/usr/sbin/nginx").exists(),
@@ -163,7 +164,8 @@ def test_ctrl_c_on_the_command_stops_every_engine(fake_vllm: Path, tmp_path: Pat
     script.write_text(textwrap.dedent(f"""
         import json, sys, time
         from pathlib import Path
-        from p2pkv.bench.serving.cluster import EngineSpec, ServingCluster, free_port
+        from p2pkv.bench.ports import free_port
+        from p2pkv.bench.serving.cluster import EngineSpec, ServingCluster
         specs = [EngineSpec(f"e{{i}}", free_port(), env={{"PYTHONPATH": {str(fake_vllm)!r},
                  "FAKE_ENGINE_NAME": f"e{{i}}"}}) for i in range(2)]
         with ServingCluster(Path({str(tmp_path)!r}), specs, Path({str(tmp_path / "w")!r}),

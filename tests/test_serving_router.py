@@ -33,9 +33,10 @@ from typing import Any
 import pytest
 from vllmenv import ROOT, VLLM_PY, serve, skip_without_vllm, smollm2
 
+from p2pkv.bench.ports import free_port
 from p2pkv.bench.serving.balancers import VllmRouter
 from p2pkv.bench.serving.clients import complete
-from p2pkv.bench.serving.cluster import EngineSpec, ServingCluster, free_port
+from p2pkv.bench.serving.cluster import EngineSpec, ServingCluster
 
 skip_without_vllm()
 

@@ -43,9 +43,10 @@ from typing import Any
 
 import msgpack
 import pytest
-from rawpeer import CorruptingProxy, Frames, free_port
+from rawpeer import CorruptingProxy, Frames
 from vllmenv import MODELS, ROOT, VERSIONS, VLLM_PY, skip_without_vllm, vllm_env
 
+from p2pkv.bench.ports import free_port
 from p2pkv.bench.serving.leftovers import remove_vllm_shm, vllm_shm, wait_group_empty
 
 HARNESS = Path(__file__).with_name("vllm_engine.py")

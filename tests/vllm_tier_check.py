@@ -24,7 +24,7 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 
 
 def free_address() -> str:
-    from p2pkv.bench.serving.processes import free_port
+    from p2pkv.bench.ports import free_port
 
     return f"tcp://127.0.0.1:{free_port()}"
 

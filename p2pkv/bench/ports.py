@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 from pathlib import Path
@@ -22,24 +23,32 @@ def _ephemeral_ports() -> tuple[int, int]:
         return EPHEMERAL_PORTS
 
 
-def free_port() -> int:
+def free_port(*, also: int = 0) -> int:
     """A TCP port on 127.0.0.1 that nothing holds now, outside the kernel's ephemeral
     range: a port handed out by ``bind(0)`` and closed again can be handed out again at
     once, to an engine's own internal sockets or as an outgoing connection's source
     port, before the process it was chosen for binds it. Ports from below the range (or
-    above it, where the range starts low) are never handed out that way."""
+    above it, where the range starts low) are never handed out that way.
+
+    With ``also``, the port ``also`` higher is free and outside the range too (a Redis
+    Cluster node's bus port is its port + 10000); RuntimeError when no such pair is
+    found."""
     low, high = _ephemeral_ports()
-    spans = [(s, e) for s, e in ((10000, low), (high + 1, 65536)) if e - s >= 1000]
+    spans = [(s, e - also) for s, e in ((10000, low), (high + 1, 65536)) if e - also - s >= 1000]
     rng = random.SystemRandom()
     for _ in range(200):
-        start, end = rng.choice(spans) if spans else (1024, 65536)
+        start, end = rng.choice(spans) if spans else (1024, 65536 - also)
         port = rng.randrange(start, end)
-        with socket.socket() as s:
+        with contextlib.ExitStack() as held:
             try:
-                s.bind(("127.0.0.1", port))
+                for p in {port, port + also}:
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", p))
             except OSError:
                 continue
             return port
+    if also:
+        raise RuntimeError(f"no free pair of ports {also} apart outside the ephemeral "
+                           f"range {low}-{high}")
     with socket.socket() as s:  # everything tried is taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         chosen: int = s.getsockname()[1]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import shutil
 import socket
 import subprocess
@@ -21,7 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from p2pkv.bench.ports import free_port as outside_ephemeral
+from p2pkv.bench import ports
 
 __all__ = ["LocalRedis", "LocalRedisCluster", "command", "find_redis_server",
            "find_tool", "free_port"]
@@ -43,22 +42,14 @@ def find_redis_server() -> str | None:
     return find_tool("redis-server")
 
 
+#: A Redis Cluster node's bus port is its port plus this.
+CLUSTER_BUS_OFFSET = 10000
+
+
 def free_port(*, cluster: bool = False) -> int:
-    """A free TCP port on 127.0.0.1; with ``cluster``, one at most 55535 whose cluster
-    bus port (10000 higher) is free too."""
-    if not cluster:
-        return outside_ephemeral()
-    rng = random.Random()
-    for _ in range(1000):
-        port = rng.randrange(20000, 55535)
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 10000))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair for a cluster node")
+    """A free TCP port on 127.0.0.1 outside the kernel's ephemeral range; with
+    ``cluster``, one whose cluster bus port (10000 higher) is free too."""
+    return ports.free_port(also=CLUSTER_BUS_OFFSET if cluster else 0)
 
 
 def _resp(*args: str) -> bytes:

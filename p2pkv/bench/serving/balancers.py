@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from p2pkv.bench.ports import free_port
 from p2pkv.bench.serving.processes import (
     ServingProcess,
     ServingStartError,
-    free_port,
     scrape,
     wait_listening,
 )

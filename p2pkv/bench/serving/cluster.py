@@ -33,15 +33,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from p2pkv.bench.ports import free_port
 from p2pkv.bench.serving.balancers import Balancer, Launch, Upstream, parse_balancer
 from p2pkv.bench.serving.processes import (
     ServingProcess,
     ServingStartError,
-    free_port,
     scrape,
 )
 
-__all__ = ["EngineSpec", "ServingCluster", "ServingStartError", "free_port", "scrape"]
+__all__ = ["EngineSpec", "ServingCluster", "ServingStartError", "scrape"]
 
 #: Seconds an engine may take to answer ``/health`` (a start costs 25-60 s here).
 DEFAULT_START_TIMEOUT = 300.0

@@ -22,7 +22,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from p2pkv.bench.serving.cluster import EngineSpec, free_port
+from p2pkv.bench.ports import free_port
+from p2pkv.bench.serving.cluster import EngineSpec
 
 __all__ = ["CONFIGS", "OFFLOAD_BLOCK_TOKENS", "engine_specs", "offloading_config",
            "parse_tier_option", "tier_options"]

@@ -20,10 +20,9 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
-from p2pkv.bench.ports import free_port
 from p2pkv.bench.serving.leftovers import remove_vllm_shm, vllm_shm, wait_group_empty
 
-__all__ = ["ServingProcess", "ServingStartError", "free_port", "scrape", "wait_listening"]
+__all__ = ["ServingProcess", "ServingStartError", "scrape", "wait_listening"]
 
 
 class ServingStartError(RuntimeError):
