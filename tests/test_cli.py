@@ -26,12 +26,12 @@ from clitools import (
     clean_env,
     config_error,
     finish,
-    free_port,
     read_metrics,
     run,
     start,
 )
 
+from p2pkv.bench.ports import free_port
 from p2pkv.cli import _show, refusal_table
 
 ENTRY_POINT = Path(sys.executable).parent / "p2pkv-node"

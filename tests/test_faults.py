@@ -28,11 +28,11 @@ from rawpeer import (
     SilentRouter,
     SilentTcp,
     ThrottlingProxy,
-    free_port,
     wait_until,
 )
 
 from p2pkv import KeyOutcome
+from p2pkv.bench.ports import free_port
 from p2pkv.errors import P2PKVError, PeerGone, PeerTimeout
 from p2pkv.protocol import Bye, Code, Fetch, Lookup, Message, Welcome
 
