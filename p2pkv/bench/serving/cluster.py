@@ -38,6 +38,7 @@ from p2pkv.bench.serving.balancers import Balancer, Launch, Upstream, parse_bala
 from p2pkv.bench.serving.processes import (
     ServingProcess,
     ServingStartError,
+    group_cpu,
     scrape,
 )
 
@@ -244,6 +245,12 @@ class ServingCluster:
 
     def metrics(self, name: str) -> dict[str, float]:
         return scrape(self.spec(name).port)
+
+    def cpu(self) -> dict[str, dict[int, tuple[str, float]]]:
+        """CPU time so far of each live engine's processes (server, core, workers), by
+        engine name: :func:`~p2pkv.bench.serving.processes.group_cpu`."""
+        return {name: group_cpu(proc.proc.pid) for name, proc in self.engines.items()
+                if proc.alive()}
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         return self.engines[name].tail(lines)

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from p2pkv.bench.serving.leftovers import remove_vllm_shm, vllm_shm, wait_group_empty
 
-__all__ = ["ServingProcess", "ServingStartError", "scrape", "wait_listening"]
+__all__ = ["ServingProcess", "ServingStartError", "cpu_used", "group_cpu", "scrape",
+           "wait_listening"]
 
 
 class ServingStartError(RuntimeError):
@@ -72,6 +73,39 @@ class ServingProcess:
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
+
+
+def group_cpu(pgid: int, proc: Path = Path("/proc")) -> dict[int, tuple[str, float]]:
+    """The CPU time (user and system, seconds) each live process of process group
+    ``pgid`` has used so far, by pid, with its name (``comm``: vLLM names an engine's
+    core and workers ``VLLM::EngineCor`` and ``VLLM::Worker``). A process that exits
+    while it is read is left out."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The name is in parentheses and may hold spaces; the fields follow its end.
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid:  # pgrp
+            out[int(entry.name)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_used(before: Mapping[int, tuple[str, float]],
+             after: Mapping[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds used between two :func:`group_cpu` reads, summed by process name (a
+    process that started in between counts from zero)."""
+    out: dict[str, float] = {}
+    for pid, (name, seconds) in after.items():
+        used = seconds - before.get(pid, (name, 0.0))[1]
+        out[name] = round(out.get(name, 0.0) + used, 2)
+    return out
 
 
 def wait_listening(proc: ServingProcess, port: int, timeout: float) -> None:

@@ -28,6 +28,7 @@ from p2pkv.bench.serving.configs import (
     parse_tier_option,
     tier_options,
 )
+from p2pkv.bench.serving.processes import cpu_used
 
 __all__ = ["main", "run_config", "summarize", "table"]
 
@@ -102,6 +103,7 @@ def run_config(config: str, args: argparse.Namespace, workdir: Path,
     with cluster:
         print(f"[{label}] up in {time.monotonic() - started:.0f}s; vllm bench serve ...",
               flush=True)
+        cpu_before = cluster.cpu()
         bench = run_vllm_bench(cluster.url, SERVED_NAME, Path(args.model), workload, where,
                                label.replace(":", "-"))
         # What the balancer did with the bench's requests (before the multi-turn ones).
@@ -115,6 +117,7 @@ def run_config(config: str, args: argparse.Namespace, workdir: Path,
                                    turns=args.turns, concurrency=workload.concurrency,
                                    seed=workload.seed)
         metrics = [cluster.metrics(s.name) for s in specs]
+        cpu_after = cluster.cpu()
     return {"config": config, "label": label, "balancer": balancer, "engines": len(specs),
             "bench": bench, "bench_requests_per_engine": [per_engine.get(s.name, 0)
                                                           for s in specs],
@@ -125,12 +128,33 @@ def run_config(config: str, args: argparse.Namespace, workdir: Path,
             # rate by prompt band): what its load-or-recompute decisions went by.
             "estimates": [{k.removeprefix("vllm:"): v for k, v in m.items()
                            if "peer_bandwidth" in k or "prefill_tokens_per_second" in k}
-                          for m in metrics]}
+                          for m in metrics],
+            # CPU seconds each engine's processes used during both workloads, by process
+            # name (the API server, vLLM's engine core, its workers).
+            "cpu_seconds": {name: cpu_used(cpu_before.get(name, {}), after)
+                            for name, after in cpu_after.items()}}
 
 
 def _mismatch(texts: Sequence[str], reference: Sequence[str]) -> float:
     pairs = list(zip(texts, reference, strict=False))
     return sum(a != b for a, b in pairs) / len(pairs) if pairs else 0.0
+
+
+#: vLLM's names for an engine's processes (``comm``), by the part each plays; any other
+#: process of the engine's group is counted with its API server.
+CPU_PARTS = {"VLLM::EngineCor": "cpu_core_s", "VLLM::Worker": "cpu_workers_s"}
+
+
+def engine_cpu(cpu_seconds: Mapping[str, Mapping[str, float]]) -> dict[str, Any]:
+    """A run's CPU seconds summed over its engines, by part: API servers, engine cores
+    (vLLM's scheduler, and the p2pkv tier with its node), workers (the forward passes)."""
+    parts = {"cpu_server_s": 0.0, "cpu_core_s": 0.0, "cpu_workers_s": 0.0}
+    for by_name in cpu_seconds.values():
+        for name, seconds in by_name.items():
+            parts[CPU_PARTS.get(name, "cpu_server_s")] += seconds
+    row: dict[str, Any] = {k: round(v, 1) for k, v in parts.items()}
+    row["engine_cpu"] = " / ".join(f"{row[k]:.1f}" for k in parts)
+    return row
 
 
 def summarize(run: Mapping[str, Any], reference: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -157,6 +181,8 @@ def summarize(run: Mapping[str, Any], reference: Mapping[str, Any] | None) -> di
                                                  reference["bench"]["generated_texts"])
     for k, v in run.get("cold_profile", {}).items():
         row[k] = v
+    if run.get("cpu_seconds"):
+        row.update(engine_cpu(run["cpu_seconds"]))
     m = run.get("multi_turn")
     if m:
         s = m["summary"]
@@ -180,7 +206,8 @@ COLUMNS = (("config", "config", "{}"), ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"),
            ("text_mismatch_vs_none", "texts != none", "{:.0%}"),
            ("mt_ttft_later_p50_ms", "turn>1 TTFT p50", "{:.0f}"),
            ("mt_ttft_later_p99_ms", "turn>1 TTFT p99", "{:.0f}"),
-           ("mt_text_mismatch_vs_none", "turn texts != none", "{:.0%}"))
+           ("mt_text_mismatch_vs_none", "turn texts != none", "{:.0%}"),
+           ("engine_cpu", "engine CPU s: servers / cores / workers", "{}"))
 
 
 def table(rows: Sequence[Mapping[str, Any]]) -> str:
