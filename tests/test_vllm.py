@@ -477,6 +477,12 @@ def test_tier_driven_like_vllms_tiering_manager(path: str, vllm: str) -> None:
     assert errors["bad peer"].startswith("P2PKVTier: peers: "), errors["bad peer"]
     assert errors["curve key"].startswith("P2PKVTier: curve_secret_key: cannot read"), \
         errors["curve key"]
+    # The nodes start and connect before any request: the first one pays nothing.
+    started = checks["started"]
+    assert started["nodes"] == [True, True, True], started
+    assert started["b_to_a"]["connected"], started
+    assert list(started["c_refused"]) == ["ext.model_revision"], started
+    assert not started["hooks"], started  # no request hook has run yet
     assert checks["store"]["success"] and checks["store"]["stats"] == 4
     # Derived without any declaration: the weights' content digest and the config's.
     ext = checks["store"]["extension"]

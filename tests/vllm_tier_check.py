@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -46,9 +47,15 @@ def lora_handover(spec: Any, view: Any, vllm_config: Any,
     lora_config = replace(vllm_config, lora_config=LoRAConfig(max_lora_rank=8))
     records: list[str] = []
 
+    here = threading.get_ident()
+
     class Keep(logging.Handler):
+        """What the tiers built here say at start (not what other tiers' threads log
+        meanwhile, such as a peer they cannot reach yet)."""
+
         def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
+            if record.thread == here:
+                records.append(record.getMessage())
 
     handler = Keep(logging.WARNING)
     logging.getLogger("vllm.p2pkv").addHandler(handler)
@@ -501,6 +508,16 @@ def main() -> int:
     # checks below start once it is.
     for tier in (a, b, c):
         assert tier.identity.wait(60), "the weights digest took over 60 s"
+    # No request yet: each node starts by itself, and B reaches A (C, of another
+    # revision, is refused), so that the first request finds them running and connected.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (
+            all(t.node is not None for t in (a, b, c))
+            and b.stats()["peers"][addr_a]["connected"] and c.stats()["handshakes_refused"]):
+        time.sleep(0.05)
+    report("started", nodes=[t.node is not None for t in (a, b, c)],
+           b_to_a=b.stats()["peers"][addr_a], c_refused=c.stats()["handshakes_refused"],
+           hooks=b.stats()["hooks"])
     try:
         # A stores four chunks out of its primary region (random bytes per chunk).
         rng = np.random.default_rng(0)

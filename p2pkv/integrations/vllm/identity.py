@@ -123,6 +123,15 @@ class VLLMKeyHash:
         return key_hash_identity(self.function, self.seed)
 
 
+def key_hash_ready() -> bool:
+    """Whether vLLM has seeded its block hashing in this process (``init_none_hash``,
+    which the engine core runs right after building its scheduler), so that
+    :func:`current_key_hash` can answer."""
+    from vllm.v1.core import kv_cache_utils
+
+    return getattr(kv_cache_utils, "NONE_HASH", None) is not None
+
+
 def current_key_hash() -> VLLMKeyHash:
     """vLLM's key hash in this process. Call it after the engine initialised its
     block hashing (``init_none_hash``), which happens after the scheduler is built."""

@@ -182,6 +182,10 @@ class Peers:
 
     # ------------------------------------------------------------------ observability
 
+    def all_connected(self) -> bool:
+        with self._lock:
+            return all(p.handle is not None for p in self._peers.values())
+
     def connected(self) -> int:
         with self._lock:
             return sum(1 for p in self._peers.values() if p.handle is not None)

@@ -2,9 +2,11 @@
 
 vLLM builds a tier before it seeds its block hashes, and the weights digest is computed
 off the scheduler thread, so the node cannot start with the tier. :class:`TierNode`
-starts it on first use, from whichever thread needs it first (the scheduler for a
-lookup, the store thread for a store), exactly once; until then, and for good when it
-cannot start, it answers None: the tier misses and fails its jobs, the engine
+starts it exactly once: from a thread of its own as soon as both are known
+(:meth:`TierNode.start_early`), so that the engine's first request finds it running and
+connected; or on first use, from whichever thread needs it first (the scheduler for a
+lookup, the store thread for a store), if that comes sooner. Until then, and for good
+when it cannot start, it answers None: the tier misses and fails its jobs, the engine
 recomputes, nothing is shared under an identity that is not known.
 """
 
@@ -12,20 +14,29 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import replace
 from typing import Any
 
 from p2pkv.errors import P2PKVError
 from p2pkv.identity import IdentityExtension, RunConfig
 from p2pkv.integrations.vllm.directory import DirectorySource
-from p2pkv.integrations.vllm.identity import TierIdentity, VLLMKeyHash, current_key_hash
+from p2pkv.integrations.vllm.identity import (
+    TierIdentity,
+    VLLMKeyHash,
+    current_key_hash,
+    key_hash_ready,
+)
 from p2pkv.integrations.vllm.peers import Peers
 from p2pkv.layout import EngineRowLayout
 from p2pkv.node import Node, NodeConfig
 
 log = logging.getLogger("vllm.p2pkv")
 
-__all__ = ["TierNode"]
+__all__ = ["EARLY_POLL", "TierNode"]
+
+#: How often (seconds) the early start looks whether vLLM has seeded its block hashing.
+EARLY_POLL = 0.05
 
 
 class TierNode:
@@ -83,11 +94,46 @@ class TierNode:
                          "it is known, lookups miss and stores wait (up to %.0f s)",
                          self._identity_timeout)
             return None
-        with self._lock:
-            # Another thread (scheduler or store) may have started it meanwhile.
+        # Another thread may be starting it: a caller that may not wait (the scheduler)
+        # does not queue behind that start, it answers as if not started yet.
+        if not self._lock.acquire(blocking=wait > 0):
+            return None
+        try:
+            # Another thread (early start, scheduler or store) may have started it.
             if self.settled():
                 return self.node
             return self._start()
+        finally:
+            self._lock.release()
+
+    def start_early(self, timeout: float) -> None:
+        """Start the node from a thread of its own once the weights digest is known and
+        vLLM has seeded its block hashing (:func:`key_hash_ready`), waiting at most
+        ``timeout`` seconds for both; a lookup or store that comes first starts it
+        instead (:meth:`ensure`). Then it keeps connecting the static peers until each is
+        connected, within the same ``timeout``. Ends early when the node cannot start or
+        the tier closed."""
+        def run() -> None:
+            deadline = time.monotonic() + timeout
+            while not self.settled() and time.monotonic() < deadline:
+                if key_hash_ready():
+                    self.ensure(wait=min(EARLY_POLL * 10, max(0.0, deadline - time.monotonic())))
+                else:
+                    time.sleep(EARLY_POLL)
+            # The static peers may start after this engine: keep trying them until each
+            # is connected (the scheduler's steps take over once requests come).
+            while self._peers_to_connect() and time.monotonic() < deadline:
+                self.maintain()
+                time.sleep(EARLY_POLL * 10)
+
+        threading.Thread(target=run, name="p2pkv-start", daemon=True).start()
+
+    def _peers_to_connect(self) -> bool:
+        """Whether the node runs on static peers (no directory) and one is not connected;
+        read under the lock, so never in the middle of a start."""
+        with self._lock:
+            return (self.node is not None and not self.closed and self.directory is None
+                    and not self._peers.all_connected())
 
     def _start(self) -> Node | None:
         try:
@@ -105,7 +151,6 @@ class TierNode:
             self.failed = f"{type(exc).__name__}: {exc}"
             log.error("p2pkv tier disabled, its node could not start: %s", self.failed)
             return None
-        self.node = node
         log.info("p2pkv tier node %s on %s: identity %s", node.node_id, node.address,
                  self.identity.describe())
         if self._directory_url != "static":
@@ -121,6 +166,8 @@ class TierNode:
                 log.info("p2pkv tier: directory %s, partition %s, registered as %s",
                          self._directory_url, self.directory.cluster.partition,
                          self.directory.cluster.address)
+        # Visible last: whoever sees the node sees its directory too.
+        self.node = node
         self.maintain()
         return node
 
@@ -132,18 +179,23 @@ class TierNode:
     def close(self) -> None:
         """Withdraw this engine's claims from the directory, then drain the node (new
         fetches declined so consumers ask another holder, those in flight finish)."""
+        # Under the lock: a node being started now (early, or by a straggling lookup)
+        # is either seen here or, the tier closed, never started.
+        with self._lock:
+            self.closed = True
+            node, directory = self.node, self.directory
         try:
-            if self.directory is not None:
+            if directory is not None:
                 try:
-                    self.directory.close()
+                    directory.close()
                 except (P2PKVError, OSError) as exc:
                     log.warning("p2pkv tier: could not withdraw from directory %s (%s: %s); "
                                 "its claims lapse with their TTL", self._directory_url,
                                 type(exc).__name__, exc)
         finally:
-            if self.node is not None:
+            if node is not None:
                 try:
-                    self.node.drain()
+                    node.drain()
                 except P2PKVError as exc:
                     log.warning("p2pkv tier: the node did not drain cleanly (%s: %s)",
                                 type(exc).__name__, exc)

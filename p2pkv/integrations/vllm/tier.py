@@ -183,6 +183,10 @@ class P2PKVTier(SecondaryTierManager):
         log.info("p2pkv tier: fingerprint %s, %d-byte chunks, peers %s; identity derived "
                  "so far: %s", self.run_config.fingerprint, self.block_size_bytes,
                  list(peers) or "none", self.identity.describe())
+        # The node starts as soon as it can (the engine core seeds its block hashing
+        # right after building this tier), not on the first request: that request would
+        # pay the start on the scheduler thread and find no peer connected yet.
+        self._run.start_early(self._identity_timeout)
 
     # ------------------------------------------------------------------ identity, node
 
