@@ -180,8 +180,9 @@ def test_the_recipe_shares_through_the_directory_under_curve(
     assert cluster.metrics(b)["vllm:p2pkv_directory_hits_total"] >= took // CHUNK
     # a announced the chunks it was computing to Redis (pending-v1). (What an engine
     # announces or withdraws before its registration in Redis is done is dropped and
-    # counted, change=dropped: here the first request can come first. Its renewals
-    # every 0.25 s go through once it is registered.)
+    # counted, change=dropped. The node registers as soon as it can, before the first
+    # request in the runs here, but a slow weights digest can still make the first
+    # request come first; its renewals every 0.25 s go through once it is registered.)
     announced = "vllm:p2pkv_directory_pending_keys_total{change=announced}"
     assert cluster.metrics(a).get(announced, 0) >= 1
 
