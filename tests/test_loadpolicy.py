@@ -23,9 +23,11 @@ from p2pkv.integrations.vllm.loadpolicy import (
     PROVISIONAL_CHUNKS,
     SKIP_FLOOR,
     SKIP_SLOWER,
+    STEP_SAMPLES,
     LoadPolicy,
     LoadPolicyConfig,
     PrefillMeter,
+    StepMeter,
     band,
 )
 
@@ -359,3 +361,35 @@ def test_one_holder_is_all_or_nothing_whatever_the_bands_measured() -> None:
     advice = p.advise(["a"] * 5, now=1.0)
     assert (advice.load, advice.reason) == (5, LOAD_PAYS)
     assert advice.recompute_seconds == pytest.approx(320 / 42.0)
+
+
+def test_a_wait_on_an_engine_that_computes_costs_whole_steps() -> None:
+    steps = StepMeter()
+    assert steps.wait_cost(0.2, now=0.0) == 0.2  # nothing measured: the wait itself
+    # Busy steps of 0.5 s (forward passes), ending at 0.0, 0.5, 1.0, ...
+    for i in range(STEP_SAMPLES + 1):
+        steps.ended(i * 0.5)
+    last = STEP_SAMPLES * 0.5
+    assert steps.seconds() == pytest.approx(0.5)
+    # A request that waits is looked at again a step later, at the soonest.
+    assert steps.wait_cost(0.1, now=last + 0.01) == pytest.approx(0.5)
+    assert steps.wait_cost(0.7, now=last + 0.01) == pytest.approx(1.0)
+    assert steps.wait_cost(1.0, now=last + 0.01) == pytest.approx(1.0)
+    # One long step does not move the median; the estimate follows the last steps only.
+    steps.ended(last + 3.0)
+    assert steps.seconds() == pytest.approx(0.5)
+    for i in range(1, STEP_SAMPLES + 1):
+        steps.ended(last + 3.0 + i * 0.05)  # decode steps
+    assert steps.seconds() == pytest.approx(0.05)
+    now = last + 3.0 + STEP_SAMPLES * 0.05
+    assert steps.wait_cost(0.12, now=now) == pytest.approx(0.15)
+    # A step that scheduled nothing: the engine sleeps until the recheck, the wait is
+    # the wait; and its length is no busy step's.
+    steps.idle()
+    assert steps.wait_cost(0.12, now=now) == 0.12
+    steps.ended(now + 2.0)
+    assert steps.seconds() == pytest.approx(0.05)
+    # An engine that stopped stepping (two step lengths without one) is not computing.
+    assert steps.wait_cost(0.01, now=now + 2.0 + 0.2) == 0.01
+    assert policy().describe(0.0)["steps"] == {"busy": False, "step_seconds": None,
+                                                "samples": 0}

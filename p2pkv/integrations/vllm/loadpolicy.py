@@ -35,7 +35,9 @@ calls (one lock).
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +55,7 @@ __all__ = [
     "LoadPolicyConfig",
     "PrefillMeter",
     "Rate",
+    "StepMeter",
 ]
 
 #: Reasons of a decision (the ``reason`` label of the tier's metrics). Loads:
@@ -82,6 +85,8 @@ PROVISIONAL_CHUNKS = 4
 MAX_PROBE_BACKOFF = 4
 #: Requests tracked at once for prefill samples (the oldest are dropped past it).
 MAX_TRACKED_REQUESTS = 4096
+#: Busy scheduler steps whose lengths the step estimate is the median of.
+STEP_SAMPLES = 8
 
 
 @dataclass(frozen=True)
@@ -237,6 +242,53 @@ class PrefillMeter:
         return len(self._requests)
 
 
+class StepMeter:
+    """How long this engine's scheduler steps take while it computes, and whether it is
+    computing now: a request the tier answers RETRY is looked at again only at the next
+    step, so on a busy engine waiting for chunks a peer is computing costs whole steps,
+    however soon they are due.
+
+    The scheduler thread reports the end of every step (:meth:`ended`) and, under
+    ``P2PKVConnector``, a step that scheduled nothing (:meth:`idle`). A busy step's
+    length is the time from its end to the next one's (its forward pass and the next
+    scheduling); the estimate is the median of the last :data:`STEP_SAMPLES`."""
+
+    def __init__(self) -> None:
+        self._samples: collections.deque[float] = collections.deque(maxlen=STEP_SAMPLES)
+        self._last_end: float | None = None
+        self._busy = False
+
+    def ended(self, now: float) -> None:
+        """A step's scheduling ended at ``now`` (busy until :meth:`idle` says not)."""
+        if self._busy and self._last_end is not None:
+            self._samples.append(now - self._last_end)
+        self._last_end = now
+        self._busy = True
+
+    def idle(self) -> None:
+        """The step that just ended scheduled nothing."""
+        self._busy = False
+
+    def seconds(self) -> float | None:
+        """The busy steps' median length, or None before the first."""
+        return statistics.median(self._samples) if self._samples else None
+
+    def wait_cost(self, due: float, now: float) -> float:
+        """What waiting ``due`` seconds costs a request here: ``due`` on an idle engine
+        (its scheduler sleeps until the recheck, see :mod:`.lookups`); on one that is
+        computing, whole steps, at least one. An engine that has not ended a step for two
+        step lengths is not computing."""
+        step = self.seconds()
+        if step is None or step <= 0 or not self._busy or self._last_end is None \
+                or now - self._last_end > 2 * step:
+            return due
+        return step * max(1, math.ceil(due / step))
+
+    def describe(self) -> dict[str, Any]:
+        return {"busy": self._busy, "step_seconds": self.seconds(),
+                "samples": len(self._samples)}
+
+
 def _load_seconds(part: Sequence[str], rates: dict[str, float], chunk_bytes: int) -> float:
     """Estimated time to load chunks held by ``part[i]``: one fetch per peer, in
     parallel, so the slowest decides."""
@@ -263,6 +315,7 @@ class LoadPolicy:
         self.chunk_bytes = chunk_bytes
         self.chunk_tokens = chunk_tokens
         self.meter = PrefillMeter(chunk_tokens)
+        self.steps = StepMeter()
         self.bandwidth: dict[str, Rate] = {}
         #: Prefill rate (tokens/s) by :func:`band` of the tokens computed.
         self.prefill: dict[int, Rate] = {}
@@ -448,6 +501,7 @@ class LoadPolicy:
             "bandwidth_bytes_per_s": {p: r.describe(now) for p, r in self.bandwidth.items()},
             "prefill_tokens_per_s": {str(1 << b): r.describe(now)
                                      for b, r in sorted(self.prefill.items())},
+            "steps": self.steps.describe(),
             "decisions": dict(self.decisions), "skipped_chunks": dict(self.skipped),
             "last": self.last.describe() if self.last else None,
         }

@@ -118,10 +118,11 @@ class TierLoads:
 
     def wait_pays(self, chunks: int, due: float) -> bool:
         """Lookup thread: whether waiting ``due`` seconds for ``chunks`` chunks a peer is
-        computing, then loading them, is estimated to be faster than computing them
-        here (the load policy's rule; without a prefill estimate, or with the policy
-        off, waiting is taken, bounded by ``pending_wait``). Counted in the load
-        decisions."""
+        computing (rounded up to whole scheduler steps while this engine computes, see
+        :class:`~p2pkv.integrations.vllm.loadpolicy.StepMeter`), then loading them, is
+        estimated to be faster than computing them here (the load policy's rule;
+        without a prefill estimate, or with the policy off, waiting is taken, bounded by
+        ``pending_wait``). Counted in the load decisions."""
         with self._lock:
             tokens = chunks * self.policy.chunk_tokens
             rate = self.policy.prefill_rate(tokens)
@@ -132,9 +133,12 @@ class TierLoads:
             else:
                 rates = [r.value for r in self.policy.bandwidth.values()]
                 load = chunks * self.policy.chunk_bytes / min(rates) if rates else 0.0
-                # No min_speedup margin here: a wait that only breaks even still frees
-                # this engine to compute other requests meanwhile.
-                slower = due + load >= tokens / rate
+                # A request that waits is looked at again at a later step: on an engine
+                # that is computing, the wait lasts whole steps (StepMeter). No
+                # min_speedup margin: a wait that only breaks even still frees this
+                # engine to compute other requests meanwhile.
+                wait = self.policy.steps.wait_cost(due, time.monotonic())
+                slower = wait + load >= tokens / rate
                 reason = PENDING_SLOWER if slower else PENDING_PAYS
             self._count(Metrics.LOAD_DECISIONS, 1, (reason,))
         return reason != PENDING_SLOWER
@@ -145,9 +149,16 @@ class TierLoads:
             self.policy.fetched(peer, result.nbytes, result.seconds, time.monotonic())
 
     def scheduled(self, context: ScheduleEndContext) -> None:
+        """Scheduler thread: a step's scheduling ended."""
         with self._lock:
-            self.policy.meter.scheduled(context.new_req_ids, context.preempted_req_ids,
-                                        time.monotonic())
+            now = time.monotonic()
+            self.policy.meter.scheduled(context.new_req_ids, context.preempted_req_ids, now)
+            self.policy.steps.ended(now)
+
+    def idle_step(self) -> None:
+        """Scheduler thread: the step that just ended scheduled nothing."""
+        with self._lock:
+            self.policy.steps.idle()
 
     def stored(self, req_id: str, keys: Collection[bytes]) -> None:
         with self._lock:

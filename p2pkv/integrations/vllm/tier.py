@@ -302,6 +302,7 @@ class P2PKVTier(SecondaryTierManager):
         waits. When some wait on this tier's lookups, the scheduler thread sleeps until
         their answers may have changed, at most ``lookup_wait``
         (:meth:`RequestLookups.pause`); vLLM's loop would spin instead."""
+        self._policy.idle_step()
         self._lookups.pause()
 
     def drain_jobs(self) -> None:
