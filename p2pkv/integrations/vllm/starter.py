@@ -138,7 +138,7 @@ class TierNode:
     def _start(self) -> Node | None:
         try:
             # vLLM seeds its block hashes after building the scheduler (and the tier),
-            # so the key hash is read on first use, when requests are already flowing.
+            # so the key hash is read here, once seeded (start_early waits for that).
             self.key_hash = current_key_hash()
             self.extension = self.identity.extension(self.key_hash)
             # Keys are vLLM's own (SPEC 15.2): the name says so, and the seed travels
