@@ -25,9 +25,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 PROMPT = list(range(10, 10 + 500))  # 500 token ids: 7 whole chunks of 64 tokens to share
+#: Seconds between A's answer and B's request (see main()).
+STORE_GRACE_S = 1.0
 
 
 def transfer_config(listen: str, peers: list[str]) -> dict[str, Any]:
@@ -112,6 +115,11 @@ def main() -> int:
                 first = result(engine_a)
                 print(f"A computed the prompt: {first['cached_tokens']} cached tokens, "
                       f"tokens {first['tokens']}")
+                # vLLM answers a request before its chunks reach the tier. A tier says
+                # it is computing them (and a peer then waits) only if its node was up
+                # when the request came; both engines have just started, so give A's
+                # stores a moment.
+                time.sleep(STORE_GRACE_S)
                 second = result(engine_b)
             finally:
                 engine_b.communicate("", timeout=120)

@@ -46,6 +46,8 @@ class Peer:
     next_attempt: float = 0.0
     last_error: str | None = None
     refused: tuple[str, ...] = ()
+    #: Whether a connection to it ever came up.
+    seen: bool = False
 
 
 class Peers:
@@ -66,13 +68,16 @@ class Peers:
 
     # ------------------------------------------------------------------ connections
 
-    def maintain(self, node: Node) -> None:
-        """Start a connection to every peer that has none and is due for an attempt."""
+    def maintain(self, node: Node, *, starting: bool = False) -> None:
+        """Start a connection to every peer that has none and is due for an attempt.
+        ``starting``: engines of a cluster start together, so a peer never reached yet
+        (and not refused) is tried again now, not after ``reconnect_interval``."""
         now = time.monotonic()
         started: list[tuple[Peer, Future[PeerHandle]]] = []
         with self._lock:
             due = [p for p in self._peers.values()
-                   if p.handle is None and p.connecting is None and now >= p.next_attempt]
+                   if p.handle is None and p.connecting is None and (
+                       now >= p.next_attempt or (starting and not p.seen and not p.refused))]
             for peer in due:
                 try:
                     fut = node.connect_async(peer.address)
@@ -111,6 +116,7 @@ class Peers:
                 return
             peer.refused = ()
             peer.last_error = None
+            peer.seen = True
             log.info("p2pkv tier: connected to %s (%s)", peer.address, peer.handle.remote_node_id)
 
     def lost(self, handle: PeerHandle, exc: BaseException) -> None:

@@ -94,25 +94,21 @@ class TierNode:
                          "it is known, lookups miss and stores wait (up to %.0f s)",
                          self._identity_timeout)
             return None
-        # Another thread may be starting it: a caller that may not wait (the scheduler)
-        # does not queue behind that start, it answers as if not started yet.
-        if not self._lock.acquire(blocking=wait > 0):
-            return None
-        try:
-            # Another thread (early start, scheduler or store) may have started it.
+        # A start under way (early, or by another thread) is waited for: a request that
+        # arrives meanwhile is asked once the node runs, as the first request always was.
+        with self._lock:
             if self.settled():
                 return self.node
             return self._start()
-        finally:
-            self._lock.release()
 
     def start_early(self, timeout: float) -> None:
         """Start the node from a thread of its own once the weights digest is known and
         vLLM has seeded its block hashing (:func:`key_hash_ready`), waiting at most
         ``timeout`` seconds for both; a lookup or store that comes first starts it
-        instead (:meth:`ensure`). Then it keeps connecting the static peers until each is
-        connected, within the same ``timeout``. Ends early when the node cannot start or
-        the tier closed."""
+        instead (:meth:`ensure`), and one that comes during the start waits for it. Then
+        it keeps connecting the static peers until each is connected, within the same
+        ``timeout``, a peer never reached yet every half second. Ends early when the node
+        cannot start or the tier closed."""
         def run() -> None:
             deadline = time.monotonic() + timeout
             while not self.settled() and time.monotonic() < deadline:
@@ -123,7 +119,7 @@ class TierNode:
             # The static peers may start after this engine: keep trying them until each
             # is connected (the scheduler's steps take over once requests come).
             while self._peers_to_connect() and time.monotonic() < deadline:
-                self.maintain()
+                self.maintain(starting=True)
                 time.sleep(EARLY_POLL * 10)
 
         threading.Thread(target=run, name="p2pkv-start", daemon=True).start()
@@ -171,10 +167,11 @@ class TierNode:
         self.maintain()
         return node
 
-    def maintain(self) -> None:
-        """Keep the static peers connected (not needed with a directory)."""
+    def maintain(self, *, starting: bool = False) -> None:
+        """Keep the static peers connected (not needed with a directory); ``starting``:
+        see :meth:`Peers.maintain`."""
         if self.node is not None and self.directory is None:
-            self._peers.maintain(self.node)
+            self._peers.maintain(self.node, starting=starting)
 
     def close(self) -> None:
         """Withdraw this engine's claims from the directory, then drain the node (new
