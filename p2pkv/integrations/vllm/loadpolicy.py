@@ -35,10 +35,9 @@ calls (one lock).
 
 from __future__ import annotations
 
-import collections
 import math
 import statistics
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -254,7 +253,7 @@ class StepMeter:
     scheduling); the estimate is the median of the last :data:`STEP_SAMPLES`."""
 
     def __init__(self) -> None:
-        self._samples: collections.deque[float] = collections.deque(maxlen=STEP_SAMPLES)
+        self._samples: deque[float] = deque(maxlen=STEP_SAMPLES)
         self._last_end: float | None = None
         self._busy = False
 
@@ -279,7 +278,7 @@ class StepMeter:
         computing, whole steps, at least one. An engine that has not ended a step for two
         step lengths is not computing."""
         step = self.seconds()
-        if step is None or step <= 0 or not self._busy or self._last_end is None \
+        if not self._busy or not step or self._last_end is None \
                 or now - self._last_end > 2 * step:
             return due
         return step * max(1, math.ceil(due / step))
