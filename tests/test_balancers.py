@@ -27,8 +27,9 @@ from p2pkv.bench.serving.balancers import (
 from p2pkv.bench.serving.clients import BenchWorkload, prefix_ids
 from p2pkv.bench.serving.cluster import BLOCK_SIZE, EngineSpec, ServingCluster
 from p2pkv.bench.serving.configs import engine_specs, tier_options
-from p2pkv.bench.serving.run import _parser, _problem, ratios, run_label
+from p2pkv.bench.serving.run import _parser, _problem
 from p2pkv.bench.serving.skew import MAX_PROMPT_TOKENS, prefix_order, zipf_weights
+from p2pkv.bench.serving.tables import ratios, run_label
 
 
 def test_balancer_choices_parse_and_name_themselves() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from p2pkv.bench.serving.leftovers import in_use, remove_vllm_shm, vllm_shm, wait_group_empty
 from p2pkv.bench.serving.processes import cpu_used, group_cpu
-from p2pkv.bench.serving.run import engine_cpu
+from p2pkv.bench.serving.tables import engine_cpu
 
 HOLD = ("import mmap, sys\n"
         "f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0); f.close()\n"

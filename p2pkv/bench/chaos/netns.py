@@ -20,75 +20,19 @@ must fail over from it. :meth:`NetnsLink.heal` sets it up again.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
-import shutil
 import socket
 import subprocess
-import threading
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 from p2pkv.bench.chaos.proxy import FaultProxy
+from p2pkv.bench.netns import Unavailable, check_available, in_netns, remove_stale
+from p2pkv.bench.netns import ip as _ip
 
 __all__ = ["NetnsLink", "Unavailable"]
 
-_CLONE_NEWNET = 0x40000000
 _PREFIX = "p2pkv-chaos-"
-T = TypeVar("T")
-
-
-class Unavailable(Exception):
-    """Namespaces cannot be used here; the message says why."""
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20,
-                          stdin=subprocess.DEVNULL)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)} failed ({done.returncode}): "
-                           f"{done.stderr.strip()}")
-    return done
-
-
-def in_netns(name: str, make: Callable[[], T]) -> T:
-    """``make()`` run on a thread inside network namespace ``name`` (its sockets are
-    that namespace's); its exception is raised here."""
-    out: list[T] = []
-    err: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
-            try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                if libc.setns(fd, _CLONE_NEWNET) != 0:
-                    errno = ctypes.get_errno()
-                    raise OSError(errno, f"setns into {name}: {os.strerror(errno)}")
-            finally:
-                os.close(fd)
-            out.append(make())
-        except BaseException as exc:
-            err.append(exc)
-
-    thread = threading.Thread(target=run, name="p2pkv-chaos-netns", daemon=True)
-    thread.start()
-    thread.join(30)
-    if err:
-        raise err[0]
-    if not out:
-        raise OSError(f"nothing made in namespace {name} within 30 s")
-    return out[0]
-
-
-def _remove_stale() -> None:
-    """Namespaces of earlier runs whose process is gone (killed before it cleaned up)."""
-    listed = _ip("netns", "list", check=False).stdout.split()
-    for name in (n for n in listed if n.startswith(_PREFIX)):
-        pid = name[len(_PREFIX):].split("-")[0]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            _ip("netns", "del", name, check=False)
 
 
 class NetnsLink:
@@ -97,11 +41,8 @@ class NetnsLink:
     it. Raises :class:`Unavailable` (with the reason) where namespaces cannot be made."""
 
     def __init__(self, redis_ports: Sequence[int], metrics_port: int, holder_port: int) -> None:
-        if os.geteuid() != 0:
-            raise Unavailable("network namespaces need root")
-        if shutil.which("ip") is None:
-            raise Unavailable("iproute2's 'ip' is not installed")
-        _remove_stale()
+        check_available()
+        remove_stale(_PREFIX)
         tag = f"{os.getpid()}"
         self.a, self.b = f"{_PREFIX}{tag}-a", f"{_PREFIX}{tag}-b"
         self.veth_a, self.veth_b = f"p2kcA{tag}"[:15], f"p2kcB{tag}"[:15]

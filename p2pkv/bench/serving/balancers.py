@@ -65,16 +65,22 @@ class RequestLogUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Upstream:
-    """One engine as the balancer sees it: its name, HTTP port on 127.0.0.1, and the port
-    it publishes KV-cache events on (``None``: it publishes none)."""
+    """One engine as the balancer sees it: its name, HTTP port, the port it publishes
+    KV-cache events on (``None``: it publishes none), and its address (another emulated
+    host's, or 127.0.0.1)."""
 
     name: str
     port: int
     kv_events_port: int | None = None
+    host: str = "127.0.0.1"
+
+    @property
+    def authority(self) -> str:
+        return f"{self.host}:{self.port}"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.authority}"
 
 
 @dataclass(frozen=True)
@@ -163,7 +169,7 @@ class Balancer(ABC):
 
 
 def _nginx_conf(workdir: Path, port: int, upstreams: Sequence[Upstream]) -> str:
-    servers = "\n".join(f"        server 127.0.0.1:{u.port} max_fails=1 fail_timeout=5s;"
+    servers = "\n".join(f"        server {u.authority} max_fails=1 fail_timeout=5s;"
                         for u in upstreams)
     temp = workdir / "nginx-temp"
     user = "user root;\n" if os.geteuid() == 0 else ""
@@ -236,7 +242,7 @@ class Nginx(Balancer):
         return out
 
     def requests_per_engine(self) -> dict[str, int]:
-        names = {f"127.0.0.1:{u.port}": u.name for u in self._launched().upstreams}
+        names = {u.authority: u.name for u in self._launched().upstreams}
         answered = Counter(names.get(r["upstreams"][-1]) for r in self.request_log()
                            if r["upstreams"])
         return {name: answered.get(name, 0) for name in names.values()}
@@ -293,7 +299,7 @@ class VllmRouter(Balancer):
                 raise ServingStartError(f"{self.label} needs every engine's KV-cache "
                                         f"events; these publish none: {missing}")
             for u in launch.upstreams:
-                cmd += ["--kv-event-source", f"{u.url}=tcp://127.0.0.1:{u.kv_events_port}"]
+                cmd += ["--kv-event-source", f"{u.url}=tcp://{u.host}:{u.kv_events_port}"]
             cmd += ["--kv-event-model", launch.served_name,
                     "--kv-event-block-size", str(launch.block_size)]
         return [*cmd, *self.args]

@@ -25,14 +25,14 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from p2pkv.bench.serving.skew import MAX_PROMPT_TOKENS, prefix_order
 
 __all__ = ["BenchWorkload", "complete", "run_multi_turn", "run_vllm_bench",
-           "summarize_latencies"]
+           "sse_payloads", "summarize_latencies"]
 
 _BENCH_MAIN = """
 import sys
@@ -190,9 +190,10 @@ def cold_profile(bench: dict[str, Any], prefixes: Sequence[int]) -> dict[str, in
     return out
 
 
-def complete(base_url: str, model_name: str, prompt: str, max_tokens: int,
+def complete(base_url: str, model_name: str, prompt: str | list[int], max_tokens: int,
              timeout: float = 300.0) -> str:
-    """One greedy completion, nothing else in flight from this caller."""
+    """One greedy completion, nothing else in flight from this caller (``prompt``: a
+    text, or token ids as they are)."""
     body = json.dumps({"model": model_name, "prompt": prompt, "max_tokens": max_tokens,
                        "temperature": 0, "ignore_eos": True}).encode()
     req = urllib.request.Request(base_url + "/v1/completions", data=body,
@@ -235,6 +236,21 @@ def conversations(count: int, turns: int, doc_words: int, seed: int) -> list[lis
     return out
 
 
+async def sse_payloads(response: Any) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payloads of an OpenAI streaming response (an aiohttp response whose body
+    is server-sent events), in order, up to ``data: [DONE]``; other lines (blank ones,
+    SSE comments) are skipped. Shared by every streaming client of the bench."""
+    async for raw in response.content:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        payload: dict[str, Any] = json.loads(data)
+        yield payload
+
+
 async def _stream_chat(session: Any, url: str, model_name: str,
                        messages: list[dict[str, str]], max_tokens: int,
                        timeout: float) -> tuple[float, str]:
@@ -249,11 +265,7 @@ async def _stream_chat(session: Any, url: str, model_name: str,
                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
+        async for chunk in sse_payloads(r):
             delta = chunk["choices"][0].get("delta", {}).get("content") if chunk.get(
                 "choices") else None
             if delta:
@@ -314,10 +326,12 @@ def run_multi_turn(urls: Sequence[str], model_name: str, *, count: int = 8, turn
     return {"summary": summary, "records": out["records"]}
 
 
-def summarize_latencies(seconds: Sequence[float]) -> dict[str, float]:
-    """p50, p99 and mean in milliseconds (empty input: all zero)."""
+def summarize_latencies(seconds: Sequence[float],
+                        percentiles: Sequence[int] = (50, 99)) -> dict[str, float]:
+    """The ``percentiles`` (``p50_ms``, ...) and the mean in milliseconds, interpolated
+    between ranks (empty input: all zero)."""
     if not seconds:
-        return {"p50_ms": 0.0, "p99_ms": 0.0, "mean_ms": 0.0}
+        return {**{f"p{p}_ms": 0.0 for p in percentiles}, "mean_ms": 0.0}
     ordered = sorted(seconds)
 
     def pct(p: float) -> float:
@@ -326,5 +340,5 @@ def summarize_latencies(seconds: Sequence[float]) -> dict[str, float]:
         hi = min(lo + 1, len(ordered) - 1)
         return (ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)) * 1000
 
-    return {"p50_ms": pct(0.5), "p99_ms": pct(0.99),
+    return {**{f"p{p}_ms": pct(p / 100) for p in percentiles},
             "mean_ms": statistics.fmean(ordered) * 1000}

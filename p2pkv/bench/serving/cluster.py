@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from p2pkv.bench.hosts import Host
 from p2pkv.bench.ports import free_port
 from p2pkv.bench.serving.balancers import Balancer, Launch, Upstream, parse_balancer
 from p2pkv.bench.serving.processes import (
@@ -60,8 +61,11 @@ class EngineSpec:
     """One ``vllm serve`` engine: its HTTP port, ``--kv-transfer-config`` (``None``: no
     connector), the CPU cores its threads bind to, extra arguments and environment, the
     working directory it runs in (``None``: the cluster's), against which relative paths
-    in its arguments resolve, and the port it publishes its KV-cache events on
-    (``None``: none; the cluster picks one when its balancer follows the events)."""
+    in its arguments resolve, the port it publishes its KV-cache events on (``None``:
+    none; the cluster picks one when its balancer follows the events), and the emulated
+    host it runs on (:mod:`p2pkv.bench.hosts`; ``None``: this machine, on 127.0.0.1).
+    On a host it listens on the host's address, and everything else reaches it over
+    the host's link."""
 
     name: str
     port: int
@@ -71,6 +75,12 @@ class EngineSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: Path | None = None
     kv_events_port: int | None = None
+    host: Host | None = None
+
+    @property
+    def address(self) -> str:
+        """Where the engine listens (HTTP, KV-cache events)."""
+        return "127.0.0.1" if self.host is None else self.host.address
 
     def kv_events_config(self) -> dict[str, Any] | None:
         """``--kv-events-config``: vLLM's ZeroMQ publisher on ``kv_events_port``. vLLM
@@ -91,7 +101,12 @@ class ServingCluster:
     :class:`~p2pkv.bench.serving.balancers.Balancer` of this cluster's own, or ``None``
     (clients go to the first engine). A balancer that follows the engines' KV-cache
     events gets each engine a port for them (:attr:`EngineSpec.kv_events_port`), and the
-    engines run with the arguments it needs (:meth:`Balancer.engine_args`)."""
+    engines run with the arguments it needs (:meth:`Balancer.engine_args`).
+
+    The balancer runs, and listens on 127.0.0.1, in the network namespace of the thread
+    that starts the cluster: on emulated hosts, the caller enters the clients' host
+    first (:meth:`p2pkv.bench.hosts.Hosts.entered`), and the balancer reaches each
+    engine on its own host over the links."""
 
     def __init__(self, model: Path, engines: Sequence[EngineSpec], workdir: Path, *,
                  served_name: str = "model", max_model_len: int = 4096,
@@ -125,7 +140,8 @@ class ServingCluster:
         return self.engine_url(self.specs[0].name)
 
     def engine_url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.spec(name).port}"
+        spec = self.spec(name)
+        return f"http://{spec.address}:{spec.port}"
 
     def spec(self, name: str) -> EngineSpec:
         for s in self.specs:
@@ -145,7 +161,7 @@ class ServingCluster:
     def engine_command(self, spec: EngineSpec) -> list[str]:
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.model), "--served-model-name", self.served_name,
-               "--host", "127.0.0.1", "--port", str(spec.port), "--dtype", "float32",
+               "--host", spec.address, "--port", str(spec.port), "--dtype", "float32",
                "--block-size", str(BLOCK_SIZE), "--max-model-len", str(self.max_model_len),
                "--disable-uvicorn-access-log", *spec.args]
         if self.balancer is not None:
@@ -155,7 +171,7 @@ class ServingCluster:
         events = spec.kv_events_config()
         if events is not None:
             cmd += ["--kv-events-config", json.dumps(events)]
-        return cmd
+        return cmd if spec.host is None else spec.host.command(*cmd)
 
     def engine_env(self, spec: EngineSpec) -> dict[str, str]:
         return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
@@ -181,7 +197,7 @@ class ServingCluster:
             for spec in self.specs:
                 self._wait_healthy(spec.name, deadline)
             if self.balancer is not None:
-                upstreams = tuple(Upstream(s.name, s.port, s.kv_events_port)
+                upstreams = tuple(Upstream(s.name, s.port, s.kv_events_port, s.address)
                                   for s in self.specs)
                 self.balancer.start(
                     Launch(self.workdir, self.balancer_port, upstreams, self.served_name,
@@ -244,7 +260,8 @@ class ServingCluster:
         return [p.proc.pid for p in procs]
 
     def metrics(self, name: str) -> dict[str, float]:
-        return scrape(self.spec(name).port)
+        spec = self.spec(name)
+        return scrape(spec.port, host=spec.address)
 
     def cpu(self) -> dict[str, dict[int, tuple[str, float]]]:
         """CPU time so far of each live engine's processes (server, core, workers), by

@@ -6,7 +6,13 @@
 - ``p2pkv``: p2pkv's connector (the offloading connector that hands the tier each
   request's adapter) with the p2pkv tier; peers given by address.
 - ``fs``: the offloading connector with vLLM's own ``fs`` tier on one directory every
-  engine reads and writes (what a user would set up instead of peer sharing).
+  engine reads and writes (what a user would set up instead of peer sharing). The
+  directory is a local one: on engines that are processes of one host, a page-cache
+  copy; on emulated hosts (:mod:`p2pkv.bench.hosts`) it is what no two real hosts
+  could share, and stands as the one-host ceiling of ``fs``.
+- ``fs-net``: the same tier on a directory of a real network filesystem (GlusterFS,
+  :mod:`~p2pkv.bench.serving.glusterfs`) that every engine host mounts over its own
+  link: what ``fs`` is across hosts. Only on emulated hosts.
 - ``single``: one engine that gets all the traffic, with every core (the locality
   ceiling: every repeat of a prefix finds it in that engine's own cache).
 
@@ -19,16 +25,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from p2pkv.bench.hosts import Host
 from p2pkv.bench.ports import free_port
 from p2pkv.bench.serving.cluster import EngineSpec
 
-__all__ = ["CONFIGS", "OFFLOAD_BLOCK_TOKENS", "engine_specs", "offloading_config",
+__all__ = ["CONFIGS", "OFFLOAD_BLOCK_TOKENS", "core_sets", "engine_specs", "offloading_config",
            "parse_tier_option", "tier_options"]
 
-CONFIGS = ("none", "offload", "p2pkv", "fs", "single")
+CONFIGS = ("none", "offload", "p2pkv", "fs", "fs-net", "single")
 #: Tokens per offloaded chunk (vLLM's block size is 32 here).
 OFFLOAD_BLOCK_TOKENS = 64
 
@@ -95,7 +103,9 @@ def offloading_config(cpu_bytes: int, tiers: list[dict[str, Any]], *,
                 "secondary_tiers": tiers}}
 
 
-def _core_sets(engines: int) -> list[str]:
+def core_sets(engines: int) -> list[str]:
+    """The cores of each of ``engines`` engines (``VLLM_CPU_OMP_THREADS_BIND``): this
+    machine's cores split evenly, or ``nobind`` when there are more engines than cores."""
     cores = sorted(os.sched_getaffinity(0))
     if engines > len(cores):
         return ["nobind"] * engines
@@ -108,29 +118,51 @@ def _core_sets(engines: int) -> list[str]:
 
 
 def engine_specs(config: str, engines: int, *, cpu_bytes: int, workdir: Path,
-                 tier_options: dict[str, Any] | None = None) -> list[EngineSpec]:
-    """The engines of one configuration (``single`` is always one engine)."""
+                 tier_options: dict[str, Any] | None = None,
+                 hosts: Sequence[Host] | None = None,
+                 fs_net_roots: Sequence[Path] | None = None) -> list[EngineSpec]:
+    """The engines of one configuration (``single`` is always one engine). ``workdir``
+    is the run's own (the ``fs`` tier's directory is made in it, empty). With ``hosts``,
+    engine ``i`` runs on ``hosts[i]`` and p2pkv's peers find each other at the hosts'
+    addresses; ``fs-net`` needs, per engine, its host's mount of the shared volume
+    (``fs_net_roots``, an empty directory of it for this run)."""
     if config not in CONFIGS:
         raise ValueError(f"unknown configuration {config!r}; choose from {', '.join(CONFIGS)}")
     count = 1 if config == "single" else engines
-    cores = _core_sets(count)
+    if hosts is not None and len(hosts) < count:
+        raise ValueError(f"{count} engine(s) need as many hosts, got {len(hosts)}")
+    if config == "fs-net" and (hosts is None or fs_net_roots is None
+                               or len(fs_net_roots) < count):
+        raise ValueError("fs-net is vLLM's fs tier on a network filesystem across hosts: "
+                         "it runs only on emulated hosts (--hosts), each with its mount")
+    placed = list(hosts[:count]) if hosts is not None else [None] * count
+    cores = core_sets(count)
     names = [f"{config}-{i}" for i in range(count)]
     ports = [free_port() for _ in names]
+
+    def spec(i: int, kv: dict[str, Any] | None) -> EngineSpec:
+        return EngineSpec(names[i], ports[i], kv, cores[i], host=placed[i])
+
     if config in ("none", "single"):
-        return [EngineSpec(n, p, None, c) for n, p, c in zip(names, ports, cores, strict=True)]
+        return [spec(i, None) for i in range(count)]
     if config == "offload":
-        kv = offloading_config(cpu_bytes, [])
-        return [EngineSpec(n, p, kv, c) for n, p, c in zip(names, ports, cores, strict=True)]
-    if config == "fs":
-        root = workdir / "fs-tier"
-        root.mkdir(parents=True, exist_ok=True)
-        kv = offloading_config(cpu_bytes, [{"type": "fs", "root_dir": str(root)}])
-        return [EngineSpec(n, p, kv, c) for n, p, c in zip(names, ports, cores, strict=True)]
-    tiers = [f"tcp://127.0.0.1:{free_port()}" for _ in names]
+        return [spec(i, offloading_config(cpu_bytes, [])) for i in range(count)]
+    if config in ("fs", "fs-net"):
+        if config == "fs":
+            root = workdir / "fs-tier"
+            root.mkdir(parents=True, exist_ok=True)
+            roots = [root] * count
+        else:
+            roots = list(fs_net_roots or ())[:count]
+        return [spec(i, offloading_config(cpu_bytes, [{"type": "fs",
+                                                        "root_dir": str(roots[i])}]))
+                for i in range(count)]
+    tiers = [f"tcp://{'127.0.0.1' if h is None else h.address}:{free_port()}"
+             for h in placed]
     specs = []
-    for i, (n, p, c) in enumerate(zip(names, ports, cores, strict=True)):
+    for i in range(count):
         tier = {"type": "P2PKVTier", "module_path": "p2pkv.integrations.vllm",
                 "listen": tiers[i], "peers": [t for j, t in enumerate(tiers) if j != i],
                 **(tier_options or {})}
-        specs.append(EngineSpec(n, p, offloading_config(cpu_bytes, [tier], p2pkv=True), c))
+        specs.append(spec(i, offloading_config(cpu_bytes, [tier], p2pkv=True)))
     return specs

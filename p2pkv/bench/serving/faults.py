@@ -17,7 +17,6 @@ process group (API server, engine core, workers) ``--kill-after`` seconds in. It
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import threading
 import time
@@ -25,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from p2pkv.bench.serving.clients import BenchWorkload, complete, run_vllm_bench
-from p2pkv.bench.serving.cluster import ServingCluster, scrape
+from p2pkv.bench.serving.cluster import ServingCluster
 from p2pkv.bench.serving.configs import engine_specs, tier_options
 
-__all__ = ["run_faults"]
+__all__ = ["in_flight", "rejoined", "run_faults"]
 
 PEER_TOKENS = "vllm:prompt_tokens_cached_by_source_total{source=p2p}"
 
@@ -66,18 +65,16 @@ def run_faults(args: argparse.Namespace, workdir: Path, workload: BenchWorkload,
         if "error" in bench or not bench:
             raise RuntimeError(f"the bench did not finish: {bench.get('error', 'timeout')}")
         log = cluster.balancer_requests()
-        victim_addr = f"127.0.0.1:{victim.port}"
-        # Requests the victim was serving when it died end at the kill or just after.
-        in_flight = [r for r in log if r["upstreams"][-1] == victim_addr
-                     and r["end"] >= killed_at and r["end"] - r["seconds"] <= killed_at]
+        victim_addr = f"{victim.address}:{victim.port}"
+        in_flight_at_kill = in_flight(log, victim_addr, killed_at)
         survivors = [s for s in specs if s is not victim]
         after = [r for r in log if r["end"] - r["seconds"] > killed_at
                  and r["upstreams"][-1] != victim_addr]
         metrics = {s.name: cluster.metrics(s.name) for s in survivors}
         result.update(
             requests=len(bench["errors"]), failed=bench["failed"],
-            failed_in_flight_on_victim=len(in_flight),
-            failed_elsewhere=max(0, bench["failed"] - len(in_flight)),
+            failed_in_flight_on_victim=len(in_flight_at_kill),
+            failed_elsewhere=max(0, bench["failed"] - len(in_flight_at_kill)),
             requests_after_kill=len(after),
             non_200_after_kill=sum(1 for r in after if r["status"] != 200),
             slowest_survivor_request_after_kill_s=max((r["seconds"] for r in after),
@@ -88,15 +85,29 @@ def run_faults(args: argparse.Namespace, workdir: Path, workload: BenchWorkload,
             ttft_p50_ms=bench["median_ttft_ms"], ttft_p99_ms=bench["p99_ttft_ms"])
         print(f"[faults] restarting {victim.name}", flush=True)
         cluster.start_engine(victim.name)
-        survivor = survivors[0]
-        prompt = " ".join(f"Step {i}: move the {w} to shelf {i % 7}." for i, w in
-                          enumerate(["crate", "barrel", "lamp", "rope"] * 30))
-        # The restarted engine reconnects to its peers within the reconnect interval.
-        time.sleep(5)
-        computed = complete(cluster.engine_url(survivor.name), served_name, prompt, 24)
-        before = scrape(victim.port).get(PEER_TOKENS, 0.0)
-        loaded = complete(cluster.engine_url(victim.name), served_name, prompt, 24)
-        result.update(rejoined_tokens_from_peer=scrape(victim.port).get(PEER_TOKENS, 0.0)
-                      - before, rejoined_text_equal=loaded == computed)
-    print(json.dumps(result, indent=1), flush=True)
+        result.update(rejoined(cluster, survivors[0].name, victim.name, served_name))
     return result
+
+
+def in_flight(log: list[dict[str, Any]], upstream: str, at: float) -> list[dict[str, Any]]:
+    """The requests of nginx's ``log`` that ``upstream`` (``ADDRESS:PORT``) was serving at
+    time ``at`` (epoch seconds): a request killed with its engine ends at the kill or
+    just after."""
+    return [r for r in log if r["upstreams"] and r["upstreams"][-1] == upstream
+            and r["end"] >= at and r["end"] - r["seconds"] <= at]
+
+
+def rejoined(cluster: ServingCluster, survivor: str, victim: str,
+             served_name: str) -> dict[str, Any]:
+    """After ``victim`` came back: a prompt nobody held, computed by ``survivor``, then
+    asked of ``victim``. It must load it from the survivor (it rejoined and shares) and
+    answer alike: the tokens it took from the peer, and whether the texts are equal."""
+    prompt = " ".join(f"Step {i}: move the {w} to shelf {i % 7}." for i, w in
+                      enumerate(["crate", "barrel", "lamp", "rope"] * 30))
+    # The restarted engine reconnects to its peers within the reconnect interval.
+    time.sleep(5)
+    computed = complete(cluster.engine_url(survivor), served_name, prompt, 24)
+    before = cluster.metrics(victim).get(PEER_TOKENS, 0.0)
+    loaded = complete(cluster.engine_url(victim), served_name, prompt, 24)
+    return {"rejoined_tokens_from_peer": cluster.metrics(victim).get(PEER_TOKENS, 0.0)
+            - before, "rejoined_text_equal": loaded == computed}

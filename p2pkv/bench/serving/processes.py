@@ -126,11 +126,11 @@ def wait_listening(proc: ServingProcess, port: int, timeout: float) -> None:
         time.sleep(0.1)
 
 
-def scrape(port: int, timeout: float = 10.0) -> dict[str, float]:
-    """A process's Prometheus ``/metrics`` on 127.0.0.1:``port`` as
+def scrape(port: int, timeout: float = 10.0, host: str = "127.0.0.1") -> dict[str, float]:
+    """A process's Prometheus ``/metrics`` on ``host``:``port`` as
     ``{'name{k=v,...}': value}`` (labels sorted, quotes dropped; the ``engine`` and
     ``model_name`` labels left out)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():

@@ -8,10 +8,11 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from p2pkv.bench.netns import Unavailable
 from p2pkv.bench.serving.balancers import ROUTER_POLICIES, parse_balancers
 from p2pkv.bench.serving.clients import (
     BenchWorkload,
@@ -28,73 +29,40 @@ from p2pkv.bench.serving.configs import (
     parse_tier_option,
     tier_options,
 )
+from p2pkv.bench.serving.links import (
+    PROFILES,
+    KvRate,
+    LinkProfile,
+    parse_profiles,
+    profile_rows,
+)
 from p2pkv.bench.serving.processes import cpu_used
+from p2pkv.bench.serving.tables import counters, plot, ratios, run_label, summarize, table
+from p2pkv.bench.serving.topology import Topology
 
-__all__ = ["main", "run_config", "summarize", "table"]
+__all__ = ["main", "run_config"]
 
 SERVED_NAME = "smollm2"
 
 
-def _sum(metrics: Sequence[Mapping[str, float]], prefix: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for m in metrics:
-        for k, v in m.items():
-            if k.startswith(prefix):
-                out[k] = out.get(k, 0.0) + v
-    return out
-
-
-def counters(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """The counters the table reports, summed over a configuration's engines."""
-    cached = _sum(metrics, "vllm:prompt_tokens_cached_by_source_total")
-    p2pkv = _sum(metrics, "vllm:p2pkv_")
-    offload = _sum(metrics, "vllm:kv_offload_total_bytes_total")
-    # vLLM's sources: device (the engine's own prefix cache), host (the CPU primary
-    # region), p2p (a peer tier: p2pkv), disk (a file-system tier).
-    out = {f"cached_tokens[{k.split('source=', 1)[1].rstrip('}').split(',')[0]}]": v
-           for k, v in cached.items() if "source=" in k}
-    out["prompt_tokens"] = sum(_sum(metrics, "vllm:prompt_tokens_total").values())
-    for k, v in offload.items():
-        out["offload_bytes[" + k.split("transfer_type=", 1)[1].rstrip("}") + "]"] = v
-    # vLLM's own lookup timings: a synchronous lookup per scheduler visit, and a
-    # deferred one per request it skipped (a RETRY, or a load under way) until answered.
-    for kind in ("sync", "async"):
-        name = f"vllm:kv_offload_lookup_{kind}_delay_seconds"
-        for part in ("count", "sum"):
-            total = sum(_sum(metrics, f"{name}_{part}").values())
-            if total:
-                out[f"lookup_{kind}_delay_{part}"] = total
-    for k, v in p2pkv.items():
-        if not k.endswith("_created") and any(
-                s in k for s in ("loaded_blocks", "stored_blocks", "load_failures",
-                                 "lookup_hits", "handshakes_refused", "loaded_bytes",
-                                 "load_skipped", "lookup_keys", "lookup_steps",
-                                 "lookup_wait_seconds", "load_decisions",
-                                 "idle_pause_seconds")):
-            out[k.removeprefix("vllm:")] = v
-        elif "request_hook" in k and not k.split("{")[0].endswith("_created"):
-            # Calls and seconds add up over the engines; the longest call is the max.
-            out[k.removeprefix("vllm:")] = max(m.get(k, 0.0) for m in metrics) \
-                if "max_seconds" in k else v
-    return out
-
-
-def run_label(config: str, balancer: str) -> str:
-    """A run's name in the table: the configuration, and the balancer unless it is nginx
-    (``p2pkv``, ``p2pkv@router:cache_aware``)."""
-    return config if balancer == "nginx" else f"{config}@{balancer}"
-
-
 def run_config(config: str, args: argparse.Namespace, workdir: Path,
-               workload: BenchWorkload, label: str, balancer: str = "nginx") -> dict[str, Any]:
-    """Start a configuration's engines and balancer, run both workloads, stop.
+               workload: BenchWorkload, label: str, balancer: str = "nginx",
+               topology: Topology | None = None) -> dict[str, Any]:
+    """Start a configuration's engines and balancer, run the workloads, stop.
 
     Behind nginx the multi-turn workload sends each turn to another engine than the turn
     before (the worst case, as round-robin would). Behind vLLM's router it goes through
-    the router, whose policy then places every turn."""
+    the router, whose policy then places every turn. On emulated hosts (``topology``)
+    each engine runs on its own host, and the run records the bytes each engine host
+    received over its link."""
+    topology = topology or Topology(args.engines, workdir, on_hosts=False)
+    slug = label.replace(":", "-").replace("/", "-")
+    where = workdir / slug
+    where.mkdir(parents=True, exist_ok=True)
     specs = engine_specs(config, args.engines, cpu_bytes=int(args.cpu_gib * 2**30),
-                         workdir=workdir, tier_options=tier_options(args))
-    where = workdir / label.replace(":", "-")
+                         workdir=where, tier_options=tier_options(args),
+                         hosts=topology.engine_hosts,
+                         fs_net_roots=topology.fs_net_roots(where.name))
     cluster = ServingCluster(Path(args.model), specs, where, served_name=SERVED_NAME,
                              max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
                              balancer=balancer, start_timeout=args.start_timeout)
@@ -104,8 +72,9 @@ def run_config(config: str, args: argparse.Namespace, workdir: Path,
         print(f"[{label}] up in {time.monotonic() - started:.0f}s; vllm bench serve ...",
               flush=True)
         cpu_before = cluster.cpu()
+        rx_before = topology.received()
         bench = run_vllm_bench(cluster.url, SERVED_NAME, Path(args.model), workload, where,
-                               label.replace(":", "-"))
+                               slug)
         # What the balancer did with the bench's requests (before the multi-turn ones).
         per_engine = cluster.requests_per_engine()
         multi = None
@@ -118,7 +87,12 @@ def run_config(config: str, args: argparse.Namespace, workdir: Path,
                                    seed=workload.seed)
         metrics = [cluster.metrics(s.name) for s in specs]
         cpu_after = cluster.cpu()
+        rx_after = topology.received()
     return {"config": config, "label": label, "balancer": balancer, "engines": len(specs),
+            "profile": None if topology.profile is None else topology.profile.name,
+            # Bytes each engine host received over its link during the workloads (the
+            # kernel's count): what crossed the network, blocks and requests alike.
+            "link_rx_bytes": {h: rx_after[h] - rx_before.get(h, 0) for h in rx_after},
             "bench": bench, "bench_requests_per_engine": [per_engine.get(s.name, 0)
                                                           for s in specs],
             "multi_turn": multi,
@@ -133,143 +107,6 @@ def run_config(config: str, args: argparse.Namespace, workdir: Path,
             # name (the API server, vLLM's engine core, its workers).
             "cpu_seconds": {name: cpu_used(cpu_before.get(name, {}), after)
                             for name, after in cpu_after.items()}}
-
-
-def _mismatch(texts: Sequence[str], reference: Sequence[str]) -> float:
-    pairs = list(zip(texts, reference, strict=False))
-    return sum(a != b for a, b in pairs) / len(pairs) if pairs else 0.0
-
-
-#: vLLM's names for an engine's processes (``comm``), by the part each plays; any other
-#: process of the engine's group is counted with its API server.
-CPU_PARTS = {"VLLM::EngineCor": "cpu_core_s", "VLLM::Worker": "cpu_workers_s"}
-
-
-def engine_cpu(cpu_seconds: Mapping[str, Mapping[str, float]]) -> dict[str, Any]:
-    """A run's CPU seconds summed over its engines, by part: API servers, engine cores
-    (vLLM's scheduler, and the p2pkv tier with its node), workers (the forward passes)."""
-    parts = {"cpu_server_s": 0.0, "cpu_core_s": 0.0, "cpu_workers_s": 0.0}
-    for by_name in cpu_seconds.values():
-        for name, seconds in by_name.items():
-            parts[CPU_PARTS.get(name, "cpu_server_s")] += seconds
-    row: dict[str, Any] = {k: round(v, 1) for k, v in parts.items()}
-    row["engine_cpu"] = " / ".join(f"{row[k]:.1f}" for k in parts)
-    return row
-
-
-def summarize(run: Mapping[str, Any], reference: Mapping[str, Any] | None) -> dict[str, Any]:
-    """One table row: the figures the issue asks for, from one configuration's run."""
-    b = run["bench"]
-    row: dict[str, Any] = {
-        "config": run["label"], "balancer": run.get("balancer", "nginx"),
-        "engines": run["engines"],
-        "ttft_p50_ms": b["median_ttft_ms"], "ttft_p99_ms": b["p99_ttft_ms"],
-        "ttft_mean_ms": b["mean_ttft_ms"], "itl_p50_ms": b["median_itl_ms"],
-        "req_per_s": b["request_throughput"], "out_tok_per_s": b["output_throughput"],
-        "failed": b["failed"], "completed": b["completed"],
-    }
-    per_engine = run.get("bench_requests_per_engine")
-    if per_engine:
-        row["requests_per_engine"] = "/".join(str(n) for n in per_engine)
-    c = run["counters"]
-    row["tokens_from_peer"] = c.get("cached_tokens[p2p]", 0.0)
-    row["tokens_from_region"] = c.get("cached_tokens[host]", 0.0)
-    row["tokens_from_disk"] = c.get("cached_tokens[disk]", 0.0)
-    row["tokens_local_prefix_cache"] = c.get("cached_tokens[device]", 0.0)
-    if reference is not None:
-        row["text_mismatch_vs_none"] = _mismatch(b["generated_texts"],
-                                                 reference["bench"]["generated_texts"])
-    for k, v in run.get("cold_profile", {}).items():
-        row[k] = v
-    if run.get("cpu_seconds"):
-        row.update(engine_cpu(run["cpu_seconds"]))
-    m = run.get("multi_turn")
-    if m:
-        s = m["summary"]
-        row["mt_ttft_later_p50_ms"] = s["ttft_later_turns"]["p50_ms"]
-        row["mt_ttft_later_p99_ms"] = s["ttft_later_turns"]["p99_ms"]
-        row["mt_failed"] = s["failed"]
-        if reference is not None and reference.get("multi_turn"):
-            texts = [r.get("text") for r in m["records"]]
-            ref = [r.get("text") for r in reference["multi_turn"]["records"]]
-            row["mt_text_mismatch_vs_none"] = _mismatch(texts, ref)
-    return row
-
-
-COLUMNS = (("config", "config", "{}"), ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"),
-           ("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"), ("itl_p50_ms", "ITL p50 ms", "{:.0f}"),
-           ("req_per_s", "req/s", "{:.2f}"), ("out_tok_per_s", "out tok/s", "{:.1f}"),
-           ("failed", "failed", "{}"), ("requests_per_engine", "requests per engine", "{}"),
-           ("tokens_from_peer", "tokens from peer", "{:.0f}"),
-           ("tokens_from_disk", "tokens from fs", "{:.0f}"),
-           ("tokens_from_region", "tokens from CPU region", "{:.0f}"),
-           ("text_mismatch_vs_none", "texts != none", "{:.0%}"),
-           ("mt_ttft_later_p50_ms", "turn>1 TTFT p50", "{:.0f}"),
-           ("mt_ttft_later_p99_ms", "turn>1 TTFT p99", "{:.0f}"),
-           ("mt_text_mismatch_vs_none", "turn texts != none", "{:.0%}"),
-           ("engine_cpu", "engine CPU s: servers / cores / workers", "{}"))
-
-
-def table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """A Markdown table of the rows (absent figures as a dash)."""
-    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
-             "|" + "---|" * len(COLUMNS)]
-    for row in rows:
-        cells = [fmt.format(row[k]) if row.get(k) is not None else "–"
-                 for k, _, fmt in COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def ratios(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """The issue's targets as ratios of this sitting's rows, p2pkv against each other
-    configuration behind the same balancer (keys name the balancer unless it is nginx)."""
-    out: dict[str, float] = {}
-    for balancer in dict.fromkeys(r.get("balancer", "nginx") for r in rows):
-        by = {r["config"]: r for r in rows if r.get("balancer", "nginx") == balancer}
-        at = "" if balancer == "nginx" else f" @{balancer}"
-        p = by.get(run_label("p2pkv", balancer))
-        if p is None:
-            continue
-        for base in ("none", "offload", "single", "fs"):
-            b = by.get(run_label(base, balancer))
-            if b is None:
-                continue
-            out[f"ttft_p50 p2pkv/{base}{at}"] = p["ttft_p50_ms"] / b["ttft_p50_ms"]
-            out[f"ttft_p99 p2pkv/{base}{at}"] = p["ttft_p99_ms"] / b["ttft_p99_ms"]
-            out[f"req_per_s p2pkv/{base}{at}"] = p["req_per_s"] / b["req_per_s"]
-            if p.get("mt_ttft_later_p50_ms") and b.get("mt_ttft_later_p50_ms"):
-                out[f"turn>1 ttft_p50 p2pkv/{base}{at}"] = (p["mt_ttft_later_p50_ms"]
-                                                           / b["mt_ttft_later_p50_ms"])
-    return out
-
-
-def plot(rows: Sequence[Mapping[str, Any]], path: Path,
-         workload: str = "prefix_repetition") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r["config"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    x = range(len(names))
-    axes[0].bar([i - 0.2 for i in x], [r["ttft_p50_ms"] / 1000 for r in rows], 0.4,
-                label="p50")
-    axes[0].bar([i + 0.2 for i in x], [r["ttft_p99_ms"] / 1000 for r in rows], 0.4,
-                label="p99")
-    axes[0].set_title(f"{workload}: TTFT (s)")
-    axes[0].legend()
-    axes[1].bar(list(x), [r["req_per_s"] for r in rows], 0.6, color="#2ca02c")
-    axes[1].set_title(f"{workload}: requests/s")
-    mt = [(r.get("mt_ttft_later_p50_ms") or 0) / 1000 for r in rows]
-    axes[2].bar(list(x), mt, 0.6, color="#9467bd")
-    axes[2].set_title("multi-turn, later turns: TTFT p50 (s)")
-    for ax in axes:
-        ax.set_xticks(list(x))
-        ax.set_xticklabels(names, rotation=20)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -310,6 +147,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tier-option", action="append", default=[], metavar="NAME=VALUE",
                    help="a p2pkv tier option for every p2pkv engine (VALUE as JSON), "
                         "e.g. load_policy=false; may be repeated")
+    p.add_argument("--hosts", action="store_true",
+                   help="each engine on an emulated host of its own (a network namespace "
+                        "on a bridge; root only): the balancer and clients on a 'front' "
+                        "host, p2pkv's blocks and the fs-net volume over shaped links")
+    p.add_argument("--links", default="unshaped",
+                   help="--hosts: comma-separated link profiles, each a pass over every "
+                        f"configuration, from: {', '.join(PROFILES)} (multiples of one "
+                        "engine's KV rate, measured at the start; see serving/links.py)")
+    p.add_argument("--kv-rate", type=float, default=None, metavar="BYTES_PER_S",
+                   help="--hosts: one engine's KV rate to set the links from, instead of "
+                        "measuring it at the start")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--faults", action="store_true",
                    help="instead of the comparison: kill -9 one p2pkv engine mid-run, "
@@ -340,6 +188,19 @@ def _problem(args: argparse.Namespace) -> str | None:
         balancers = [b.label for b in parse_balancers(args.balancer)]
     except ValueError as exc:
         return str(exc)
+    try:
+        profiles = parse_profiles(args.links)
+    except ValueError as exc:
+        return str(exc)
+    if not args.hosts and (profiles != [PROFILES["unshaped"]] or args.kv_rate is not None
+                           or "fs-net" in _split(args.configs)):
+        return ("--links, --kv-rate and the fs-net configuration need --hosts (engines on "
+                "hosts of their own)")
+    if args.kv_rate is not None and not args.kv_rate > 0:
+        return f"--kv-rate must be a number of bytes per second > 0, got {args.kv_rate}"
+    if args.faults and args.hosts and profiles[0].times_kv_rate is None:
+        return ("--faults --hosts slows a link to half the KV rate and back: give a shaped "
+                "profile first in --links (100G or 25G)")
     if args.faults and balancers != ["nginx"]:
         return ("--faults reads nginx's access log (which requests were in flight on the "
                 "killed engine); run it with --balancer nginx")
@@ -389,19 +250,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.faults:
             return _faults(args, workdir, workload)
         return _sitting(args, workdir, workload)
+    except Unavailable as exc:
+        print(f"--hosts: emulated hosts cannot be made here: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted: every engine and the balancer were stopped", file=sys.stderr)
         return 130
 
 
 def _faults(args: argparse.Namespace, workdir: Path, workload: BenchWorkload) -> int:
+    """An engine killed (one host), or every fault across hosts (``--hosts``: on the
+    first ``--links`` profile); 0 when nothing failed beyond the killed engine's requests
+    in flight and, across hosts, every text equals ``none``'s."""
     from p2pkv.bench.serving.faults import run_faults
+    from p2pkv.bench.serving.hostfaults import run_host_faults
 
-    faults = run_faults(args, workdir, workload, SERVED_NAME)
+    if not args.hosts:
+        faults = run_faults(args, workdir, workload, SERVED_NAME)
+        differ = 0
+    else:
+        profile = parse_profiles(args.links)[0]
+        with Topology(args.engines, workdir, on_hosts=True) as topology, \
+                topology.entered():
+            kv_rate = _kv_rate(args, topology, workdir)
+            topology.shape(profile, kv_rate)
+            faults = run_host_faults(args, workdir, workload, SERVED_NAME, topology,
+                                     kv_rate)
+        differ = faults["texts_vs_none"]["differ"]
+    print(json.dumps(faults, indent=1), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"workload": workload.describe(),
                                                "faults": faults}, indent=1))
-    return 0 if faults["failed_elsewhere"] == 0 else 1
+    return 0 if faults["failed_elsewhere"] == 0 and differ == 0 else 1
 
 
 def _sitting(args: argparse.Namespace, workdir: Path, workload: BenchWorkload) -> int:
@@ -418,13 +298,45 @@ def _sitting(args: argparse.Namespace, workdir: Path, workload: BenchWorkload) -
                "cpu_gib": args.cpu_gib, "offload_block_tokens": OFFLOAD_BLOCK_TOKENS,
                "tier_options": tier_options(args),
                "multi_turn": {"conversations": args.conversations, "turns": args.turns}}
-    for balancer in balancers:
-        for name in order:
-            runs.append(run_config(name.split("#")[0], args, workdir, workload,
-                                   run_label(name, balancer), balancer))
+    profiles: list[LinkProfile | None] = list(parse_profiles(args.links)) if args.hosts \
+        else [None]
+    with Topology(args.engines, workdir, on_hosts=args.hosts,
+                  fs_net="fs-net" in order) as topology, topology.entered():
+        kv_rate = None
+        if any(p is not None and p.times_kv_rate is not None for p in profiles):
+            kv_rate = _kv_rate(args, topology, workdir)
+            sitting["kv_rate"] = kv_rate.describe()
+            sitting["links"] = profile_rows([p for p in profiles if p], kv_rate)
+        for profile in profiles:
+            if profile is not None:
+                topology.shape(profile, kv_rate)
+                print(f"links: {profile.name} ({profile.stands_for}): "
+                      f"{topology.describe()['hosts']}", flush=True)
+            for balancer in balancers:
+                for name in order:
+                    runs.append(run_config(
+                        name.split("#")[0], args, workdir, workload,
+                        run_label(name, balancer, None if profile is None else profile.name),
+                        balancer,
+                        topology))
+        sitting["topology"] = topology.describe()
     sitting["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     finish(sitting, runs, workload, args)
     return 0
+
+
+def _kv_rate(args: argparse.Namespace, topology: Topology, workdir: Path) -> KvRate:
+    """``--kv-rate`` as given, or one engine's rate measured on the first engine host."""
+    if args.kv_rate is not None:
+        return KvRate(1, (1.0 / args.kv_rate,), 1)
+    print("measuring one engine's KV rate (a cold prefill on the first engine host) ...",
+          flush=True)
+    rate = topology.measure_kv_rate(Path(args.model), workdir, python=sys.executable,
+                                    start_timeout=args.start_timeout,
+                                    served_name=SERVED_NAME)
+    print(f"one engine makes {rate.tokens_per_s:.0f} tokens/s of prefill = "
+          f"{rate.bytes_per_s / 1e6:.1f} MB/s of KV", flush=True)
+    return rate
 
 
 def finish(sitting: dict[str, Any], runs: list[dict[str, Any]], workload: BenchWorkload,
