@@ -207,3 +207,96 @@ def test_the_skewed_workload_draws_hot_prefixes() -> None:
     uniform = BenchWorkload()
     assert uniform.args()[:2] == ["--dataset-name", "prefix_repetition"]
     assert uniform.name == "prefix_repetition"
+
+
+def test_engines_on_hosts_listen_and_find_each_other_at_their_hosts_addresses(
+        tmp_path: Path) -> None:
+    """On emulated hosts (no namespace is made here): each engine runs on its host
+    (``ip netns exec``), listens on the host's address, p2pkv's peers are the other
+    hosts' addresses (or the Redis directory instead), the balancer reaches each engine
+    at its host, and ``fs-net`` needs a mount per host."""
+    from p2pkv.bench.hosts import Host
+
+    hosts = [Host(f"engine-{i}", f"ns-{i}", f"10.78.0.{i + 2}", f"h{i}") for i in range(2)]
+    specs = engine_specs("p2pkv", 2, cpu_bytes=2**28, workdir=tmp_path, hosts=hosts)
+    tiers = [s.kv_transfer_config["kv_connector_extra_config"]["secondary_tiers"][0]
+             for s in specs if s.kv_transfer_config is not None]
+    assert [t["listen"].rsplit(":", 1)[0] for t in tiers] == ["tcp://10.78.0.2",
+                                                              "tcp://10.78.0.3"]
+    assert tiers[0]["peers"] == [tiers[1]["listen"]] and tiers[1]["peers"] == [
+        tiers[0]["listen"]]
+    cluster = ServingCluster(tmp_path, specs, tmp_path / "w")
+    cmd = cluster.engine_command(cluster.specs[1])
+    assert cmd[:4] == ["ip", "netns", "exec", "ns-1"]
+    assert cmd[cmd.index("--host") + 1] == "10.78.0.3"
+    assert cluster.engine_url(specs[1].name) == f"http://10.78.0.3:{specs[1].port}"
+    ups = tuple(Upstream(s.name, s.port, None, s.address) for s in specs)
+    Nginx().command("nginx", Launch(tmp_path, 8100, ups, "m", BLOCK_SIZE, 30.0))
+    conf = (tmp_path / "nginx.conf").read_text()
+    assert f"server 10.78.0.2:{specs[0].port} " in conf
+    via = engine_specs("p2pkv", 2, cpu_bytes=2**28, workdir=tmp_path, hosts=hosts,
+                       directory="redis://10.78.0.1:7000/0")
+    (tier,) = via[0].kv_transfer_config["kv_connector_extra_config"][  # type: ignore[index]
+        "secondary_tiers"]
+    assert tier["directory"] == "redis://10.78.0.1:7000/0" and "peers" not in tier
+    with pytest.raises(ValueError, match=r"fs-net .* only on emulated hosts"):
+        engine_specs("fs-net", 2, cpu_bytes=2**28, workdir=tmp_path)
+    roots = [tmp_path / "mnt-0" / "run", tmp_path / "mnt-1" / "run"]
+    fs = engine_specs("fs-net", 2, cpu_bytes=2**28, workdir=tmp_path, hosts=hosts,
+                      fs_net_roots=roots)
+    assert [s.kv_transfer_config["kv_connector_extra_config"][  # type: ignore[index]
+        "secondary_tiers"][0]["root_dir"] for s in fs] == [str(r) for r in roots]
+
+
+def test_rows_are_compared_per_link_profile_and_trace_rows_against_none() -> None:
+    from p2pkv.bench.serving.tables import trace_row
+
+    assert run_label("p2pkv", "router:cache_aware", "25G") == "p2pkv@router:cache_aware/25G"
+
+    def row(config: str, profile: str, ttft: float) -> dict[str, object]:
+        return {"config": run_label(config, "nginx", profile), "balancer": "nginx",
+                "profile": profile, "ttft_p50_ms": ttft, "ttft_p99_ms": ttft,
+                "req_per_s": 1.0, "trace_ttft_p50_ms": ttft / 10}
+
+    out = ratios([row("none", "100G", 100), row("p2pkv", "100G", 50),
+                  row("none", "slow", 100), row("p2pkv", "slow", 200)])
+    assert out["ttft_p50 p2pkv/none /100G"] == 0.5
+    assert out["ttft_p50 p2pkv/none /slow"] == 2.0
+    assert out["trace ttft_p50 p2pkv/none /slow"] == 2.0
+
+    def replay(texts: list[str | None]) -> dict[str, object]:
+        ms = {"p50_ms": 1.0, "p90_ms": 2.0, "p99_ms": 3.0, "mean_ms": 1.5}
+        return {"summary": {"ttft": ms, "failed": texts.count(None),
+                            "schedule_lag": {"p99_ms": 4.0},
+                            "goodput": {"ttft<=1000ms": 0.5}},
+                "counters": {"cached_tokens[p2p]": 64.0},
+                "records": [{"text": t or "", "error": None if t is not None else "timeout"}
+                            for t in texts]}
+
+    fields = trace_row(replay(["a", "b", None, "d"]), replay(["a", "x", "c", "d"]))
+    # The failed request is not compared; of the other three one differs.
+    assert fields["trace_text_mismatch_vs_none"] == 1 / 3
+    assert fields["trace_failed"] == 1 and fields["trace_tokens_from_peer"] == 64.0
+    assert fields["trace_goodput[ttft<=1000ms]"] == 0.5
+    assert trace_row(None, None) == {}
+
+
+def test_host_options_need_hosts_and_name_what_is_wrong(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    base = ["--model", str(model)]
+    for extra in (["--links", "25G"], ["--kv-rate", "1e6"], ["--configs", "none,fs-net"]):
+        assert "need --hosts" in (_problem(_parser().parse_args([*base, *extra])) or "")
+    assert _problem(_parser().parse_args([*base, "--hosts", "--links", "100G,25G,slow"])) \
+        is None
+    assert "unknown link profile(s) ['40G']" in (_problem(_parser().parse_args(
+        [*base, "--hosts", "--links", "100G,40G"])) or "")
+    assert "--kv-rate must be" in (_problem(_parser().parse_args(
+        [*base, "--hosts", "--kv-rate", "nan"])) or "")
+    assert "give a shaped profile first" in (_problem(_parser().parse_args(
+        [*base, "--hosts", "--faults"])) or "")
+    missing = tmp_path / "missing.jsonl"
+    assert f"--trace {missing}" in (_problem(_parser().parse_args(
+        [*base, "--trace", str(missing)])) or "")
+    assert _problem(_parser().parse_args([*base, "--trace", "none"])) is None

@@ -120,12 +120,15 @@ def core_sets(engines: int) -> list[str]:
 def engine_specs(config: str, engines: int, *, cpu_bytes: int, workdir: Path,
                  tier_options: dict[str, Any] | None = None,
                  hosts: Sequence[Host] | None = None,
-                 fs_net_roots: Sequence[Path] | None = None) -> list[EngineSpec]:
+                 fs_net_roots: Sequence[Path] | None = None,
+                 directory: str | None = None) -> list[EngineSpec]:
     """The engines of one configuration (``single`` is always one engine). ``workdir``
     is the run's own (the ``fs`` tier's directory is made in it, empty). With ``hosts``,
     engine ``i`` runs on ``hosts[i]`` and p2pkv's peers find each other at the hosts'
     addresses; ``fs-net`` needs, per engine, its host's mount of the shared volume
-    (``fs_net_roots``, an empty directory of it for this run)."""
+    (``fs_net_roots``, an empty directory of it for this run). p2pkv's engines find
+    each other through the Redis ``directory`` (a ``redis://`` URL) when one is given,
+    else by address (static peers)."""
     if config not in CONFIGS:
         raise ValueError(f"unknown configuration {config!r}; choose from {', '.join(CONFIGS)}")
     count = 1 if config == "single" else engines
@@ -161,8 +164,9 @@ def engine_specs(config: str, engines: int, *, cpu_bytes: int, workdir: Path,
              for h in placed]
     specs = []
     for i in range(count):
+        found = ({"directory": directory} if directory is not None
+                 else {"peers": [t for j, t in enumerate(tiers) if j != i]})
         tier = {"type": "P2PKVTier", "module_path": "p2pkv.integrations.vllm",
-                "listen": tiers[i], "peers": [t for j, t in enumerate(tiers) if j != i],
-                **(tier_options or {})}
+                "listen": tiers[i], **found, **(tier_options or {})}
         specs.append(spec(i, offloading_config(cpu_bytes, [tier], p2pkv=True)))
     return specs

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import signal
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from p2pkv.bench.netns import Unavailable
+from p2pkv.bench.redis_servers import LocalRedis
 from p2pkv.bench.serving.balancers import ROUTER_POLICIES, parse_balancers
 from p2pkv.bench.serving.clients import (
     BenchWorkload,
@@ -36,9 +39,17 @@ from p2pkv.bench.serving.links import (
     parse_profiles,
     profile_rows,
 )
+from p2pkv.bench.serving.mooncake import (
+    CONVERSATIONS_TRACE,
+    BlockMapping,
+    MappedRequest,
+    load_trace,
+    map_requests,
+)
 from p2pkv.bench.serving.processes import cpu_used
 from p2pkv.bench.serving.tables import counters, plot, ratios, run_label, summarize, table
 from p2pkv.bench.serving.topology import Topology
+from p2pkv.bench.serving.trace import replay
 
 __all__ = ["main", "run_config"]
 
@@ -47,7 +58,8 @@ SERVED_NAME = "smollm2"
 
 def run_config(config: str, args: argparse.Namespace, workdir: Path,
                workload: BenchWorkload, label: str, balancer: str = "nginx",
-               topology: Topology | None = None) -> dict[str, Any]:
+               topology: Topology | None = None,
+               directory: str | None = None) -> dict[str, Any]:
     """Start a configuration's engines and balancer, run the workloads, stop.
 
     Behind nginx the multi-turn workload sends each turn to another engine than the turn
@@ -62,7 +74,8 @@ def run_config(config: str, args: argparse.Namespace, workdir: Path,
     specs = engine_specs(config, args.engines, cpu_bytes=int(args.cpu_gib * 2**30),
                          workdir=where, tier_options=tier_options(args),
                          hosts=topology.engine_hosts,
-                         fs_net_roots=topology.fs_net_roots(where.name))
+                         fs_net_roots=topology.fs_net_roots(where.name),
+                         directory=directory)
     cluster = ServingCluster(Path(args.model), specs, where, served_name=SERVED_NAME,
                              max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
                              balancer=balancer, start_timeout=args.start_timeout)
@@ -85,6 +98,15 @@ def run_config(config: str, args: argparse.Namespace, workdir: Path,
             multi = run_multi_turn(urls, SERVED_NAME, count=args.conversations,
                                    turns=args.turns, concurrency=workload.concurrency,
                                    seed=workload.seed)
+        trace = None
+        if args.trace != "none":
+            print(f"[{label}] trace ...", flush=True)
+            before_trace = counters([cluster.metrics(s.name) for s in specs])
+            trace = asyncio.run(replay(cluster.url, SERVED_NAME, trace_requests(args),
+                                       squeeze=args.trace_squeeze)).to_json()
+            after_trace = counters([cluster.metrics(s.name) for s in specs])
+            trace["counters"] = {k: v - before_trace.get(k, 0.0)
+                                 for k, v in after_trace.items()}
         metrics = [cluster.metrics(s.name) for s in specs]
         cpu_after = cluster.cpu()
         rx_after = topology.received()
@@ -95,7 +117,7 @@ def run_config(config: str, args: argparse.Namespace, workdir: Path,
             "link_rx_bytes": {h: rx_after[h] - rx_before.get(h, 0) for h in rx_after},
             "bench": bench, "bench_requests_per_engine": [per_engine.get(s.name, 0)
                                                           for s in specs],
-            "multi_turn": multi,
+            "multi_turn": multi, "trace": trace,
             "multi_turn_via": "engines in turn" if balancer == "nginx" else "balancer",
             "counters": counters(metrics),
             # Each engine's load-policy estimates at the end (peer bandwidth, prefill
@@ -135,6 +157,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4, help="0: no multi-turn workload")
+    p.add_argument("--trace", default=str(CONVERSATIONS_TRACE),
+                   help="a Mooncake trace (JSONL) replayed on its schedule through the "
+                        "balancer after the other workloads, or 'none' (default: 16 "
+                        "conversations of Mooncake's conversation trace, "
+                        "serving/traces/README.md)")
+    p.add_argument("--trace-squeeze", type=float, default=20.0,
+                   help="the trace is sent at its own time divided by this")
+    p.add_argument("--trace-block-tokens", type=int, default=64,
+                   help="tokens per 512-token block of the trace")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-gib", type=float, default=0.5,
                    help="the offloading connector's CPU primary region per engine")
@@ -158,6 +189,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-rate", type=float, default=None, metavar="BYTES_PER_S",
                    help="--hosts: one engine's KV rate to set the links from, instead of "
                         "measuring it at the start")
+    p.add_argument("--directory", choices=("none", "redis"), default="none",
+                   help="how p2pkv's engines find each other: by address (none), or "
+                        "through a Redis directory started for the sitting (on the front "
+                        "host with --hosts, reached over the engines' links)")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--faults", action="store_true",
                    help="instead of the comparison: kill -9 one p2pkv engine mid-run, "
@@ -173,6 +208,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write every run and the table rows here")
     p.add_argument("--plot", help="draw the table's figures into this PNG")
     return p
+
+
+def trace_requests(args: argparse.Namespace) -> list[MappedRequest]:
+    """The ``--trace`` file's requests, mapped for these engines (every configuration the
+    same: the token ids are seeded by ``--seed``)."""
+    return map_requests(load_trace(args.trace),
+                        BlockMapping(block_tokens=args.trace_block_tokens, seed=args.seed))
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -196,6 +238,13 @@ def _problem(args: argparse.Namespace) -> str | None:
                            or "fs-net" in _split(args.configs)):
         return ("--links, --kv-rate and the fs-net configuration need --hosts (engines on "
                 "hosts of their own)")
+    if args.trace != "none":
+        try:
+            trace_requests(args)
+        except (OSError, ValueError) as exc:
+            return f"--trace {args.trace}: {exc}"
+        if not args.trace_squeeze > 0:
+            return f"--trace-squeeze must be > 0, got {args.trace_squeeze}"
     if args.kv_rate is not None and not args.kv_rate > 0:
         return f"--kv-rate must be a number of bytes per second > 0, got {args.kv_rate}"
     if args.faults and args.hosts and profiles[0].times_kv_rate is None:
@@ -297,11 +346,19 @@ def _sitting(args: argparse.Namespace, workdir: Path, workload: BenchWorkload) -
                "balancers": balancers,
                "cpu_gib": args.cpu_gib, "offload_block_tokens": OFFLOAD_BLOCK_TOKENS,
                "tier_options": tier_options(args),
-               "multi_turn": {"conversations": args.conversations, "turns": args.turns}}
+               "multi_turn": {"conversations": args.conversations, "turns": args.turns},
+               "trace": None if args.trace == "none" else {
+                   "file": args.trace, "squeeze": args.trace_squeeze,
+                   "block_tokens": args.trace_block_tokens,
+                   "requests": len(trace_requests(args))}}
     profiles: list[LinkProfile | None] = list(parse_profiles(args.links)) if args.hosts \
         else [None]
-    with Topology(args.engines, workdir, on_hosts=args.hosts,
-                  fs_net="fs-net" in order) as topology, topology.entered():
+    with contextlib.ExitStack() as stack:
+        topology = stack.enter_context(Topology(args.engines, workdir, on_hosts=args.hosts,
+                                                fs_net="fs-net" in order))
+        stack.enter_context(topology.entered())
+        directory = stack.enter_context(_directory(args, topology))
+        sitting["directory"] = directory
         kv_rate = None
         if any(p is not None and p.times_kv_rate is not None for p in profiles):
             kv_rate = _kv_rate(args, topology, workdir)
@@ -317,12 +374,23 @@ def _sitting(args: argparse.Namespace, workdir: Path, workload: BenchWorkload) -
                     runs.append(run_config(
                         name.split("#")[0], args, workdir, workload,
                         run_label(name, balancer, None if profile is None else profile.name),
-                        balancer,
-                        topology))
+                        balancer, topology, directory))
         sitting["topology"] = topology.describe()
     sitting["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     finish(sitting, runs, workload, args)
     return 0
+
+
+@contextlib.contextmanager
+def _directory(args: argparse.Namespace, topology: Topology) -> Iterator[str | None]:
+    """``--directory redis``: a Redis server for the sitting (on the front host with
+    ``--hosts``, listening on its address too), its URL; else ``None``."""
+    if args.directory != "redis":
+        yield None
+        return
+    address = topology.front_address
+    with LocalRedis(args=["--bind", "127.0.0.1", address]) as redis:
+        yield f"redis://{address}:{redis.port}/0"
 
 
 def _kv_rate(args: argparse.Namespace, topology: Topology, workdir: Path) -> KvRate:

@@ -111,6 +111,7 @@ def summarize(run: Mapping[str, Any], reference: Mapping[str, Any] | None) -> di
         row[k] = v
     if run.get("cpu_seconds"):
         row.update(engine_cpu(run["cpu_seconds"]))
+    row.update(trace_row(run.get("trace"), reference.get("trace") if reference else None))
     m = run.get("multi_turn")
     if m:
         s = m["summary"]
@@ -121,6 +122,31 @@ def summarize(run: Mapping[str, Any], reference: Mapping[str, Any] | None) -> di
             texts = [r.get("text") for r in m["records"]]
             ref = [r.get("text") for r in reference["multi_turn"]["records"]]
             row["mt_text_mismatch_vs_none"] = _mismatch(texts, ref)
+    return row
+
+
+def trace_row(trace: Mapping[str, Any] | None,
+              reference: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A run's trace replay as row fields: TTFT p50/p90/p99/mean, failures, goodput
+    within each TTFT bound, prompt tokens served from a peer or the ``fs`` tier during it,
+    and the share of its texts that differ from ``reference``'s (the ``none`` run's)."""
+    if not trace:
+        return {}
+    s = trace["summary"]
+    c = trace.get("counters", {})
+    row = {f"trace_ttft_{k}": v for k, v in s["ttft"].items()}
+    row.update(trace_failed=s["failed"], trace_lag_p99_ms=s["schedule_lag"]["p99_ms"],
+               trace_tokens_from_peer=c.get("cached_tokens[p2p]", 0.0),
+               trace_tokens_from_disk=c.get("cached_tokens[disk]", 0.0))
+    for bound, rate in s.get("goodput", {}).items():
+        row[f"trace_goodput[{bound}]"] = rate
+    if reference:
+        texts = [r["text"] if r["error"] is None else None for r in trace["records"]]
+        ref = [r["text"] if r["error"] is None else None for r in reference["records"]]
+        both = [(a, b) for a, b in zip(texts, ref, strict=False)
+                if a is not None and b is not None]
+        row["trace_text_mismatch_vs_none"] = (sum(a != b for a, b in both) / len(both)
+                                              if both else 0.0)
     return row
 
 
@@ -135,6 +161,13 @@ COLUMNS = (("config", "config", "{}"), ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"),
            ("mt_ttft_later_p50_ms", "turn>1 TTFT p50", "{:.0f}"),
            ("mt_ttft_later_p99_ms", "turn>1 TTFT p99", "{:.0f}"),
            ("mt_text_mismatch_vs_none", "turn texts != none", "{:.0%}"),
+           ("trace_ttft_p50_ms", "trace TTFT p50", "{:.0f}"),
+           ("trace_ttft_p90_ms", "trace TTFT p90", "{:.0f}"),
+           ("trace_ttft_p99_ms", "trace TTFT p99", "{:.0f}"),
+           ("trace_ttft_mean_ms", "trace TTFT mean", "{:.0f}"),
+           ("trace_failed", "trace failed", "{}"),
+           ("trace_tokens_from_peer", "trace tokens from peer", "{:.0f}"),
+           ("trace_text_mismatch_vs_none", "trace texts != none", "{:.0%}"),
            ("engine_cpu", "engine CPU s: servers / cores / workers", "{}"))
 
 
@@ -169,6 +202,13 @@ def ratios(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
             out[f"ttft_p50 p2pkv/{base}{at}"] = p["ttft_p50_ms"] / b["ttft_p50_ms"]
             out[f"ttft_p99 p2pkv/{base}{at}"] = p["ttft_p99_ms"] / b["ttft_p99_ms"]
             out[f"req_per_s p2pkv/{base}{at}"] = p["req_per_s"] / b["req_per_s"]
+            for q in ("p50", "p90", "p99", "mean"):
+                key = f"trace_ttft_{q}_ms"
+                if p.get(key) and b.get(key):
+                    out[f"trace ttft_{q} p2pkv/{base}{at}"] = p[key] / b[key]
+            for key in (k for k in p if k.startswith("trace_goodput[")):
+                if b.get(key):
+                    out[f"{key.replace('_', ' ', 1)} p2pkv/{base}{at}"] = p[key] / b[key]
             if p.get("mt_ttft_later_p50_ms") and b.get("mt_ttft_later_p50_ms"):
                 out[f"turn>1 ttft_p50 p2pkv/{base}{at}"] = (p["mt_ttft_later_p50_ms"]
                                                            / b["mt_ttft_later_p50_ms"])

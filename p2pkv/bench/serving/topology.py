@@ -80,6 +80,11 @@ class Topology:
             return None
         return [h for n, h in self.hosts.hosts.items() if n.startswith("engine-")]
 
+    @property
+    def front_address(self) -> str:
+        """The clients' host's address (what other hosts reach it at), or 127.0.0.1."""
+        return "127.0.0.1" if self.hosts is None else self.hosts[FRONT].address
+
     def fs_net_roots(self, run: str) -> list[Path] | None:
         """An empty directory of the shared volume for run ``run``, as each engine host
         mounts it (``None`` without the volume)."""
