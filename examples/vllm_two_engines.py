@@ -1,8 +1,9 @@
 """Two vLLM engines share a prompt's KV cache through p2pkv.
 
 Engine A computes a long prompt; engine B, a separate process started beside A, gets
-the same prompt once A has answered and loads its shared prefix from A's p2pkv tier
-instead of recomputing it. Both print their
+the same prompt as soon as A has answered and loads its shared prefix from A's p2pkv
+tier instead of recomputing it (vLLM may answer before the chunks reach A's tier: A's
+tier announced that it computes them, so B's tier waits for them). Both print their
 greedy tokens, which must be equal. Run it with the vLLM environment (``make vllm-env``)::
 
     .venv-vllm/bin/python examples/vllm_two_engines.py [--model PATH]
@@ -25,12 +26,9 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 PROMPT = list(range(10, 10 + 500))  # 500 token ids: 7 whole chunks of 64 tokens to share
-#: Seconds between A's answer and B's request (see main()).
-STORE_GRACE_S = 1.0
 
 
 def transfer_config(listen: str, peers: list[str]) -> dict[str, Any]:
@@ -115,11 +113,6 @@ def main() -> int:
                 first = result(engine_a)
                 print(f"A computed the prompt: {first['cached_tokens']} cached tokens, "
                       f"tokens {first['tokens']}")
-                # vLLM answers a request before its chunks reach the tier. A tier says
-                # it is computing them (and a peer then waits) only if its node was up
-                # when the request came; both engines have just started, so give A's
-                # stores a moment.
-                time.sleep(STORE_GRACE_S)
                 second = result(engine_b)
             finally:
                 engine_b.communicate("", timeout=120)

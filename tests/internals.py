@@ -99,8 +99,8 @@ def publisher_stalled(cluster: Any, monkeypatch: Any) -> Iterator[Any]:
 
 def start_tier_node(tier: Any, wait: float) -> Any:
     """Start a :class:`~p2pkv.integrations.vllm.P2PKVTier`'s node now and wait up to
-    ``wait`` seconds for it (vLLM's first request does that, which a test without an
-    engine has none of); the node, or None."""
+    ``wait`` seconds for it (a request that comes before the tier's own early start
+    does that, which a test without an engine has none of); the node, or None."""
     return tier._ensure_node(wait)
 
 

@@ -367,3 +367,33 @@ def test_computing_announces_renews_and_withdraws_to_the_directory_as_to_the_nod
     finally:
         computing.close()
     assert alone.calls == [("announce", [b"k"])]
+
+
+def test_computing_announces_what_came_before_the_start_to_the_directory_too(
+        single: str, nodes: list[tuple[Any, Cluster]]) -> None:
+    """A request scheduled before the tier's node ran is announced when it starts, to
+    the node's peers and through the directory alike (once registered, as the tier's
+    ``on_start`` comes): another member's lookup through Redis reports it."""
+    Computing = pytest.importorskip("p2pkv.integrations.vllm.computing",
+                                    exc_type=ImportError).Computing
+    namespace = f"pend{next(_namespaces)}"
+    started: list[tuple[Any, Cluster]] = []
+    computing = Computing(lambda: started[0][0] if started else None, threading.Lock(),
+                          directory=lambda: started[0][1] if started else None,
+                          coming=lambda: True)
+    try:
+        keys = keys_for(4)
+        computing.announce("early", [b"e%d" % i for i in range(4)], keys, 6.0)
+        computing.stored("early", [b"e0"])
+        _node_b, b = start(nodes, single, namespace)
+        assert due_of(b, keys) == [0.0] * 4  # nothing reached Redis before the start
+        started.append(start(nodes, single, namespace))  # registered
+        computing.started()
+        due = wait_for(lambda: any(due_of(b, keys)) and due_of(b, keys), 10,
+                       "the late announcement to reach the directory")
+        assert [d > 0 for d in due] == [False, True, True, True], due
+        assert all(d <= 6.0 for d in due), due
+        computing.withdraw("early")
+        wait_for(lambda: not any(due_of(b, keys)), 10, "the withdrawal")
+    finally:
+        computing.close()

@@ -16,7 +16,7 @@ from p2pkv.cluster.pending import estimate
 from p2pkv.cluster.records import DirectoryError, NodeRecord, QuarantineReport
 from p2pkv.cluster.redis_directory import ANNOUNCE_BATCH, Member, RedisDirectory
 from p2pkv.errors import ConfigError
-from p2pkv.runtime.pending import MIN_OVERDUE
+from p2pkv.runtime.pending import lease_end
 
 __all__ = ["MAX_PENDING_QUEUE", "PendingQueue", "RedisRegistration"]
 
@@ -396,7 +396,7 @@ class PendingQueue:
                 mine.pop(key, None)
             for key, s in announced:
                 mine.pop(key, None)  # a renewal: the newest go last
-                mine[key] = now + s + max(s, MIN_OVERDUE)
+                mine[key] = lease_end(now, s)
             if len(mine) > MAX_PENDING_QUEUE:  # forget the ended leases, then the oldest
                 for key in [k for k, end in mine.items() if end <= now]:
                     del mine[key]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from p2pkv.protocol.codes import MAX_DUE_MS
 
-__all__ = ["MAX_PENDING_KEYS", "MIN_OVERDUE", "LookupAnswer", "PendingKeys"]
+__all__ = ["MAX_PENDING_KEYS", "MIN_OVERDUE", "LookupAnswer", "PendingKeys", "lease_end"]
 
 #: Most keys kept pending; past it the oldest announcement is forgotten first.
 MAX_PENDING_KEYS = 1 << 18
@@ -34,6 +34,13 @@ _MIN_ESTIMATE = 0.05
 #: cannot renew an estimate in the middle of a forward pass, and one prefill can be a
 #: single pass of seconds that a rate measured on other prompts underestimates.
 MIN_OVERDUE = 10.0
+
+
+def lease_end(now: float, estimate: float) -> float:
+    """When a key announced at ``now`` as due in ``estimate`` seconds stops being reported
+    pending unless it is announced again: once overdue by its estimate, and at least
+    :data:`MIN_OVERDUE` (SPEC §19 rule 4)."""
+    return now + estimate + max(estimate, MIN_OVERDUE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +78,7 @@ class PendingKeys:
         with self._lock:
             for key, s in zip(keys, seconds, strict=True):
                 estimate = max(float(s), _MIN_ESTIMATE)
-                self._keys[key] = (now + estimate,
-                                   now + estimate + max(estimate, MIN_OVERDUE))
+                self._keys[key] = (now + estimate, lease_end(now, estimate))
                 self._keys.move_to_end(key)
             while len(self._keys) > self._limit:
                 self._keys.popitem(last=False)

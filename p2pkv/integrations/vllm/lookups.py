@@ -131,14 +131,24 @@ class RequestLookups:
         self._step_deadline: float | None = None
         self._counts = LookupCounts()
 
-    def begin(self, req_id: str, keys: Sequence[bytes]) -> None:
+    def begin(self, req_id: str, keys: Sequence[bytes], *, ask: bool = True) -> None:
         """Request ``req_id`` arrived: ask ``keys`` (its prompt's chunk keys of one
-        group, in order, the first chunk first) now. Called once per group."""
+        group, in order, the first chunk first) now. Called once per group. ``ask``
+        False (the tier's node is not up): only kept, for :meth:`computing`."""
         if not keys:
             return
         req = self._request(req_id)
         req.prompt.extend(keys)
-        self._submit(req_id, req, list(keys), first=True)
+        if ask:
+            self._submit(req_id, req, list(keys), first=True)
+
+    def missed(self, req_id: str, key: bytes) -> None:
+        """The scheduler asked about ``key`` of request ``req_id`` and was answered MISS
+        without an ask (the tier's node is not up): kept as such, for :meth:`computing`
+        and for the request's later lookups."""
+        req = self._request(req_id)
+        req.looked[key] = None
+        req.answers.setdefault(key, False)
 
     def lookup(self, req_id: str, key: bytes, first: Callable[[], bool]) -> bool | None:
         """True (HIT), False (MISS) or None (RETRY) for ``key`` of request ``req_id``.

@@ -50,6 +50,7 @@ class Metrics:
     ADAPTER_UNSHARED = "vllm:p2pkv_adapter_unshared_blocks"
     LOOKUP_STEPS = "vllm:p2pkv_lookup_steps"
     PENDING_ANNOUNCED = "vllm:p2pkv_pending_announced_blocks"
+    PENDING_DROPPED = "vllm:p2pkv_pending_dropped_blocks"
     LOOKUP_WAIT_SECONDS = "vllm:p2pkv_lookup_wait_seconds"
     IDLE_PAUSE_SECONDS = "vllm:p2pkv_idle_pause_seconds"
     HOOK_CALLS = "vllm:p2pkv_request_hook_calls"
@@ -142,7 +143,12 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             labelnames=("outcome",)),
         Metrics.PENDING_ANNOUNCED: OffloadingCounterMetadata(
             "Chunks this engine announced as being computed (pending-v1) when it "
-            "scheduled their request."),
+            "scheduled their request, or, for a request scheduled before the tier's "
+            "node ran, when the node started."),
+        Metrics.PENDING_DROPPED: OffloadingCounterMetadata(
+            "Chunks of requests scheduled before the tier's node ran that were never "
+            "announced (pending-v1): more waited for the start than the tier keeps "
+            "(1,024 requests, 32,768 chunks; the oldest request went first)."),
         Metrics.LOOKUP_WAIT_SECONDS: OffloadingCounterMetadata(
             "Seconds the scheduler thread waited for lookups (at most lookup_wait a step)."),
         Metrics.IDLE_PAUSE_SECONDS: OffloadingCounterMetadata(

@@ -7,7 +7,9 @@ starts it exactly once: from a thread of its own as soon as both are known
 connected; or on first use, from whichever thread needs it first (the scheduler for a
 lookup, the store thread for a store), if that comes sooner. Until then, and for good
 when it cannot start, it answers None: the tier misses and fails its jobs, the engine
-recomputes, nothing is shared under an identity that is not known.
+recomputes, nothing is shared under an identity that is not known. What the engine
+computes meanwhile is announced once the node runs (``on_start``, see
+:meth:`~p2pkv.integrations.vllm.computing.Computing.started`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -33,10 +36,15 @@ from p2pkv.node import Node, NodeConfig
 
 log = logging.getLogger("vllm.p2pkv")
 
-__all__ = ["EARLY_POLL", "TierNode"]
+__all__ = ["EARLY_POLL", "REGISTER_WAIT", "TierNode"]
 
 #: How often (seconds) the early start looks whether vLLM has seeded its block hashing.
 EARLY_POLL = 0.05
+#: Seconds ``on_start`` waits for the directory registration (with a directory): what
+#: reaches the directory before it is dropped. A registration is a few Redis round trips;
+#: one that takes longer (Redis unreachable) is not waited for, and ``on_start`` runs
+#: then anyway, for the node and its static peers.
+REGISTER_WAIT = 5.0
 
 
 class TierNode:
@@ -46,7 +54,8 @@ class TierNode:
     def __init__(self, identity: TierIdentity, run_config: RunConfig,
                  layout: EngineRowLayout, config: NodeConfig, *, pool_blocks: int,
                  peers: Peers, identity_timeout: float, directory: str,
-                 directory_options: dict[str, Any]) -> None:
+                 directory_options: dict[str, Any],
+                 on_start: Callable[[], None] = lambda: None) -> None:
         self.identity = identity
         self._run_config = run_config
         self._layout = layout
@@ -56,6 +65,13 @@ class TierNode:
         self._identity_timeout = identity_timeout
         self._directory_url = directory
         self._directory_options = directory_options
+        #: Called once the node runs (and, with a directory, is registered or
+        #: :data:`REGISTER_WAIT` passed), from the thread that started it or, with a
+        #: directory, a thread of its own; not after the tier closed.
+        self._on_start = on_start
+        #: Until when (``time.monotonic()``) the engine is starting: see
+        #: :meth:`request_arrived`.
+        self._starting_until = 0.0
         self._lock = threading.Lock()
         self._waiting_logged = False
         self.node: Node | None = None
@@ -109,8 +125,9 @@ class TierNode:
         it keeps connecting the static peers until each is connected, within the same
         ``timeout``, a peer never reached yet every half second. Ends early when the node
         cannot start or the tier closed."""
+        deadline = self._starting_until = time.monotonic() + timeout
+
         def run() -> None:
-            deadline = time.monotonic() + timeout
             while not self.settled() and time.monotonic() < deadline:
                 if key_hash_ready():
                     self.ensure(wait=min(EARLY_POLL * 10, max(0.0, deadline - time.monotonic())))
@@ -123,6 +140,14 @@ class TierNode:
                 time.sleep(EARLY_POLL * 10)
 
         threading.Thread(target=run, name="p2pkv-start", daemon=True).start()
+
+    def request_arrived(self) -> None:
+        """A request arrived: while the engine is starting (within the early start's
+        ``timeout``), a static peer never reached yet is tried now, not at the early
+        start's next half-second attempt. The request's lookups wait for a connection
+        under way (up to their deadline, :meth:`Peers.ask`), so a peer that came up a
+        moment ago answers the first request it can."""
+        self.maintain(starting=time.monotonic() < self._starting_until)
 
     def _peers_to_connect(self) -> bool:
         """Whether the node runs on static peers (no directory) and one is not connected;
@@ -165,7 +190,32 @@ class TierNode:
         # Visible last: whoever sees the node sees its directory too.
         self.node = node
         self.maintain()
+        self._started()
         return node
+
+    def _started(self) -> None:
+        """Call ``on_start``: at once, or with a directory from a thread of its own once
+        the node is registered there (a directory drops what comes before), at most
+        :data:`REGISTER_WAIT` seconds later. An error in it is logged; the node runs."""
+        def hand_over() -> None:
+            if self.closed:
+                return
+            try:
+                self._on_start()
+            except Exception:  # a bug in what it announces must not stop the tier
+                log.exception("p2pkv tier: announcing what the engine computed before its "
+                              "node started failed")
+
+        directory = self.directory
+        if directory is None:
+            hand_over()
+            return
+
+        def registered() -> None:
+            directory.cluster.wait_registered(REGISTER_WAIT)
+            hand_over()
+
+        threading.Thread(target=registered, name="p2pkv-started", daemon=True).start()
 
     def maintain(self, *, starting: bool = False) -> None:
         """Keep the static peers connected (not needed with a directory); ``starting``:

@@ -62,7 +62,7 @@ from p2pkv.integrations.vllm.adapters import (
     first_chunk,
     first_chunk_tokens,
 )
-from p2pkv.integrations.vllm.computing import Computing
+from p2pkv.integrations.vllm.computing import ANNOUNCED, DROPPED, Computing
 from p2pkv.integrations.vllm.connector import building
 from p2pkv.integrations.vllm.identity import TierIdentity, run_config_from_spec
 from p2pkv.integrations.vllm.loads import DIRECTORY, TierLoads
@@ -131,6 +131,12 @@ class P2PKVTier(SecondaryTierManager):
                             refused_retry=waits.refused_retry,
                             lookup_timeout=float(settings["lookup_timeout"]),
                             lock=self._lock, count=self._count)
+        # pending-v1: the chunks this engine computes, announced to peers, the directory
+        # and its own later requests until stored; before the node runs, once it starts.
+        self._computing = Computing(
+            lambda: self._run.node, self._lock, directory=lambda: self._run.directory,
+            coming=lambda: not self._run.settled(),
+            count=lambda event, n: self._count(_COMPUTING_METRICS[event], n, ()))
         self._run = TierNode(
             self.identity, self.run_config, self.layout, tier_node_config(settings),
             pool_blocks=int(params.get("pool_blocks") or len(primary_kv_view)),
@@ -138,14 +144,10 @@ class P2PKVTier(SecondaryTierManager):
             directory=settings["directory"], directory_options={
                 "peers": peers, "ttl": float(settings["directory_ttl"]),
                 "lookup_timeout": float(settings["lookup_timeout"]),
-                "fetch_timeout": self._fetch_timeout, "advertise": settings["advertise"]})
+                "fetch_timeout": self._fetch_timeout, "advertise": settings["advertise"]},
+            on_start=self._computing.started)
         self._lookups = RequestLookups(self._ask, wait=waits.lookup_wait,
                                        pending_limit=waits.pending_wait)
-        # pending-v1: the prompt chunks this engine is computing, announced to peers
-        # (and to its own later requests) until they are stored or the request stops.
-        # Through a directory too, when the tier has one (announced there as well).
-        self._computing = Computing(lambda: self._run.node, self._lock,
-                                    directory=lambda: self._run.directory)
         #: Per KV-cache group: its index and the block hashes behind one chunk key.
         self._chunk_hashes = _chunk_hashes(offloading_spec)
         self._policy = TierLoads(load_policy_config(params),
@@ -209,9 +211,6 @@ class P2PKVTier(SecondaryTierManager):
     def _ensure_node(self, wait: float = 0.0) -> Node | None:
         return self._run.ensure(wait)
 
-    def _maintain(self) -> None:
-        self._run.maintain()
-
     def _count(self, name: str, n: int, labels: tuple[str, ...]) -> None:
         """Increment one of this tier's metrics (the caller holds the lock)."""
         self._stats.increase_counter(name, n, labels)
@@ -229,15 +228,17 @@ class P2PKVTier(SecondaryTierManager):
         before vLLM starts it: every chunk key of the prompt is asked now, so that the
         scheduler's first lookup can be answered (see :mod:`.lookups`)."""
         started = time.perf_counter()
-        node = self._ensure_node()  # the first request starts the node: here, outside the lock
+        node = self._ensure_node()  # a start under way is waited for, outside vLLM's locks
+        self._run.request_arrived()
         self._adapters.begin(req_id, lora_request)
         # A request whose adapter digest is still being computed is asked later, as
-        # the scheduler meets its keys (until then its lookups answer RETRY).
-        if node is not None and block_hashes and not self._adapters.pending(req_id):
+        # the scheduler meets its keys (until then its lookups answer RETRY); before the
+        # node runs, its prompt is only kept (what it computes is announced at the start).
+        if block_hashes and not self._adapters.pending(req_id):
             for group, per_chunk in self._chunk_hashes:
                 self._lookups.begin(req_id, [
                     make_offload_key(h, group)
-                    for h in block_hashes[per_chunk - 1::per_chunk]])
+                    for h in block_hashes[per_chunk - 1::per_chunk]], ask=node is not None)
         self._hooks.add("begin_request", time.perf_counter() - started)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -251,6 +252,8 @@ class P2PKVTier(SecondaryTierManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if self._ensure_node() is None:
+            # Kept: what the request computes is announced when the node starts.
+            self._lookups.missed(req_context.req_id, key)
             return LookupResult.MISS
         if self._adapters.pending(req_context.req_id):
             return LookupResult.RETRY  # its adapter's digest is being computed
@@ -294,7 +297,7 @@ class P2PKVTier(SecondaryTierManager):
             self._announce(req_id)
         self._lookups.flush()
         self._policy.scheduled(context)
-        self._maintain()
+        self._run.maintain()
 
     def scheduled_nothing(self) -> None:
         """The scheduler step that just ended scheduled no token and left no transfer
@@ -376,7 +379,6 @@ class P2PKVTier(SecondaryTierManager):
         if shared.keys is not None:
             self._computing.announce(req_id, keys, shared.keys,
                                      self._policy.compute_seconds(len(keys)))
-            self._counted(Metrics.PENDING_ANNOUNCED, len(keys), ())
 
     def _ask_holders(self, node: Node, keys: list[bytes]
                      ) -> tuple[list[bool], list[float], list[str | None]]:
@@ -446,6 +448,9 @@ class P2PKVTier(SecondaryTierManager):
             stats.set_gauge(Metrics.DIRECTORY_REGISTERED, int(self._run.directory.registered()))
         return stats
 
+
+#: The metric each of Computing's counts goes to.
+_COMPUTING_METRICS = {ANNOUNCED: Metrics.PENDING_ANNOUNCED, DROPPED: Metrics.PENDING_DROPPED}
 
 #: Seconds between two asks about chunks a peer is computing: at least (a quick store
 #: is not asked about in a busy loop), at most (a holder that dies or withdraws is
