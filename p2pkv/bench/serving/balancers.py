@@ -198,7 +198,11 @@ http {{
             proxy_buffering off;
             proxy_connect_timeout 2s;
             proxy_read_timeout 900s;
-            proxy_next_upstream error timeout;
+            # A completion is safe to send again to another engine when the first
+            # failed before answering (nginx keeps POSTs on one upstream otherwise):
+            # a request written to a kept-alive connection of a just-killed engine is
+            # answered by the next instead of failing with 502.
+            proxy_next_upstream error timeout non_idempotent;
         }}
     }}
 }}
@@ -207,7 +211,9 @@ http {{
 
 class Nginx(Balancer):
     """Debian's nginx, round-robin over the engines. A dead engine is taken out for 5 s
-    after a failed connection, and the request goes to the next (``proxy_next_upstream``)."""
+    after a failed connection, and the request goes to the next (``proxy_next_upstream``,
+    POSTs included: nothing of a completion is done twice if its engine failed before
+    answering)."""
 
     program = "nginx"
     install_hint = "install Debian's nginx (make nginx, or apt-get install nginx-light)"

@@ -55,11 +55,11 @@ COUNTERS = {"loaded_blocks": "vllm:p2pkv_loaded_blocks",
 class Timeline:
     """When each fault starts (seconds from the workload's start) and how long it lasts."""
 
-    cut_at: float = 15.0
+    cut_at: float = 20.0
     cut_seconds: float = 6.0
-    slow_at: float = 35.0
+    slow_at: float = 45.0
     slow_seconds: float = 20.0
-    kill_at: float = 70.0
+    kill_at: float = 100.0
 
     def __post_init__(self) -> None:
         if not (self.cut_at >= 0 and self.cut_at + self.cut_seconds <= self.slow_at
@@ -92,8 +92,10 @@ def _phases(marks: list[tuple[str, float, dict[str, dict[str, float] | None]]]
         engines: dict[str, dict[str, float] | None] = {}
         for engine in a:
             x, y = a[engine], b.get(engine)
-            engines[engine] = None if x is None or y is None else {
-                k: round(y[k] - x[k], 1) for k in COUNTERS}
+            # Unread (cut off), or counting from zero again (restarted): no delta.
+            engines[engine] = None if x is None or y is None or any(
+                y[k] < x[k] for k in COUNTERS) else {k: round(y[k] - x[k], 1)
+                                                     for k in COUNTERS}
         out.append({"phase": name, "start_s": round(t0, 1), "seconds": round(t1 - t0, 1),
                     "engines": engines})
     return out
@@ -162,7 +164,9 @@ def run_host_faults(args: argparse.Namespace, workdir: Path, workload: BenchWork
         mark("before")
         mark("cut", timeline.cut_at)
         with topology.cut(host):
-            mark("healed", timeline.cut_at + timeline.cut_seconds)
+            time.sleep(max(0.0, started + timeline.cut_at + timeline.cut_seconds
+                           - time.monotonic()))
+        mark("healed")
         mark("slow", timeline.slow_at)
         topology.hosts.shape(host, slow)  # type: ignore[union-attr]
         mark("restored", timeline.slow_at + timeline.slow_seconds)
