@@ -220,11 +220,20 @@ def test_probes_back_off_and_skip_short_prompts_but_never_stop() -> None:
     p.computed(4096, 4096 / 150, now=0.0)
     measured(p, "a", SLOW, now=0.0)
     # A 256-token prompt recomputes in 0.4 s; one chunk over the slow link takes 0.74 s:
-    # far over the budget, so it does not probe even when due ...
-    for second in range(30, 480, 10):
+    # far over the budget, so it does not probe when due ...
+    for second in range(30, 60, 5):
         assert p.advise(["a"] * 4, now=float(second)).reason == SKIP_SLOWER
-    # ... until the estimate is 16 intervals old (8 minutes): then whatever it costs.
-    assert p.advise(["a"] * 4, now=480.0).reason == LOAD_PROBE
+    # ... until the estimate is twice its wait old (60 s): then whatever it costs, so a
+    # link that recovered is used again within a minute even by short prompts alone.
+    assert p.advise(["a"] * 4, now=60.0).reason == LOAD_PROBE
+    # It found the peer still slow: the forced probes back off (120, 240, 480 s).
+    p.fetched("a", CHUNK_BYTES, CHUNK_BYTES / SLOW, now=61.0)
+    forced = [60]
+    for second in range(62, 2000):
+        if p.advise(["a"] * 4, now=float(second)).reason == LOAD_PROBE:
+            forced.append(second)
+            p.fetched("a", CHUNK_BYTES, CHUNK_BYTES / SLOW, now=second + 1.0)
+    assert [b - a for a, b in itertools.pairwise(forced)][:4] == [121, 241, 481, 481]
     # Over a day of long-prompt hits every 5 s from a peer that stays slow, the probes
     # come after 30, 60, 120, 240 s, then every 480 s: never stopping, rarely paying.
     q = policy(probe_interval=30.0)

@@ -20,8 +20,12 @@ a peer found slow is never refused for good. Once its estimate is older than
 that fetch's bandwidth replaces the old estimate. A probe only goes with a request whose
 recompute it slows by at most ``probe_budget`` (a short prompt is not made to wait for a
 slow link); each probe that finds the peer still slow doubles the wait for the next one,
-up to ``2 ** MAX_PROBE_BACKOFF`` intervals, past which the next hit probes whatever it
-costs.
+up to ``2 ** MAX_PROBE_BACKOFF`` intervals. A peer whose hits all come with prompts too
+short for the budget is probed by the next hit whatever it costs once the estimate is
+twice its wait old (60 s after a first slow sample by default, then 120, 240, 480 s
+while it stays slow): a link that was slow for a while and recovered is used again
+within about a minute, and a peer that stays slow costs one request a chunk's load at
+most every 8 minutes.
 
 A peer's first sample, when its fetch was shorter than ``PROVISIONAL_CHUNKS`` chunks,
 is provisional: such a fetch is mostly fixed costs that the next ones do not pay (the
@@ -426,7 +430,8 @@ class LoadPolicy:
         cost = _load_seconds(run[:length], rates, self.chunk_bytes) - \
             _load_seconds(run[:best], rates, self.chunk_bytes)
         if cost > cfg.probe_budget * recompute and not any(
-                waited(p, MAX_PROBE_BACKOFF) for p in due):
+                waited(p, min(self.bandwidth[p].backoff + 1, MAX_PROBE_BACKOFF))
+                for p in due):
             return 0
         for p in due:
             est = self.bandwidth[p]
