@@ -53,13 +53,17 @@ COUNTERS = {"loaded_blocks": "vllm:p2pkv_loaded_blocks",
 
 @dataclass(frozen=True)
 class Timeline:
-    """When each fault starts (seconds from the workload's start) and how long it lasts."""
+    """When each fault starts (seconds from the workload's start) and how long it lasts.
+    The workload must outlast ``kill_at``, or nothing is in flight when the host dies
+    (the result says how long it ran: ``workload_seconds``)."""
 
-    cut_at: float = 20.0
+    cut_at: float = 15.0
     cut_seconds: float = 6.0
-    slow_at: float = 45.0
-    slow_seconds: float = 20.0
-    kill_at: float = 100.0
+    slow_at: float = 30.0
+    slow_seconds: float = 15.0
+    #: After the restore, long enough for the load policy's forced probe of a peer found
+    #: slow (60 s after its last sample) to come before the kill.
+    kill_at: float = 110.0
 
     def __post_init__(self) -> None:
         if not (self.cut_at >= 0 and self.cut_at + self.cut_seconds <= self.slow_at
