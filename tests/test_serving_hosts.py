@@ -50,13 +50,14 @@ def _namespaces() -> set[str]:
 
 
 def test_profiles_are_multiples_of_the_measured_kv_rate() -> None:
-    rate = KvRate(prompt_tokens=1000, seconds=(2.0, 1.0, 4.0), bytes_per_token=46_080)
+    rate = KvRate.measured(1000, (2.0, 1.0, 4.0), bytes_per_token=46_080)
     assert rate.tokens_per_s == 500  # the median prompt's time
     assert rate.bytes_per_s == 500 * 46_080
     bits = {p.name: p.rate_bits(rate.bytes_per_s) for p in PROFILES.values()}
     assert bits == {"100G": 4 * 8 * 500 * 46_080, "25G": 8 * 500 * 46_080,
                     "slow": 4 * 500 * 46_080, "unshaped": None}
     assert kv_bytes_per_token(smollm2()) == 30 * 2 * 3 * 64 * 4  # SmolLM2, fp32
+    assert KvRate.given(2e7, 46_080).bytes_per_s == pytest.approx(2e7)
     with pytest.raises(ValueError, match=r"unknown link profile.*'40G'.*choose from"):
         parse_profiles("100G,40G")
 

@@ -116,8 +116,9 @@ def run_host_faults(args: argparse.Namespace, workdir: Path, workload: BenchWork
                     served_name: str, topology: Topology, kv_rate: KvRate | None,
                     timeline: Timeline = Timeline()) -> dict[str, Any]:
     """The reference run on ``none``, then p2pkv's engines through the timeline."""
-    if kv_rate is None or topology.profile is None:
-        raise ValueError("faults across hosts need a shaped profile and the KV rate")
+    if kv_rate is None or topology.profile is None or not topology.engine_hosts:
+        raise ValueError("faults across hosts need engines on hosts, a shaped profile "
+                         "and the KV rate")
     model = Path(args.model)
 
     def cluster_of(config: str) -> ServingCluster:
@@ -136,7 +137,7 @@ def run_host_faults(args: argparse.Namespace, workdir: Path, workload: BenchWork
                                    workdir / "faults-none", "none")
     cluster = cluster_of("p2pkv")
     victim = cluster.specs[-1]
-    host = topology.engine_hosts[-1].name  # type: ignore[index]
+    host = topology.engine_hosts[-1].name
     names = [s.name for s in cluster.specs]
     slow = PROFILES["slow"].rate_bits(kv_rate.bytes_per_s)
     base = topology.profile.rate_bits(kv_rate.bytes_per_s)
@@ -172,9 +173,9 @@ def run_host_faults(args: argparse.Namespace, workdir: Path, workload: BenchWork
                            - time.monotonic()))
         mark("healed")
         mark("slow", timeline.slow_at)
-        topology.hosts.shape(host, slow)  # type: ignore[union-attr]
+        topology.set_rate(host, slow)
         mark("restored", timeline.slow_at + timeline.slow_seconds)
-        topology.hosts.shape(host, base)  # type: ignore[union-attr]
+        topology.set_rate(host, base)
         mark("killed", timeline.kill_at)
         killed_at = time.time()
         cluster.kill(victim.name)

@@ -84,16 +84,25 @@ def kv_bytes_per_token(model: Path, dtype_bytes: int = 4) -> int:
 
 @dataclass(frozen=True)
 class KvRate:
-    """One engine's measured prefill: tokens per second, KV bytes per token, and their
-    product; the seconds of each cold prompt it was measured on."""
+    """One engine's prefill: tokens per second and KV bytes per token, whose product is
+    the rate it makes KV; with the prompt length and the seconds of each cold prompt it
+    was measured on (none: given, ``--kv-rate``)."""
 
-    prompt_tokens: int
-    seconds: tuple[float, ...]
+    tokens_per_s: float
     bytes_per_token: int
+    prompt_tokens: int = 0
+    seconds: tuple[float, ...] = ()
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.prompt_tokens / statistics.median(self.seconds)
+    @classmethod
+    def measured(cls, prompt_tokens: int, seconds: tuple[float, ...],
+                 bytes_per_token: int) -> KvRate:
+        """The median of prompts of ``prompt_tokens`` tokens computed in ``seconds``."""
+        return cls(prompt_tokens / statistics.median(seconds), bytes_per_token,
+                   prompt_tokens, seconds)
+
+    @classmethod
+    def given(cls, bytes_per_s: float, bytes_per_token: int) -> KvRate:
+        return cls(bytes_per_s / bytes_per_token, bytes_per_token)
 
     @property
     def bytes_per_s(self) -> float:
@@ -101,7 +110,8 @@ class KvRate:
 
     def describe(self) -> dict[str, Any]:
         return {**asdict(self), "tokens_per_s": round(self.tokens_per_s, 1),
-                "bytes_per_s": round(self.bytes_per_s)}
+                "bytes_per_s": round(self.bytes_per_s),
+                "how": "measured" if self.seconds else "given"}
 
 
 def measure_kv_rate(url: str, model_name: str, model: Path, *, prompt_tokens: int = 1024,
@@ -123,8 +133,8 @@ def measure_kv_rate(url: str, model_name: str, model: Path, *, prompt_tokens: in
         started = time.perf_counter()
         complete(url, model_name, tokens, 1, timeout)
         seconds.append(time.perf_counter() - started)
-    return KvRate(prompt_tokens, tuple(round(s, 4) for s in seconds),
-                  kv_bytes_per_token(model))
+    return KvRate.measured(prompt_tokens, tuple(round(s, 4) for s in seconds),
+                           kv_bytes_per_token(model))
 
 
 def profile_rows(profiles: Sequence[LinkProfile], rate: KvRate) -> list[dict[str, Any]]:

@@ -36,6 +36,7 @@ from p2pkv.bench.serving.links import (
     PROFILES,
     KvRate,
     LinkProfile,
+    kv_bytes_per_token,
     parse_profiles,
     profile_rows,
 )
@@ -396,7 +397,7 @@ def _directory(args: argparse.Namespace, topology: Topology) -> Iterator[str | N
 def _kv_rate(args: argparse.Namespace, topology: Topology, workdir: Path) -> KvRate:
     """``--kv-rate`` as given, or one engine's rate measured on the first engine host."""
     if args.kv_rate is not None:
-        return KvRate(1, (1.0 / args.kv_rate,), 1)
+        return KvRate.given(args.kv_rate, kv_bytes_per_token(Path(args.model)))
     print("measuring one engine's KV rate (a cold prefill on the first engine host) ...",
           flush=True)
     rate = topology.measure_kv_rate(Path(args.model), workdir, python=sys.executable,

@@ -114,10 +114,18 @@ class Topology:
                 self.hosts.shape(name, rate)
         self.profile, self.kv_rate = profile, kv_rate
 
+    def set_rate(self, host: str, rate_bits: int | None) -> None:
+        """Host ``host``'s link alone at ``rate_bits`` (``None``: unshaped), the others
+        as they are (a link slowed mid-run)."""
+        if self.hosts is None:
+            raise ValueError("a link's rate needs --hosts")
+        self.hosts.shape(host, rate_bits)
+
     @contextlib.contextmanager
     def cut(self, host: str) -> Iterator[None]:
         """Host ``host``'s cable pulled for the block, plugged back after it."""
-        assert self.hosts is not None
+        if self.hosts is None:
+            raise ValueError("cutting a link needs --hosts")
         self.hosts.cut(host)
         try:
             yield
