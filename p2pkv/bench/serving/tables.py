@@ -40,14 +40,16 @@ def counters(metrics: Sequence[Mapping[str, float]]) -> dict[str, float]:
             if total:
                 out[f"lookup_{kind}_delay_{part}"] = total
     for k, v in p2pkv.items():
-        if not k.endswith("_created") and any(
+        if k.split("{")[0].endswith("_created"):  # a counter's creation time
+            continue
+        if any(
                 s in k for s in ("loaded_blocks", "stored_blocks", "load_failures",
                                  "lookup_hits", "handshakes_refused", "loaded_bytes",
                                  "load_skipped", "lookup_keys", "lookup_steps",
                                  "lookup_wait_seconds", "load_decisions",
                                  "idle_pause_seconds")):
             out[k.removeprefix("vllm:")] = v
-        elif "request_hook" in k and not k.split("{")[0].endswith("_created"):
+        elif "request_hook" in k:
             # Calls and seconds add up over the engines; the longest call is the max.
             out[k.removeprefix("vllm:")] = max(m.get(k, 0.0) for m in metrics) \
                 if "max_seconds" in k else v
