@@ -3,9 +3,10 @@ network namespace on a bridge, :mod:`p2pkv.bench.hosts`), their links shaped by 
 (root only; skipped with the reason where namespaces cannot be made).
 
 - A prompt computed by the engine on one host and then sent to the engine on the other
-  is loaded from the first over the link: the holder's address is its host's, not
-  loopback; the bytes the loading host received over its link cover the bytes p2pkv
-  loaded (no shared memory between hosts); and the greedy texts are equal.
+  is loaded from the first over the link, found through a Redis directory on a third
+  host: the holder's address is its host's, not loopback; the bytes the loading host
+  received over its link cover the bytes p2pkv loaded (no shared memory between hosts);
+  and the greedy texts are equal.
 - The link profiles follow the measured KV rate (``100G`` 4x, ``25G`` 1x, ``slow`` 0.5x)
   and the shaped rate holds on a real transfer across a link.
 - When the hosts close, none of their namespaces is left.
@@ -23,6 +24,7 @@ from vllmenv import VLLM_PY, serve, skip_without_vllm, smollm2
 
 from p2pkv.bench.hosts import PREFIX, Hosts
 from p2pkv.bench.netns import Unavailable
+from p2pkv.bench.redis_servers import LocalRedis, find_redis_server
 from p2pkv.bench.serving.clients import complete
 from p2pkv.bench.serving.cluster import ServingCluster
 from p2pkv.bench.serving.configs import engine_specs
@@ -108,17 +110,24 @@ def _connect(address: str, port: int) -> socket.socket:
 @pytest.fixture(scope="module")
 def on_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hosts,
                                                                          ServingCluster]]:
+    """Two engines on hosts of their own that find each other through a Redis directory
+    on a third host (``front``, where this test's requests come from too)."""
     skip_without_vllm()
+    if find_redis_server() is None:
+        pytest.skip("redis-server is not installed (make test installs it as root)")
     workdir = tmp_path_factory.mktemp("hosts")
     with _hosts(["front", "engine-0", "engine-1"]) as hosts:
         for name in ("engine-0", "engine-1"):
             hosts.shape(name, RATE_BITS)
-        specs = engine_specs("p2pkv", 2, cpu_bytes=512 * 2**20, workdir=workdir,
-                             tier_options={"pending_wait": 30.0},
-                             hosts=[hosts["engine-0"], hosts["engine-1"]])
-        cluster = ServingCluster(smollm2(), specs, workdir, served_name=NAME,
-                                 max_model_len=2048, balancer=None, python=str(VLLM_PY))
-        with hosts.entered("front"):
+        front = hosts["front"].address
+        with hosts.entered("front"), LocalRedis(args=["--bind", "127.0.0.1", front]) as redis:
+            specs = engine_specs("p2pkv", 2, cpu_bytes=512 * 2**20, workdir=workdir,
+                                 tier_options={"pending_wait": 30.0},
+                                 hosts=[hosts["engine-0"], hosts["engine-1"]],
+                                 directory=f"redis://{front}:{redis.port}/0")
+            cluster = ServingCluster(smollm2(), specs, workdir, served_name=NAME,
+                                     max_model_len=2048, balancer=None,
+                                     python=str(VLLM_PY))
             yield from ((hosts, c) for c in serve(cluster))
 
 
@@ -145,7 +154,7 @@ def test_a_prompt_computed_on_one_host_is_loaded_over_the_link_by_the_other(
         tier = spec.kv_transfer_config["kv_connector_extra_config"][  # type: ignore[index]
             "secondary_tiers"][0]
         assert tier["listen"].startswith(f"tcp://{hosts[host].address}:"), tier
-        assert not any("127.0.0.1" in p for p in tier["peers"]), tier
+        assert tier["directory"].startswith(f"redis://{hosts['front'].address}:"), tier
     prompt = " ".join(f"Line {i}: the harbor lantern {i * 7} glows over the quay."
                       for i in range(70))
     first = complete(cluster.engine_url(holder), NAME, prompt, 24)
@@ -162,3 +171,6 @@ def test_a_prompt_computed_on_one_host_is_loaded_over_the_link_by_the_other(
     # p2pkv lookups are a few KB beside it): no shared memory between hosts.
     assert crossed >= loaded, (crossed, loaded)
     assert second == first, (first, second)
+    # The loader found the holder through the directory on the front host.
+    assert _metric(cluster, loader, "vllm:p2pkv_directory_hits") >= 8
+    assert _metric(cluster, loader, "vllm:p2pkv_directory_errors") == 0
