@@ -60,24 +60,30 @@ BURN = ("import os, time\n"
         "t = time.process_time()\n"
         "while time.process_time() - t < 0.4:\n"
         "    pass\n"
-        "print('burnt', flush=True)\n"
+        # One write of under PIPE_BUF bytes: the two processes' lines never interleave
+        # (print() may write the text and its newline apart).
+        "os.write(1, b'burnt\\n')\n"
         "time.sleep(60)\n")
 
 
 def test_a_groups_cpu_is_read_per_process_and_taken_between_two_reads() -> None:
-    group = subprocess.Popen([sys.executable, "-c", BURN], stdout=subprocess.PIPE, text=True,
+    group = subprocess.Popen([sys.executable, "-c", BURN], stdout=subprocess.PIPE,
                              start_new_session=True)
     try:
         before = group_cpu(group.pid)
         assert group.pid in before
         assert group.stdout is not None
         deadline = time.monotonic() + 30
-        lines = 0
-        while lines < 2:
+        said = b""
+        # Raw reads of the pipe: both lines may come in one read, and a buffered
+        # readline would keep the second where select() cannot see it.
+        while said.count(b"burnt\n") < 2:
             ready, _, _ = select.select([group.stdout], [], [], deadline - time.monotonic())
             assert ready, "the two processes did not burn their CPU within 30 s"
-            assert group.stdout.readline() == "burnt\n"
-            lines += 1
+            chunk = os.read(group.stdout.fileno(), 64)
+            assert chunk, f"the group closed its output after {said!r}"
+            said += chunk
+        assert said == b"burnt\nburnt\n", said
         after = group_cpu(group.pid)
         assert len(after) == 2, after  # the leader and its child, nothing else
         assert all(seconds >= 0.35 for _, seconds in after.values()), after
