@@ -10,6 +10,7 @@ fetch lands about 1.2 GB/s, and the throttled link of the tests moves 4 MB/s.
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 
@@ -20,6 +21,10 @@ from p2pkv.integrations.vllm.loadpolicy import (
     LOAD_PROBE,
     LOAD_UNKNOWN,
     MAX_TRACKED_REQUESTS,
+    PENDING_NO_ESTIMATE,
+    PENDING_PAYS,
+    PENDING_POLICY_OFF,
+    PENDING_SLOWER,
     PROVISIONAL_CHUNKS,
     SKIP_FLOOR,
     SKIP_SLOWER,
@@ -402,3 +407,25 @@ def test_a_wait_on_an_engine_that_computes_costs_whole_steps() -> None:
     assert steps.wait_cost(0.01, now=now + 2.0 + 0.2) == 0.01
     assert policy().describe(0.0)["steps"] == {"busy": False, "step_seconds": None,
                                                 "samples": 0}
+
+
+def test_a_wait_for_a_peers_prefill_pays_until_computing_here_would_have_been_done() -> None:
+    p = policy()
+    # Nothing measured: the wait is taken, bounded by pending_wait only.
+    assert p.wait_budget(16, due=1.0, now=0.0) == (PENDING_NO_ESTIMATE, math.inf)
+    p.computed(1024, 1024 / 256, now=0.0)  # 256 tokens/s: 16 chunks take 4 s here
+    # No bandwidth measured yet: the load after the wait counts nothing.
+    reason, budget = p.wait_budget(16, due=1.0, now=0.0)
+    assert (reason, budget) == (PENDING_PAYS, pytest.approx(4.0))
+    # A link of 16 MB/s moves the 16 chunks in 2.95 s: the wait pays while it stays
+    # under the 1.05 s left, and its budget is that.
+    measured(p, "a", 16e6)
+    reason, budget = p.wait_budget(16, due=0.5, now=0.0)
+    assert reason == PENDING_PAYS
+    assert budget == pytest.approx(4.0 - 16 * CHUNK_BYTES / 16e6)
+    assert p.wait_budget(16, due=1.2, now=0.0) == (PENDING_SLOWER, None)
+    # The slowest peer decides: a second, slower link makes the same wait not pay.
+    measured(p, "b", 8e6)
+    assert p.wait_budget(16, due=0.5, now=0.0) == (PENDING_SLOWER, None)
+    assert policy(enabled=False).wait_budget(16, due=100.0, now=0.0) == \
+        (PENDING_POLICY_OFF, math.inf)

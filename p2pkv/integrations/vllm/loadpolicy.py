@@ -51,6 +51,10 @@ __all__ = [
     "LOAD_PAYS",
     "LOAD_PROBE",
     "LOAD_UNKNOWN",
+    "PENDING_NO_ESTIMATE",
+    "PENDING_PAYS",
+    "PENDING_POLICY_OFF",
+    "PENDING_SLOWER",
     "SKIP_FLOOR",
     "SKIP_SLOWER",
     "Advice",
@@ -69,6 +73,13 @@ LOAD_OFF = "policy_off"            # the policy is switched off: every hit is lo
 #: Skips (the engine recomputes the chunks):
 SKIP_FLOOR = "below_floor"         # fewer than min_tokens held
 SKIP_SLOWER = "slower_than_recompute"
+#: Decisions on chunks a peer is computing (pending-v1): waited for (it pays, nothing
+#: is measured yet, or the policy is off), or computed here (waiting and loading would
+#: be slower than computing them).
+PENDING_PAYS = "pending_pays"
+PENDING_NO_ESTIMATE = "pending_no_estimate"
+PENDING_POLICY_OFF = "pending_policy_off"
+PENDING_SLOWER = "pending_slower_than_recompute"
 
 #: A bandwidth sample is clamped into this range (bytes/s) ...
 BANDWIDTH_BOUNDS = (1e3, 1e12)
@@ -410,6 +421,33 @@ class LoadPolicy:
         if best > 0:
             return self._decided(Advice(best, n, LOAD_PAYS, *at_best, peers))
         return self._decided(Advice(0, n, SKIP_SLOWER, *whole, peers))
+
+    def wait_budget(self, chunks: int, due: float, now: float) -> tuple[str, float | None]:
+        """Whether to wait ``due`` seconds for ``chunks`` chunks a peer is computing and
+        then load them, rather than compute them here: the decision's reason, and the
+        wait's budget (None: compute here).
+
+        The wait counts whole scheduler steps while this engine computes
+        (:meth:`StepMeter.wait_cost`), the load after it goes at the slowest measured
+        peer's bandwidth (nothing before any is measured), and there is no
+        ``min_speedup`` margin: a wait that only breaks even still frees this engine to
+        compute other requests meanwhile. The budget is how long from ``now`` waiting
+        still pays: computing here less the load. A computation that runs later than
+        its holder announced then costs the request at most that much before it computes
+        the chunks itself, where an unbounded wait could cost ``pending_wait``.
+        ``math.inf`` without a prefill estimate or with the policy off."""
+        tokens = chunks * self.chunk_tokens
+        rate = self.prefill_rate(tokens)
+        if not self.config.enabled:
+            return PENDING_POLICY_OFF, math.inf
+        if rate is None:
+            return PENDING_NO_ESTIMATE, math.inf
+        rates = [r.value for r in self.bandwidth.values()]
+        load = chunks * self.chunk_bytes / min(rates) if rates else 0.0
+        recompute = tokens / rate
+        if self.steps.wait_cost(due, now) + load >= recompute:
+            return PENDING_SLOWER, None
+        return PENDING_PAYS, recompute - load
 
     def _probe(self, run: list[str], rates: dict[str, float], best: int, recompute: float,
                now: float) -> int:

@@ -32,9 +32,7 @@ from p2pkv.integrations.vllm.metrics import Metrics
 from p2pkv.integrations.vllm.peers import Count
 from p2pkv.node import FetchResult
 
-__all__ = ["DIRECTORY", "PENDING_NO_ESTIMATE", "PENDING_PAYS", "PENDING_POLICY_OFF",
-           "PENDING_SLOWER",
-           "UNMEASURED_PREFILL_RATE", "TierLoads"]
+__all__ = ["DIRECTORY", "UNMEASURED_PREFILL_RATE", "TierLoads"]
 
 log = logging.getLogger("vllm.p2pkv")
 
@@ -42,13 +40,6 @@ log = logging.getLogger("vllm.p2pkv")
 LOG_EVERY = 60.0
 #: The bandwidth estimate of loads through the cluster directory (striped over holders).
 DIRECTORY = "directory"
-#: ``vllm:p2pkv_load_decisions`` reasons of chunks a peer is computing (pending-v1):
-#: waited for (it pays, or nothing is measured yet), or computed here (waiting and
-#: loading would be slower than computing them).
-PENDING_PAYS = "pending_pays"
-PENDING_NO_ESTIMATE = "pending_no_estimate"
-PENDING_POLICY_OFF = "pending_policy_off"
-PENDING_SLOWER = "pending_slower_than_recompute"
 #: Tokens/s an engine announces its prefills at (pending-v1) until it measured its own.
 UNMEASURED_PREFILL_RATE = 1000.0
 
@@ -116,32 +107,16 @@ class TierLoads:
             rate = self.policy.prefill_rate(tokens) or UNMEASURED_PREFILL_RATE
         return tokens / rate
 
-    def wait_pays(self, chunks: int, due: float) -> bool:
-        """Lookup thread: whether waiting ``due`` seconds for ``chunks`` chunks a peer is
-        computing (rounded up to whole scheduler steps while this engine computes, see
-        :class:`~p2pkv.integrations.vllm.loadpolicy.StepMeter`), then loading them, is
-        estimated to be faster than computing them here (the load policy's rule;
-        without a prefill estimate, or with the policy off, waiting is taken, bounded by
-        ``pending_wait``). Counted in the load decisions."""
+    def wait_budget(self, chunks: int, due: float) -> float | None:
+        """Lookup thread: whether to wait ``due`` seconds for ``chunks`` chunks a peer is
+        computing and then load them (None: compute them here), and until how many
+        seconds from now waiting pays (see
+        :meth:`~p2pkv.integrations.vllm.loadpolicy.LoadPolicy.wait_budget`). Counted in
+        the load decisions."""
         with self._lock:
-            tokens = chunks * self.policy.chunk_tokens
-            rate = self.policy.prefill_rate(tokens)
-            if not self.policy.config.enabled:
-                reason = PENDING_POLICY_OFF
-            elif rate is None:
-                reason = PENDING_NO_ESTIMATE
-            else:
-                rates = [r.value for r in self.policy.bandwidth.values()]
-                load = chunks * self.policy.chunk_bytes / min(rates) if rates else 0.0
-                # A request that waits is looked at again at a later step: on an engine
-                # that is computing, the wait lasts whole steps (StepMeter). No
-                # min_speedup margin: a wait that only breaks even still frees this
-                # engine to compute other requests meanwhile.
-                wait = self.policy.steps.wait_cost(due, time.monotonic())
-                slower = wait + load >= tokens / rate
-                reason = PENDING_SLOWER if slower else PENDING_PAYS
+            reason, budget = self.policy.wait_budget(chunks, due, time.monotonic())
             self._count(Metrics.LOAD_DECISIONS, 1, (reason,))
-        return reason != PENDING_SLOWER
+        return budget
 
     def fetched(self, peer: str, result: FetchResult) -> None:
         """IO thread: a fetch from ``peer`` completed."""

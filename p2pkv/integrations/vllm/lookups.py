@@ -25,8 +25,9 @@ block hashes are known when it arrives. So:
   doomed load;
 - a key an ask found **pending** (being computed by a peer or by this engine, SPEC §19)
   is answered RETRY until the time the ask named (:class:`Pending`), then asked again;
-  a request waits on pending keys at most ``pending_limit`` seconds in all, then they
-  are MISS (vLLM computes them). Whether waiting pays at all is the ask's decision;
+  a request waits on pending keys at most ``pending_limit`` seconds in all, and no
+  later than the first ask said waiting pays (:attr:`Pending.until`), then they are
+  MISS (vLLM computes them). Whether waiting pays at all is the ask's decision;
 - a step that **scheduled nothing** while requests wait on an ask or on pending keys
   (:meth:`RequestLookups.pause`): vLLM's scheduler loop does not pause while a request
   waits, and its steps would re-ask the same cached RETRY hundreds of times a second,
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
@@ -55,9 +57,11 @@ log = logging.getLogger("vllm.p2pkv")
 @dataclass(frozen=True, slots=True)
 class Pending:
     """An ask's answer for a key being computed elsewhere: RETRY until ``recheck`` (a
-    ``time.monotonic()`` time), then ask again."""
+    ``time.monotonic()`` time), then ask again; past ``until``, waiting no longer pays
+    (the computation runs later than the ask expected) and the key is a MISS."""
 
     recheck: float
+    until: float = math.inf
 
 
 #: An ask's answer for one key: HIT (True), MISS (False), or wait for it (Pending).
@@ -106,6 +110,8 @@ class _Request:
     prompt: list[bytes] = field(default_factory=list)
     #: When the request first waited on a pending key (``time.monotonic()``), or None.
     pending_since: float | None = None
+    #: When its waiting stops paying: the earliest ``until`` of its pending answers.
+    pending_until: float = math.inf
     #: Keys being asked, each with the future of its ask and its index in that ask.
     asking: dict[bytes, tuple[Future[list[Answer]], int]] = field(default_factory=dict)
     #: Keys met this step that nobody asked yet, in the order met; the first one's
@@ -236,7 +242,8 @@ class RequestLookups:
                 pending = True
                 wake = min(wake, *rechecks)
                 if req.pending_since is not None:
-                    wake = min(wake, req.pending_since + self._pending_limit)
+                    wake = min(wake, req.pending_since + self._pending_limit,
+                               req.pending_until)
         if not (asks or pending) or wake <= now:
             return 0.0
         started = time.perf_counter()
@@ -299,12 +306,15 @@ class RequestLookups:
 
     def _pending(self, req_id: str, req: _Request, answer: Pending) -> bool | None:
         """A key being computed elsewhere: RETRY until its recheck, then ask again; MISS
-        once the request has waited ``pending_limit`` in all."""
+        once the request has waited ``pending_limit`` in all, or past the ``until`` of
+        the first ask that told it to wait (a later ask's, made after part of the wait,
+        would grant it again what the first already counted)."""
         now = time.monotonic()
         if req.pending_since is None:
             req.pending_since = now
+        req.pending_until = min(req.pending_until, answer.until)
         waiting = [k for k, a in req.answers.items() if isinstance(a, Pending)]
-        if now - req.pending_since >= self._pending_limit:
+        if now - req.pending_since >= self._pending_limit or now >= req.pending_until:
             for k in waiting:
                 req.answers[k] = False
             _note(req, READY)

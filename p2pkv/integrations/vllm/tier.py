@@ -361,12 +361,13 @@ class P2PKVTier(SecondaryTierManager):
             return answers
         start, end, weighed = run
         coming = [d for d in due[start:end] if d > 0]
-        if not self._policy.wait_pays(weighed, max(coming)):
+        budget = self._policy.wait_budget(weighed, max(coming))
+        if budget is None:
             return answers
-        recheck = time.monotonic() + min(max(min(coming), PENDING_RECHECK_MIN),
-                                         PENDING_RECHECK_MAX)
+        now = time.monotonic()
+        recheck = now + min(max(min(coming), PENDING_RECHECK_MIN), PENDING_RECHECK_MAX)
         for i in range(start, end):
-            answers[i] = Pending(recheck)
+            answers[i] = Pending(recheck, now + budget)
         return answers
 
     def _announce(self, req_id: str) -> None:
