@@ -16,6 +16,7 @@ from typing import Any
 
 from p2pkv.bench.netns import Unavailable
 from p2pkv.bench.redis_servers import LocalRedis
+from p2pkv.bench.serving.aiperf_client import DEFAULT_AIPERF, run_aiperf
 from p2pkv.bench.serving.balancers import ROUTER_POLICIES, parse_balancers
 from p2pkv.bench.serving.clients import (
     BenchWorkload,
@@ -103,8 +104,17 @@ def run_config(config: str, args: argparse.Namespace, workdir: Path,
         if args.trace != "none":
             print(f"[{label}] trace ...", flush=True)
             before_trace = counters([cluster.metrics(s.name) for s in specs])
-            trace = asyncio.run(replay(cluster.url, SERVED_NAME, trace_requests(args),
-                                       squeeze=args.trace_squeeze)).to_json()
+            if args.trace_client == "aiperf":
+                summary = run_aiperf(cluster.url, SERVED_NAME, trace_requests(args),
+                                     where / "aiperf", block_tokens=args.trace_block_tokens,
+                                     squeeze=args.trace_squeeze,
+                                     tokenizer_dir=Path(args.model))
+                # aiperf's prompts are its own text: no texts to hold against none's.
+                trace = {"client": "aiperf", "summary": summary, "records": None}
+            else:
+                trace = {"client": "p2pkv", **asyncio.run(replay(
+                    cluster.url, SERVED_NAME, trace_requests(args),
+                    squeeze=args.trace_squeeze)).to_json()}
             after_trace = counters([cluster.metrics(s.name) for s in specs])
             trace["counters"] = {k: v - before_trace.get(k, 0.0)
                                  for k, v in after_trace.items()}
@@ -163,6 +173,10 @@ def _parser() -> argparse.ArgumentParser:
                         "balancer after the other workloads, or 'none' (default: 16 "
                         "conversations of Mooncake's conversation trace, "
                         "serving/traces/README.md)")
+    p.add_argument("--trace-client", choices=("p2pkv", "aiperf"), default="p2pkv",
+                   help="who replays the trace: p2pkv's own replayer (serving/trace.py), or "
+                        "aiperf from .venv-aiperf (serving/aiperf_client.py; its prompts "
+                        "are its own text, so no texts are compared)")
     p.add_argument("--trace-squeeze", type=float, default=20.0,
                    help="the trace is sent at its own time divided by this")
     p.add_argument("--trace-block-tokens", type=int, default=64,
@@ -244,6 +258,9 @@ def _problem(args: argparse.Namespace) -> str | None:
             trace_requests(args)
         except (OSError, ValueError) as exc:
             return f"--trace {args.trace}: {exc}"
+        if args.trace_client == "aiperf" and not DEFAULT_AIPERF.exists():
+            return (f"--trace-client aiperf: no aiperf at {DEFAULT_AIPERF} (python3 -m venv "
+                    f".venv-aiperf && .venv-aiperf/bin/pip install 'aiperf==0.13.*')")
         if not args.trace_squeeze > 0:
             return f"--trace-squeeze must be > 0, got {args.trace_squeeze}"
     if args.kv_rate is not None and not args.kv_rate > 0:
@@ -350,7 +367,7 @@ def _sitting(args: argparse.Namespace, workdir: Path, workload: BenchWorkload) -
                "multi_turn": {"conversations": args.conversations, "turns": args.turns},
                "trace": None if args.trace == "none" else {
                    "file": args.trace, "squeeze": args.trace_squeeze,
-                   "block_tokens": args.trace_block_tokens,
+                   "block_tokens": args.trace_block_tokens, "client": args.trace_client,
                    "requests": len(trace_requests(args))}}
     profiles: list[LinkProfile | None] = list(parse_profiles(args.links)) if args.hosts \
         else [None]

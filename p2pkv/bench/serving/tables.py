@@ -142,7 +142,8 @@ def trace_row(trace: Mapping[str, Any] | None,
                trace_tokens_from_disk=c.get("cached_tokens[disk]", 0.0))
     for bound, rate in s.get("goodput", {}).items():
         row[f"trace_goodput[{bound}]"] = rate
-    if reference:
+    if reference and trace.get("records") is not None \
+            and reference.get("records") is not None:
         texts = [r["text"] if r["error"] is None else None for r in trace["records"]]
         ref = [r["text"] if r["error"] is None else None for r in reference["records"]]
         both = [(a, b) for a, b in zip(texts, ref, strict=False)
