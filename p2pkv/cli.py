@@ -36,6 +36,7 @@ from p2pkv.commands.peer import cmd_fetch, cmd_probe
 from p2pkv.commands.serve import cmd_serve
 from p2pkv.errors import ConfigError
 from p2pkv.identity import canonical_model_overrides
+from p2pkv.protocol.options import Bool
 from p2pkv.reports import refusal_table
 from p2pkv.reports import show as _show  # noqa: F401  (its old name here, for scripts)
 from p2pkv.settings import OPTIONS, Settings, node_config
@@ -67,7 +68,7 @@ def _add_options(parser: argparse.ArgumentParser, *, serving: bool = False) -> N
         if opt.name == "peer":
             group.add_argument(opt.flag, dest=opt.name, action="append", metavar="ADDRESS",
                                help=opt.help)
-        elif opt.parse.__name__ == "_bool":
+        elif isinstance(opt.kind, Bool):
             group.add_argument(opt.flag, dest=opt.name, action=argparse.BooleanOptionalAction,
                                default=None, help=opt.help)
         else:

@@ -3,7 +3,9 @@
 Precedence: command-line flag > environment variable > TOML file > built-in default.
 Every option has one canonical name (``tp``, ``pool_blocks``, ...): the flag is
 ``--tp``/``--pool-blocks``, the variable ``P2PKV_TP``/``P2PKV_POOL_BLOCKS`` and the TOML
-key ``tp``/``pool_blocks`` (top level, or under a ``[node]`` table). A bad value raises
+key ``tp``/``pool_blocks`` (top level, or under a ``[node]`` table). The options, their
+kinds, defaults and bounds are the one table's (:mod:`p2pkv.protocol.options`). A bad
+value raises
 :class:`~p2pkv.errors.ConfigError` that names the option as data (``option``); its
 message starts with the option's flag, and the vLLM tier spells it as its own key.
 """
@@ -11,7 +13,6 @@ message starts with the option's flag, and the vLLM tier spells it as its own ke
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -20,13 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from p2pkv.errors import ConfigError
-from p2pkv.identity import (
-    IDENTITY_POLICIES,
-    IdentityExtension,
-    RunConfig,
-    canonical_model_overrides,
-    model_overrides_digest,
-)
+from p2pkv.identity import IdentityExtension, RunConfig, model_overrides_digest
+from p2pkv.protocol.options import OPTIONS as ALL_OPTIONS
+from p2pkv.protocol.options import SERVE, Option
+from p2pkv.protocol.options import heartbeat_interval as ping_interval
 from p2pkv.runtime.config import NodeConfig
 from p2pkv.transport import CurveKeys, load_authorized_keys, validate_address
 
@@ -35,217 +33,31 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
-__all__ = ["OPTIONS", "Option", "Settings", "load_settings", "node_config"]
-
-DEFAULT_MODEL = "p2pkv/demo-seed"
+__all__ = ["DEFAULT_MODEL", "OPTIONS", "Option", "Settings", "load_settings", "node_config"]
 
 
-def _int(minimum: int, maximum: int = 2**63 - 1) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
-        if isinstance(value, bool):
-            raise ValueError(f"must be an integer, got {value!r}")
-        if isinstance(value, str):
-            try:
-                value = int(value.strip(), 0)
-            except ValueError:
-                raise ValueError(f"must be an integer, got {value!r}") from None
-        if not isinstance(value, int):
-            raise ValueError(f"must be an integer, got {value!r}")
-        if not minimum <= value <= maximum:
-            raise ValueError(f"must be in [{minimum}, {maximum}], got {value}")
+def _directory(value: str) -> str:
+    """The ``directory`` option past its kind: static, or a Redis URL this node can use."""
+    if value == "static":
         return value
-
-    return parse
-
-
-def _seconds(value: Any) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"must be a number of seconds, got {value!r}")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"must be a number of seconds, got {value!r}") from None
-    if not number > 0 or number != number or number == float("inf"):
-        raise ValueError(f"must be a positive number of seconds, got {value!r}")
-    return number
-
-
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"must be true or false, got {value!r}")
-
-
-def _str(value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"must be a non-empty string, got {value!r}")
-    return value.strip()
-
-
-def _choice(*choices: str) -> Callable[[Any], str]:
-    def parse(value: Any) -> str:
-        # Case and surrounding blanks do not matter (P2PKV_LOG_LEVEL=INFO is common).
-        name = value.strip().lower() if isinstance(value, str) else value
-        if name not in choices:
-            raise ValueError(f"must be one of {', '.join(choices)}, got {value!r}")
-        return str(name)
-
-    return parse
-
-
-def _str_list(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        items = [v.strip() for v in value.split(",") if v.strip()]
-    elif isinstance(value, (list, tuple)):
-        items = [_str(v) for v in value]
-    else:
-        raise ValueError(f"must be a list of strings, got {value!r}")
-    return tuple(items)
-
-
-def _json_object(value: Any) -> dict[str, Any]:
-    """A JSON object given as text (flag, environment) or as a TOML table."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"must be a JSON object, got invalid JSON ({exc})") from None
-    if not isinstance(value, Mapping):
-        raise ValueError(f"must be a JSON object, got {type(value).__name__} {value!r}")
-    canonical_model_overrides(value)  # every value must have a canonical form
-    return dict(value)
-
-
-def _directory(value: Any) -> str:
-    name = _str(value)
-    if name == "static":
-        return name
     from p2pkv.cluster.redis_urls import parse_directory_url
 
     try:
-        parse_directory_url(name)
+        parse_directory_url(value)
     except ConfigError as exc:
-        raise ValueError(f"must be static or a Redis URL (redis://HOST:PORT/DB, "
-                         f"redis+cluster://..., redis+sentinel://...): {exc}") from None
-    return name
+        raise ConfigError(f"must be static or a Redis URL (redis://HOST:PORT/DB, "
+                          f"redis+cluster://..., redis+sentinel://...): {exc.detail}",
+                          option="directory") from None
+    return value
 
 
-@dataclass(frozen=True)
-class Option:
-    name: str
-    parse: Callable[[Any], Any]
-    default: Any
-    help: str
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    @property
-    def env(self) -> str:
-        return "P2PKV_" + self.name.upper()
-
-
-OPTIONS: tuple[Option, ...] = (
-    Option("model", _str, DEFAULT_MODEL, "model name (part of the identity)"),
-    Option("layout", _choice("v1", "v2", "replicated"), "v2",
-           "KV layout: v1 cross-layer, v2 per-layer, replicated (MLA)"),
-    Option("preset", _str, None, "built-in geometry preset (seed, llama-3-8b, ...)"),
-    Option("model_config", _str, None, "local Hugging Face style config.json for the geometry"),
-    Option("model_path", _str, None,
-           "the checkpoint this node's KV comes from (a directory or a weight file): its "
-           "weights and config.json are hashed into the identity (model_weights, "
-           "model_config); its config.json also gives the geometry"),
-    Option("layers", _int(1, 4096), None, "number of layers"),
-    Option("kv_heads", _int(1, 4096), None, "KV heads per rank"),
-    Option("head_dim", _int(1, 65536), None, "head size (MLA: latent size)"),
-    Option("kv_kind", _choice("mha", "mla"), None,
-           "KV cache kind: mha (K and V per head) or mla (one latent per token)"),
-    Option("block_tokens", _int(1, 65536), 16, "tokens per KV block"),
-    Option("tokens_per_hash", _int(1, 65536), None,
-           "tokens per block hash (default: --block-tokens)"),
-    Option("dtype", _choice("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"),
-           None, "KV cache element type"),
-    Option("tp", _int(1, 4096), 1, "tensor-parallel size"),
-    Option("pp", _int(1, 4096), 1, "pipeline-parallel size"),
-    Option("rank", _int(0, 1 << 20), 0, "this worker's rank (never hashed)"),
-    Option("parallel_agnostic", _bool, True,
-           "opt in to sharing across parallel layouts where the layout allows it"),
-    Option("key_seed", _int(0, 2**64 - 1), 0, "seed of the block-key hash (peers must agree)"),
-    Option("kv_memory_layout", _str, None,
-           "identity extension: byte order of a block in the engine's memory (NHD, HND, ...)"),
-    Option("model_revision", _str, None, "identity extension: the weights revision"),
-    Option("model_overrides", _json_object, None,
-           "identity extension: JSON object of the overrides that change K/V values"),
-    Option("identity_policy", _choice(*IDENTITY_POLICIES), "strict",
-           "an identity field only one side declares: strict refuses, lenient warns"),
-    Option("pool_blocks", _int(1, 1 << 30), 256, "blocks in the host pool"),
-    Option("fill", _int(0, 1 << 24), 0,
-           "serve: start holding N blocks of known content (protocol/SPEC.md appendix A)"),
-    Option("listen", _str, "tcp://127.0.0.1:0", "address to serve on (port 0: ephemeral)"),
-    Option("peer", _str_list, (), "peer address to connect to at start (repeatable)"),
-    Option("handshake_timeout", _seconds, 5.0, "seconds to wait for a handshake"),
-    Option("lookup_timeout", _seconds, 5.0, "seconds to wait for a lookup answer"),
-    Option("fetch_timeout", _seconds, 60.0, "seconds a whole fetch may take"),
-    Option("fetch_idle_timeout", _seconds, 10.0,
-           "seconds a fetch may go without progress before it is aborted"),
-    Option("send_timeout", _seconds, 20.0,
-           "seconds a peer may take nothing of what waits for it on its data path (its "
-           "data stream, its ZeroMQ frames, its shared-memory pins); then its session "
-           "ends and the blocks are released"),
-    Option("abort_timeout", _seconds, 2.0,
-           "seconds a peer gets to confirm an abort before it is disconnected"),
-    Option("drain_timeout", _seconds, 10.0,
-           "serve: on SIGTERM/SIGINT, seconds in-flight sends get to finish after the node "
-           "left the directory and began declining new fetches"),
-    Option("close_timeout", _seconds, 5.0,
-           "seconds in-flight work gets to finish when the node stops"),
-    Option("heartbeat_interval", _seconds, None,
-           "seconds without traffic before a ping (default: the smaller of 1 and a "
-           "quarter of --heartbeat-timeout)"),
-    Option("heartbeat_timeout", _seconds, 5.0, "seconds of silence before a peer is dead"),
-    Option("checksums", _bool, True, "offer per-block xxh3-64 checksums"),
-    Option("directory", _directory, "static",
-           "cluster directory: static (the --peer list), redis://HOST:PORT/DB, "
-           "redis+cluster://HOST:PORT[,...] or redis+sentinel://HOST:PORT[,...]/SERVICE"),
-    Option("advertise", _str, None,
-           "address registered in the directory (default: --listen, a wildcard host "
-           "replaced by this host's address)"),
-    Option("directory_ttl", _seconds, 10.0,
-           "seconds a Redis registration lives without a heartbeat"),
-    Option("shm", _bool, False,
-           "same-host shared memory (shm-v1): the pool lives in /dev/shm and blocks are "
-           "copied from same-host peers' pools"),
-    Option("shm_copy_threads", _int(1, 8), 1,
-           "threads that copy and verify one shared-memory message's blocks at once "
-           "(above 1 needs the compiled helper; else one)"),
-    Option("data_channel", _bool, True,
-           "offer the data channel: block bytes on a TCP stream beside the ZeroMQ "
-           "connection, bound to the session by a token (tcp-data-v1; under CURVE "
-           "encrypted, see --data-encryption)"),
-    Option("data_streams", _int(1, 8), 1,
-           "data streams per peer (tcp-streams-v1): this node opens up to N to each "
-           "peer and accepts up to N from each; a fetch is striped over them"),
-    Option("data_encryption", _choice("sealed", "tls"), "sealed",
-           "how data streams are encrypted under CURVE: sealed (AES-256-GCM records "
-           "keyed from the CURVE session, tcp-data-aead-v1, with TLS 1.3 for peers that "
-           "only speak that) or tls (TLS 1.3 only, tcp-data-tls-v1)"),
-    Option("data_port", _int(0, 65535), 0,
-           "port the data channel listens on, at the host of --listen (0: ephemeral)"),
-    Option("metrics_port", _int(0, 65535), None, "serve Prometheus metrics on this port"),
-    Option("metrics_host", _str, "127.0.0.1",
-           "address the metrics endpoint listens on (0.0.0.0: every interface)"),
-    Option("curve_secret_key", _str, None, "CURVE secret key file (enables encryption)"),
-    Option("curve_authorized", _str, None, "directory of authorized client public keys"),
-    Option("curve_server_key", _str, None, "server public key file (client side)"),
-    Option("log_level", _choice("debug", "info", "warning", "error"), "warning",
-           "log level (stderr)"),
-)
+#: Checks of a value past its kind, by option.
+_MEANING: Mapping[str, Callable[[Any], Any]] = {"directory": _directory}
+#: The options of ``p2pkv-node`` (its flags, TOML keys and ``P2PKV_*`` variables), from
+#: the one table (:mod:`p2pkv.protocol.options`).
+OPTIONS: tuple[Option, ...] = tuple(o for o in ALL_OPTIONS if SERVE in o.where)
 _BY_NAME = {o.name: o for o in OPTIONS}
+DEFAULT_MODEL: str = _BY_NAME["model"].default
 #: How many --model-path identities a process keeps once hashed (the most recent).
 _CHECKPOINTS_KEPT = 4
 
@@ -440,11 +252,17 @@ def load_settings(flags: Mapping[str, Any], *, config_file: str | None = None,
             values[opt.name] = opt.default
         else:
             try:
-                values[opt.name] = opt.parse(raw)
-            except ValueError as exc:
-                raise ConfigError(str(exc), option=opt.name, origin=where) from None
+                value = opt.parse(raw)
+                values[opt.name] = _MEANING.get(opt.name, _same)(value)
+            except ConfigError as exc:
+                raise ConfigError(exc.detail, option=opt.name, origin=where,
+                                  mentions=exc.mentions) from None
         sources[opt.name] = where
     return Settings(values, sources)
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _certificate(values: Mapping[str, Any], option: str) -> tuple[bytes, bytes | None]:
@@ -489,13 +307,7 @@ def node_config(settings: Settings, *, listen: str | None = None) -> NodeConfig:
             except ConfigError as exc:
                 raise ConfigError(str(exc), option="curve_authorized") from exc
         curve = CurveKeys(public, secret, server_key, authorized)
-    interval = v["heartbeat_interval"]
-    if interval is None:
-        interval = min(1.0, v["heartbeat_timeout"] / 4)
-    elif interval >= v["heartbeat_timeout"]:
-        raise ConfigError(f"must be shorter than {{heartbeat_timeout}} "
-                          f"({v['heartbeat_timeout']:g}), got {interval:g}",
-                          option="heartbeat_interval", mentions=("heartbeat_timeout",))
+    interval = ping_interval(v["heartbeat_timeout"], v["heartbeat_interval"])
     try:
         return NodeConfig(
             listen=listen or v["listen"], key_hash_seed=v["key_seed"], checksums=v["checksums"],

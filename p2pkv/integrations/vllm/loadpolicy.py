@@ -42,9 +42,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections import OrderedDict, deque
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from p2pkv.protocol.options import option
 
 __all__ = [
     "LOAD_OFF",
@@ -74,8 +76,7 @@ LOAD_OFF = "policy_off"            # the policy is switched off: every hit is lo
 SKIP_FLOOR = "below_floor"         # fewer than min_tokens held
 SKIP_SLOWER = "slower_than_recompute"
 #: Decisions on chunks a peer is computing (pending-v1): waited for (it pays, nothing
-#: is measured yet, or the policy is off), or computed here (waiting and loading would
-#: be slower than computing them).
+#: is measured yet, the policy is off), or computed here (waiting and loading is slower).
 PENDING_PAYS = "pending_pays"
 PENDING_NO_ESTIMATE = "pending_no_estimate"
 PENDING_POLICY_OFF = "pending_policy_off"
@@ -85,10 +86,9 @@ PENDING_SLOWER = "pending_slower_than_recompute"
 BANDWIDTH_BOUNDS = (1e3, 1e12)
 #: ... and a prefill-rate sample into this one (tokens/s).
 PREFILL_BOUNDS = (1e-1, 1e8)
-#: Weight of a faster bandwidth sample. A slower one replaces the estimate at once:
-#: trusting a link that just got slower costs a whole slow load per request, doubting
-#: one that got faster costs recomputes until the next probe. Any sample replaces an
-#: estimate older than ``probe_interval`` (a probe's, typically).
+#: Weight of a faster bandwidth sample. A slower one replaces the estimate at once
+#: (trusting a link that got slower costs a slow load per request, doubting one that got
+#: faster costs recomputes until the next probe), as any sample replaces a stale one.
 BANDWIDTH_RISE = 0.5
 #: Weight of a new prefill-rate sample (every computed request gives one).
 PREFILL_WEIGHT = 0.3
@@ -103,34 +103,30 @@ MAX_TRACKED_REQUESTS = 4096
 STEP_SAMPLES = 8
 
 
+def _field_of(name: str) -> Callable[[str], str]:
+    return lambda _: name
+
+
 @dataclass(frozen=True)
 class LoadPolicyConfig:
-    """What the policy decides by (the vLLM tier's ``load_*`` options)."""
+    """What the policy decides by: the vLLM tier's ``load_*`` options (each field is
+    ``load_`` + its name, ``enabled`` is ``load_policy``; their meanings, defaults and
+    bounds are the one table's, p2pkv.protocol.options). With ``enabled`` False every
+    hit is loaded (the estimates are still kept and reported)."""
 
-    #: False: every hit is loaded (the estimates are still kept and reported).
-    enabled: bool = True
-    #: A hit of fewer tokens than this is always recomputed.
-    min_tokens: int = 0
-    #: Load only when recomputing is estimated to take this many times as long.
-    min_speedup: float = 1.2
-    #: Seconds after which a peer found slow is probed again.
-    probe_interval: float = 30.0
-    #: Chunks a probe loads.
-    probe_chunks: int = 1
-    #: A probe may add at most this fraction of the request's estimated recompute time.
-    probe_budget: float = 0.05
+    enabled: bool = option("load_policy").default
+    min_tokens: int = option("load_min_tokens").default
+    min_speedup: float = option("load_min_speedup").default
+    probe_interval: float = option("load_probe_interval").default
+    probe_chunks: int = option("load_probe_chunks").default
+    probe_budget: float = option("load_probe_budget").default
 
     def __post_init__(self) -> None:
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if not self.min_speedup > 0 or math.isinf(self.min_speedup):
-            raise ValueError(f"min_speedup must be a positive number, got {self.min_speedup}")
-        if not self.probe_interval > 0:
-            raise ValueError(f"probe_interval must be positive, got {self.probe_interval}")
-        if self.probe_chunks < 1:
-            raise ValueError(f"probe_chunks must be >= 1, got {self.probe_chunks}")
-        if not self.probe_budget >= 0 or math.isinf(self.probe_budget):
-            raise ValueError(f"probe_budget must be a number >= 0, got {self.probe_budget}")
+        for name in ("enabled", "min_tokens", "min_speedup", "probe_interval",
+                     "probe_chunks", "probe_budget"):
+            opt = option("load_policy" if name == "enabled" else "load_" + name)
+            object.__setattr__(self, name, opt.check(getattr(self, name),
+                                                     spell=_field_of(name)))
 
 
 @dataclass
@@ -423,19 +419,14 @@ class LoadPolicy:
         return self._decided(Advice(0, n, SKIP_SLOWER, *whole, peers))
 
     def wait_budget(self, chunks: int, due: float, now: float) -> tuple[str, float | None]:
-        """Whether to wait ``due`` seconds for ``chunks`` chunks a peer is computing and
-        then load them, rather than compute them here: the decision's reason, and the
-        wait's budget (None: compute here).
-
-        The wait counts whole scheduler steps while this engine computes
-        (:meth:`StepMeter.wait_cost`), the load after it goes at the slowest measured
-        peer's bandwidth (nothing before any is measured), and there is no
-        ``min_speedup`` margin: a wait that only breaks even still frees this engine to
-        compute other requests meanwhile. The budget is how long from ``now`` waiting
-        still pays: computing here less the load. A computation that runs later than
-        its holder announced then costs the request at most that much before it computes
-        the chunks itself, where an unbounded wait could cost ``pending_wait``.
-        ``math.inf`` without a prefill estimate or with the policy off."""
+        """Whether to wait ``due`` seconds for ``chunks`` chunks a peer is computing, then
+        load them, rather than compute them here: the reason, and the wait's budget
+        (None: compute here; ``math.inf`` without a prefill estimate or with the policy
+        off). The wait costs whole steps while this engine computes
+        (:meth:`StepMeter.wait_cost`); the load goes at the slowest measured peer's
+        bandwidth; no ``min_speedup`` margin (a wait that breaks even frees this engine
+        for other requests). The budget is how long from ``now`` waiting still pays
+        (computing here less the load): a computation that runs late costs at most that."""
         tokens = chunks * self.chunk_tokens
         rate = self.prefill_rate(tokens)
         if not self.config.enabled:

@@ -14,6 +14,7 @@ from typing import Any, Final
 
 from p2pkv.errors import ConfigError
 from p2pkv.integrations.vllm.loadpolicy import LoadPolicyConfig
+from p2pkv.protocol.options import OPTIONS, TIER, option
 from p2pkv.transport import validate_address
 
 #: The two keys of ``--kv-transfer-config`` that load
@@ -37,59 +38,35 @@ __all__ = [
     "tier_settings",
 ]
 
-#: Tier-config keys taken by this tier (the node options keep their ``serve`` names;
-#: see docs/configuration.md). Identity options are absent on purpose: the identity is
-#: vLLM's own, read from the offloading spec.
-TIER_OPTIONS: tuple[str, ...] = (
-    "listen", "peers", "pool_blocks", "checksums", "parallel_agnostic",
-    "handshake_timeout", "lookup_timeout", "fetch_timeout", "heartbeat_timeout",
-    "curve_secret_key", "curve_authorized", "curve_server_key", "reconnect_interval",
-    "identity_policy", "kv_memory_layout", "model_revision", "model_overrides",
-    "directory", "directory_ttl", "advertise", "shm", "shm_copy_threads", "data_streams",
-    "data_encryption",
-    "identity_timeout",
-    "drain_timeout",
-    "refused_retry_interval", "drain_grace", "load_policy", "load_min_tokens",
-    "load_min_speedup", "load_probe_interval", "load_probe_chunks", "load_probe_budget",
-    "lookup_wait", "pending_wait",
-)
-_DEFAULT_RECONNECT = 2.0
-#: Seconds before a peer that refused the handshake is tried again (the configuration
-#: of one side must change first).
-DEFAULT_REFUSED_RETRY = 30.0
-#: Seconds ``drain_jobs`` waits beyond ``fetch_timeout`` (a load fails at its deadline;
-#: a store is one copy).
-DEFAULT_DRAIN_GRACE = 5.0
-#: Seconds a store may wait for the weights digest before it is dropped (the first start
-#: of a large checkpoint hashes it; later starts read the digest cache).
-DEFAULT_IDENTITY_TIMEOUT = 600.0
-#: Seconds per scheduler step the scheduler thread may wait for the answers of lookups
-#: asked when their requests arrived (a peer on the same network answers in about a
-#: millisecond; a step under load takes a forward pass, which a RETRY costs whole).
-DEFAULT_LOOKUP_WAIT = 0.05
-#: Seconds a request may wait in all for chunks a peer (or this engine) is computing
-#: before it computes them itself (pending-v1); the load policy stops it sooner when
-#: waiting would be slower than computing.
-DEFAULT_PENDING_WAIT = 10.0
-_TIER_ONLY = ("peers", "reconnect_interval", "locality", "identity_timeout",
-              "refused_retry_interval", "drain_grace", "load_policy", "load_min_tokens",
-              "load_min_speedup", "load_probe_interval", "load_probe_chunks",
-              "load_probe_budget", "lookup_wait", "pending_wait")
-#: Defaults that differ from ``serve``'s: a scheduler waits on lookups, so silence
-#: becomes a miss sooner; a load that takes longer than recomputing is not worth waiting.
-TIER_DEFAULTS: Mapping[str, Any] = {"lookup_timeout": 1.0, "fetch_timeout": 10.0}
+#: Tier-config keys taken by this tier, from the one table (p2pkv.protocol.options; the
+#: node options keep their ``serve`` names, the launcher's repeated ``peer`` is
+#: ``peers``; see docs/configuration.md). Identity options are absent on purpose: the
+#: identity is vLLM's own, read from the offloading spec.
+TIER_OPTIONS: tuple[str, ...] = tuple("peers" if o.name == "peer" else o.name
+                                      for o in OPTIONS if TIER in o.where)
+#: Defaults that differ from ``serve``'s (a scheduler waits on lookups, so silence
+#: becomes a miss sooner; a load that takes longer than recomputing is not worth waiting).
+TIER_DEFAULTS: Mapping[str, Any] = {o.name: o.tier_default for o in OPTIONS
+                                    if TIER in o.where and o.tier_default is not None}
+#: The tier's own options (no ``p2pkv-node`` flag), checked here.
+_TIER_ONLY = tuple(o.name for o in OPTIONS if o.where == {TIER})
+DEFAULT_IDENTITY_TIMEOUT: Final[float] = option("identity_timeout").default
+
+
+def _default(name: str) -> Any:
+    return option(name).default
 
 
 @dataclass(frozen=True)
 class TierWaits:
     """The tier's own waits (seconds), beside the node's deadlines in its settings."""
 
-    reconnect: float = _DEFAULT_RECONNECT
-    refused_retry: float = DEFAULT_REFUSED_RETRY
-    drain_grace: float = DEFAULT_DRAIN_GRACE
-    identity: float = DEFAULT_IDENTITY_TIMEOUT
-    lookup_wait: float = DEFAULT_LOOKUP_WAIT
-    pending_wait: float = DEFAULT_PENDING_WAIT
+    reconnect: float = _default("reconnect_interval")
+    refused_retry: float = _default("refused_retry_interval")
+    drain_grace: float = _default("drain_grace")
+    identity: float = _default("identity_timeout")
+    lookup_wait: float = _default("lookup_wait")
+    pending_wait: float = _default("pending_wait")
 
 
 def tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], TierWaits]:
@@ -109,13 +86,10 @@ def tier_settings(params: Mapping[str, Any]) -> tuple[Any, tuple[str, ...], Tier
                           f"got {peers!r}")
     flags["peer"] = list(peers)
     waits = TierWaits(
-        reconnect=_positive_seconds(params, "reconnect_interval", _DEFAULT_RECONNECT),
-        refused_retry=_positive_seconds(params, "refused_retry_interval",
-                                        DEFAULT_REFUSED_RETRY),
-        drain_grace=_positive_seconds(params, "drain_grace", DEFAULT_DRAIN_GRACE),
-        identity=_positive_seconds(params, "identity_timeout", DEFAULT_IDENTITY_TIMEOUT),
-        lookup_wait=_seconds(params, "lookup_wait", DEFAULT_LOOKUP_WAIT),
-        pending_wait=_seconds(params, "pending_wait", DEFAULT_PENDING_WAIT))
+        reconnect=_own(params, "reconnect_interval"),
+        refused_retry=_own(params, "refused_retry_interval"),
+        drain_grace=_own(params, "drain_grace"), identity=_own(params, "identity_timeout"),
+        lookup_wait=_own(params, "lookup_wait"), pending_wait=_own(params, "pending_wait"))
     try:
         settings = load_settings(flags, environ={})
         for address in settings["peer"]:
@@ -156,49 +130,22 @@ def _tier_name(name: str) -> str:
 def load_policy_config(params: Mapping[str, Any]) -> LoadPolicyConfig:
     """The ``load_*`` options: when a hit is worth loading (see
     :mod:`p2pkv.integrations.vllm.loadpolicy`)."""
-    default = LoadPolicyConfig()
-    enabled = params.get("load_policy", default.enabled)
-    if not isinstance(enabled, bool):
-        raise ConfigError(f"P2PKVTier: load_policy must be true or false, got {enabled!r}")
-    counts = {}
-    for name, least in (("load_min_tokens", 0), ("load_probe_chunks", 1)):
-        value = params.get(name, getattr(default, name[len("load_"):]))
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ConfigError(f"P2PKVTier: {name} must be an integer >= {least}, got "
-                              f"{value!r}")
-        counts[name] = value
-    speedup = params.get("load_min_speedup", default.min_speedup)
-    if (isinstance(speedup, bool) or not isinstance(speedup, (int, float))
-            or not 0 < speedup < float("inf")):
-        raise ConfigError(f"P2PKVTier: load_min_speedup must be a positive number (how many "
-                          f"times faster than recomputing a load must be), got {speedup!r}")
-    budget = params.get("load_probe_budget", default.probe_budget)
-    if (isinstance(budget, bool) or not isinstance(budget, (int, float))
-            or not 0 <= budget < float("inf")):
-        raise ConfigError(f"P2PKVTier: load_probe_budget must be a number >= 0 (the fraction "
-                          f"of a request's recompute time a probe may add), got {budget!r}")
     return LoadPolicyConfig(
-        enabled=enabled, min_tokens=counts["load_min_tokens"], min_speedup=float(speedup),
-        probe_interval=_positive_seconds(params, "load_probe_interval",
-                                         default.probe_interval),
-        probe_chunks=counts["load_probe_chunks"], probe_budget=float(budget))
+        enabled=_own(params, "load_policy"), min_tokens=_own(params, "load_min_tokens"),
+        min_speedup=_own(params, "load_min_speedup"),
+        probe_interval=_own(params, "load_probe_interval"),
+        probe_chunks=_own(params, "load_probe_chunks"),
+        probe_budget=_own(params, "load_probe_budget"))
 
 
-def _positive_seconds(params: Mapping[str, Any], name: str, default: float) -> float:
-    value = params.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"P2PKVTier: {name} must be a positive number of seconds, got "
-                          f"{value!r}")
-    return float(value)
-
-
-def _seconds(params: Mapping[str, Any], name: str, default: float) -> float:
-    value = params.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not 0 <= value < float("inf"):
-        raise ConfigError(f"P2PKVTier: {name} must be a number of seconds >= 0, got "
-                          f"{value!r}")
-    return float(value)
+def _own(params: Mapping[str, Any], name: str) -> Any:
+    """The tier-only option ``name`` of ``params`` (its default when absent or null, as
+    for the node's options), checked by the table; a bad value is refused in the tier's
+    words."""
+    opt = option(name)
+    if params.get(name) is None:
+        return opt.default
+    return opt.check(params[name], spell=lambda n: f"P2PKVTier: {n}")
 
 
 def _check_bindable(listen: str) -> None:

@@ -361,13 +361,12 @@ class P2PKVTier(SecondaryTierManager):
             return answers
         start, end, weighed = run
         coming = [d for d in due[start:end] if d > 0]
-        budget = self._policy.wait_budget(weighed, max(coming))
-        if budget is None:
+        if (budget := self._policy.wait_budget(weighed, max(coming))) is None:
             return answers
         now = time.monotonic()
-        recheck = now + min(max(min(coming), PENDING_RECHECK_MIN), PENDING_RECHECK_MAX)
-        for i in range(start, end):
-            answers[i] = Pending(recheck, now + budget)
+        wait = Pending(now + min(max(min(coming), PENDING_RECHECK_MIN), PENDING_RECHECK_MAX),
+                       now + budget)
+        answers[start:end] = [wait] * (end - start)
         return answers
 
     def _announce(self, req_id: str) -> None:
