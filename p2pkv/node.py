@@ -45,6 +45,7 @@ from p2pkv.errors import ConfigError, LocalLimitExceeded, PeerGone, PeerTimeout
 from p2pkv.identity import IdentityExtension, RunConfig
 from p2pkv.keys import MAX_KEY_LEN, check_keys
 from p2pkv.layout import Layout
+from p2pkv.protocol.options import MAX_SECONDS, Seconds
 from p2pkv.runtime.config import NodeConfig
 from p2pkv.runtime.connections.wiring import wire
 from p2pkv.runtime.paths.receiver import check_destinations
@@ -81,10 +82,11 @@ def _seconds(timeout: float | None, default: float) -> float:
     default), a negative or non-number is a ValueError."""
     if timeout is None:
         return default
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
-            0 <= timeout < float("inf")):
-        raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
-    return float(timeout)
+    try:
+        return Seconds(least_ok=True).check(timeout)
+    except ValueError:
+        raise ValueError(f"timeout must be a number of seconds >= 0 (at most {MAX_SECONDS:g}) "
+                         f"or None, got {timeout!r}") from None
 
 
 class Node:

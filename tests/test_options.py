@@ -232,3 +232,16 @@ def test_the_docs_list_every_option_of_the_tier_and_of_node_config() -> None:
     for opt in OPTIONS:
         if opt.where == {NODE}:
             assert rows[opt.name] == str(opt.default).lower(), opt.name
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -1.0, 0.0, MAX_SECONDS * 2, "5"])
+def test_a_clusters_waits_follow_the_same_rule(value: Any) -> None:
+    from p2pkv.cluster import ClusterConfig
+
+    for name in ("ttl", "redis_timeout", "refusal_backoff", "fetch_timeout"):
+        over = isinstance(value, float) and math.isfinite(value) and value > MAX_SECONDS
+        with pytest.raises(ConfigError, match=f"^{name} must be at most" if over else
+                           f"^{name} must be a positive number of seconds"):
+            ClusterConfig(**{name: value})
+    assert ClusterConfig().ttl == option("directory_ttl").default
+    assert ClusterConfig().refusal_backoff == option("refused_retry_interval").default

@@ -58,6 +58,7 @@ from p2pkv.errors import ConfigError, P2PKVError, PeerGone, ProtocolError
 from p2pkv.keys import keys_well_formed
 from p2pkv.node import Node, PeerHandle
 from p2pkv.protocol.codes import MAX_KEY_LEN
+from p2pkv.protocol.options import option, seconds
 from p2pkv.transport import validate_address
 
 __all__ = ["Cluster", "ClusterConfig", "ClusterStats"]
@@ -80,12 +81,12 @@ class ClusterConfig:
     ``lookup_timeout``/``fetch_timeout``: defaults of the calls (None: the node's).
     """
 
-    ttl: float = 10.0
+    ttl: float = option("directory_ttl").default
     heartbeat: float | None = None
     announce_interval: float = 0.05
     redis_timeout: float = 1.0
     namespace: str = "p2pkv"
-    refusal_backoff: float = 30.0
+    refusal_backoff: float = option("refused_retry_interval").default
     lookup_timeout: float | None = None
     fetch_timeout: float | None = None
     fetch_workers: int = 4
@@ -93,15 +94,11 @@ class ClusterConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
 
     def __post_init__(self) -> None:
-        for name in ("ttl", "announce_interval", "redis_timeout", "refusal_backoff"):
+        required = ("ttl", "announce_interval", "redis_timeout", "refusal_backoff")
+        for name in (*required, "heartbeat", "lookup_timeout", "fetch_timeout"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-        for name in ("heartbeat", "lookup_timeout", "fetch_timeout"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool)
-                                      or not isinstance(value, (int, float)) or value <= 0):
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+            if value is not None or name in required:  # None: the node's or the TTL's
+                object.__setattr__(self, name, seconds(value, name))
         if self.heartbeat is not None and self.heartbeat >= self.ttl:
             raise ConfigError(f"heartbeat ({self.heartbeat}) must be shorter than ttl "
                               f"({self.ttl})")

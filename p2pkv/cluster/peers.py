@@ -21,6 +21,7 @@ from typing import Any
 
 from p2pkv.errors import PeerGone, PeerIncompatible, PeerTimeout
 from p2pkv.node import Node, PeerHandle
+from p2pkv.protocol.options import option
 
 log = logging.getLogger("p2pkv.cluster")
 
@@ -28,7 +29,8 @@ __all__ = ["PeerPool"]
 
 
 class PeerPool:
-    def __init__(self, node: Node, *, refusal_backoff: float = 30.0) -> None:
+    def __init__(self, node: Node, *,
+                 refusal_backoff: float = option("refused_retry_interval").default) -> None:
         self._node = node
         self._refusal_backoff = refusal_backoff
         self._lock = threading.Lock()

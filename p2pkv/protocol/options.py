@@ -32,7 +32,7 @@ from p2pkv.protocol.codes import MAX_IN_FLIGHT, MAX_KEYS, MAX_STREAMS
 
 __all__ = ["MAX_IN_FLIGHT_LIMIT", "MAX_SECONDS", "NODE", "OPTIONS", "SERVE", "TIER", "Bool",
            "Choice", "Int", "JsonObject", "Kind", "Number", "Option", "Seconds", "Text",
-           "TextList", "defaults", "heartbeat_interval", "option"]
+           "TextList", "defaults", "heartbeat_interval", "option", "seconds"]
 
 #: The most unfinished requests per peer a node may allow (its default: the protocol's
 #: ``MAX_IN_FLIGHT``).
@@ -476,3 +476,13 @@ def defaults(where: str) -> dict[str, Any]:
     its default there."""
     return {o.name: o.tier_default if where == TIER and o.tier_default is not None
             else o.default for o in OPTIONS if where in o.where}
+
+
+def seconds(value: Any, name: str, *, zero_ok: bool = False) -> float:
+    """``value`` as a wait named ``name`` outside the table (a class's own field): the
+    rule every option's wait follows (finite, at most :data:`MAX_SECONDS`, above zero
+    unless ``zero_ok``); ConfigError ``name must be ...``."""
+    try:
+        return Seconds(least_ok=zero_ok).check(value)
+    except ValueError as exc:
+        raise ConfigError(f"{name} {exc}", option=name, named=False) from None
