@@ -37,8 +37,7 @@ from typing import Any
 
 from p2pkv.cluster.records import DirectoryError, Lua, Member
 from p2pkv.cluster.redis_client import KeySpace, RedisConnection
-from p2pkv.protocol.codes import MAX_DUE_MS
-from p2pkv.runtime.pending import MIN_OVERDUE
+from p2pkv.protocol.pending import MIN_OVERDUE, estimate
 
 __all__ = ["DUES_LUA", "LOOKUP_LUA", "PendingEntries", "estimate", "parse_dues"]
 
@@ -48,9 +47,6 @@ ENTRY_BYTES = 32
 WRITE_BATCH = 2000
 #: Leases that ran out deleted per write, at most.
 _CLEAN = 100
-#: The shortest estimate written (seconds), as a node keeps them.
-_MIN_ESTIMATE = 0.05
-_MAX_ESTIMATE = MAX_DUE_MS / 1000
 
 DUES_LUA = """
 local function dues(pkey, from, to, live_owner)
@@ -177,15 +173,6 @@ if longest > 0 then
 end
 return 1
 """.replace("CLEAN", str(_CLEAN))
-
-
-def estimate(seconds: float) -> float:
-    """An estimate as it is written: at least 50 ms (an entry outlives its round trip),
-    at most what a ``due`` can say; not a finite number: the most (NaN: the least)."""
-    value = float(seconds)
-    if math.isnan(value):
-        return _MIN_ESTIMATE
-    return min(max(value, _MIN_ESTIMATE), _MAX_ESTIMATE)
 
 
 def due_ms(seconds: float) -> int:

@@ -16,7 +16,7 @@ from p2pkv.cluster.pending import estimate
 from p2pkv.cluster.records import DirectoryError, NodeRecord, QuarantineReport
 from p2pkv.cluster.redis_directory import ANNOUNCE_BATCH, Member, RedisDirectory
 from p2pkv.errors import ConfigError
-from p2pkv.runtime.pending import lease_end
+from p2pkv.protocol.pending import lease_end
 
 __all__ = ["MAX_PENDING_QUEUE", "PendingQueue", "RedisRegistration"]
 

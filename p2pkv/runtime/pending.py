@@ -4,9 +4,9 @@ Whoever computes blocks (an engine's tier) announces their keys with the time it
 expects to store them, and withdraws them when the computation stops without storing
 them. A lookup of such a key that this node does not hold yet is answered with ``due``:
 the milliseconds until then. A key is never reported pending once it is held (the
-lookup answers a hit), nor once its estimate has passed by more than the estimate itself,
-and at least :data:`MIN_OVERDUE` (the computation fell behind, or it never withdrew the key): SPEC
-§19 rule 4. The computation may announce a key again, with a new estimate.
+lookup answers a hit), nor once its lease ended (:func:`~p2pkv.protocol.pending.lease_end`:
+the computation fell behind, or it never withdrew the key; SPEC §19 rule 4). The
+computation may announce a key again, with a new estimate.
 
 Thread-safe: the announcing thread and the IO thread (answering lookups) share it under
 one lock; every call is a few dictionary operations per key.
@@ -22,25 +22,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from p2pkv.protocol.codes import MAX_DUE_MS
+from p2pkv.protocol.pending import estimate, lease_end
 
-__all__ = ["MAX_PENDING_KEYS", "MIN_OVERDUE", "LookupAnswer", "PendingKeys", "lease_end"]
+__all__ = ["MAX_PENDING_KEYS", "LookupAnswer", "PendingKeys"]
 
 #: Most keys kept pending; past it the oldest announcement is forgotten first.
 MAX_PENDING_KEYS = 1 << 18
-#: The shortest estimate kept (seconds): an announcement always outlives its answer's
-#: round trip.
-_MIN_ESTIMATE = 0.05
-#: A key overdue by its estimate, and at least this (seconds), is forgotten. An engine
-#: cannot renew an estimate in the middle of a forward pass, and one prefill can be a
-#: single pass of seconds that a rate measured on other prompts underestimates.
-MIN_OVERDUE = 10.0
-
-
-def lease_end(now: float, estimate: float) -> float:
-    """When a key announced at ``now`` as due in ``estimate`` seconds stops being reported
-    pending unless it is announced again: once overdue by its estimate, and at least
-    :data:`MIN_OVERDUE` (SPEC §19 rule 4)."""
-    return now + estimate + max(estimate, MIN_OVERDUE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +64,8 @@ class PendingKeys:
         now = time.monotonic() if now is None else now
         with self._lock:
             for key, s in zip(keys, seconds, strict=True):
-                estimate = max(float(s), _MIN_ESTIMATE)
-                self._keys[key] = (now + estimate, lease_end(now, estimate))
+                kept = estimate(s)
+                self._keys[key] = (now + kept, lease_end(now, kept))
                 self._keys.move_to_end(key)
             while len(self._keys) > self._limit:
                 self._keys.popitem(last=False)

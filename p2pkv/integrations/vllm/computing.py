@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from p2pkv.node import Node
-from p2pkv.runtime.pending import lease_end
+from p2pkv.protocol.pending import lease_end
 
 __all__ = ["ANNOUNCED", "DROPPED", "MAX_KEPT_KEYS", "MAX_KEPT_REQUESTS", "Computing",
            "PendingSink"]
