@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from p2pkv.errors import P2PKVError
+
 __all__ = [
     "JsonLineProcess",
     "WorkerExited",
@@ -37,11 +39,11 @@ __all__ = [
 ]
 
 
-class WorkerTimeout(TimeoutError):
+class WorkerTimeout(P2PKVError, TimeoutError):
     """A worker wrote no line within the deadline."""
 
 
-class WorkerExited(EOFError):
+class WorkerExited(P2PKVError, EOFError):
     """A worker's stdout ended (it exited) while a line was awaited."""
 
 

@@ -424,3 +424,56 @@ def test_checker_finds_frame_reads(tmp_path: Path) -> None:
     assert sorted(frame_reads(root)) == [
         "pkg.grab:1: _getframe", "pkg.grab:3: _getframe", "pkg.walk:2: currentframe",
         "pkg.walk:3: f_back", "pkg.walk:3: f_locals"]
+
+
+#: Built-in exceptions a library error may also derive from (``except TimeoutError``
+#: keeps working), never alone.
+_BUILTIN_ERRORS = frozenset({"Exception", "RuntimeError", "ValueError", "TimeoutError",
+                             "ConnectionError", "OSError", "EOFError", "KeyError",
+                             "LookupError", "TypeError"})
+
+
+def errors_outside(root: Path, base: str = "P2PKVError", *,
+                   skip: tuple[str, ...] = ()) -> list[str]:
+    """Exception classes of the package that do not derive from ``base`` (by name,
+    through the package's own classes): each is ``module.Class``."""
+    bases: dict[str, list[str]] = {}
+    where: dict[str, str] = {}
+    for name, path in modules(root).items():
+        if any(name.startswith(s) for s in skip):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = [b.id if isinstance(b, ast.Name) else
+                                    b.attr if isinstance(b, ast.Attribute) else "" for b in
+                                    node.bases]
+                where[node.name] = f"{name}.{node.name}"
+
+    def derives(cls: str, seen: frozenset[str] = frozenset()) -> bool | None:
+        """True: from ``base``; False: an exception that is not; None: no exception."""
+        if cls == base:
+            return True
+        if cls in _BUILTIN_ERRORS:
+            return False
+        if cls not in bases or cls in seen:
+            return None
+        found = [derives(b, seen | {cls}) for b in bases[cls]]
+        return True if True in found else False if False in found else None
+
+    return sorted(where[c] for c in bases if derives(c) is False)
+
+
+def test_every_library_error_derives_from_p2pkv_error() -> None:
+    # The benchmarks are tools, not the library: their errors stay their own.
+    assert errors_outside(PACKAGE, skip=("p2pkv.bench",)) == []
+
+
+def test_checker_finds_an_error_outside_the_root(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "errors.py").write_text("class P2PKVError(Exception): ...\n"
+                                   "class Good(P2PKVError, ValueError): ...\n")
+    (pkg / "a.py").write_text("from pkg.errors import Good\nclass Also(Good): ...\n"
+                              "class Bad(RuntimeError): ...\nclass Plain: ...\n")
+    assert errors_outside(pkg) == ["pkg.a.Bad"]

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from p2pkv.errors import P2PKVError
 from p2pkv.identity.extension import canonical_model_overrides
 from p2pkv.identity.runconfig import FINGERPRINT_HEX_LEN, canonical_json
 
@@ -71,7 +72,7 @@ _SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
 _cache_lock = threading.Lock()
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(P2PKVError, RuntimeError):
     """A checkpoint that cannot be identified: missing, unreadable, or without weights.
 
     Never caught into a "matching" identity: a node that cannot hash its weights does

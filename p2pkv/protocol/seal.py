@@ -29,6 +29,7 @@ import hmac
 import struct
 from typing import TYPE_CHECKING, Final
 
+from p2pkv.errors import P2PKVError
 from p2pkv.protocol.codes import DATA_KEY_LEN, DATA_TOKEN_LEN
 
 __all__ = [
@@ -73,7 +74,7 @@ _WRITERS: Final = ("client", "server")
 _NONCE: Final = struct.Struct(">4xQ")
 
 
-class SealError(ConnectionError):
+class SealError(P2PKVError, ConnectionError):
     """A sealed stream carried a record that is not the sender's next one: altered,
     replayed, reordered, cut, or sealed under other keys. The stream ends."""
 

@@ -15,11 +15,13 @@ import uuid
 from dataclasses import dataclass
 from functools import lru_cache
 
+from p2pkv.errors import P2PKVError
+
 __all__ = ["HostIdentity", "ShmUnavailable", "host_identity", "process_alive",
            "process_start_time"]
 
 
-class ShmUnavailable(Exception):
+class ShmUnavailable(P2PKVError):
     """Shared memory cannot be used here or with this peer; the message says why."""
 
 

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,11 +108,16 @@ class Peers:
                 peer.refused = fields
                 peer.last_error = str(exc)
                 return
-            except BaseException as exc:
+            except (P2PKVError, OSError, CancelledError) as exc:
                 peer.next_attempt = now + self._reconnect
                 if peer.last_error != str(exc):
                     log.warning("p2pkv tier: cannot reach peer %s: %s", peer.address, exc)
                 peer.last_error = str(exc)
+                return
+            except Exception as exc:  # this tier's bug, not the peer's: said as one
+                peer.next_attempt = now + self._reconnect
+                log.exception("p2pkv tier: internal error connecting to %s", peer.address)
+                peer.last_error = f"internal error: {exc!r}"
                 return
             peer.refused = ()
             peer.last_error = None

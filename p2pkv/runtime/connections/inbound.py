@@ -29,7 +29,7 @@ from typing import Any, Final
 import zmq
 
 from p2pkv import protocol as proto
-from p2pkv.errors import P2PKVProtocolError
+from p2pkv.errors import ProtocolError
 from p2pkv.protocol.codes import OUTCOME_FAILED
 from p2pkv.reports import reason_name
 from p2pkv.runtime.paths.data_sender import BoundStream, DataSender, StreamOut
@@ -366,8 +366,9 @@ class InboundConnection:
                 break
             try:
                 self._serve(job)
-            except (P2PKVProtocolError, ValueError, zmq.ZMQError) as exc:
-                # One peer's trouble must never stop the node serving the others.
+            except (ProtocolError, zmq.ZMQError) as exc:
+                # One peer's trouble must never stop the node serving the others. This
+                # node's own (a LocalProtocolError, a ValueError) is a bug, said as one.
                 log.warning("dropping peer %s while serving request %d: %s",
                             self.rid.hex(), job.req, exc)
                 self.drop(cut=True)
