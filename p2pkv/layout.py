@@ -233,16 +233,7 @@ def geometry_from_hf_config(
     Raises ValueError naming the file and the offending key.
     """
     path = Path(path)
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read model config: {exc}") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a JSON object at the top level")
-    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
-        cfg = {**cfg, **cfg["text_config"]}
+    cfg = _read_hf_config(path)
     _check_positive_int(tp_size, "tp_size")
 
     num_layers = _config_int(cfg, "num_hidden_layers", path)
@@ -276,21 +267,41 @@ def geometry_from_hf_config(
                 f"'num_attention_heads' ({num_heads}) and no 'head_dim' is given"
             )
         head_dim = hidden // num_heads
+    return Geometry(num_layers, _heads_per_rank(kv_heads, tp_size, path), head_dim,
+                    tokens_per_block, dtype, "mha")
+
+
+def _read_hf_config(path: Path) -> dict[str, Any]:
+    """A ``config.json``'s object (a multimodal one's ``text_config`` laid over it)."""
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read model config: {exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object at the top level")
+    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg, **cfg["text_config"]}
+    return cfg
+
+
+def _heads_per_rank(kv_heads: int, tp_size: int, path: Path) -> int:
+    """KV heads on each of ``tp_size`` ranks: split when ``tp_size`` divides them, one
+    replicated head when they divide ``tp_size`` (as vLLM does)."""
     if kv_heads >= tp_size:
         if kv_heads % tp_size:
             raise ValueError(
                 f"{path}: key 'num_key_value_heads' ({kv_heads}) is not divisible "
                 f"by tp_size {tp_size}"
             )
-        kv_heads //= tp_size
-    else:
-        if tp_size % kv_heads:
-            raise ValueError(
-                f"{path}: tp_size {tp_size} is neither a divisor nor a multiple of "
-                f"key 'num_key_value_heads' ({kv_heads})"
-            )
-        kv_heads = 1
-    return Geometry(num_layers, kv_heads, head_dim, tokens_per_block, dtype, "mha")
+        return kv_heads // tp_size
+    if tp_size % kv_heads:
+        raise ValueError(
+            f"{path}: tp_size {tp_size} is neither a divisor nor a multiple of "
+            f"key 'num_key_value_heads' ({kv_heads})"
+        )
+    return 1
 
 
 @dataclass(frozen=True)

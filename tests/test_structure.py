@@ -1,14 +1,16 @@
 """The package's shape, as the module map of docs/architecture.md states it.
 
 Checked from the source with ``ast`` (nothing is imported): no module of ``p2pkv`` over
-:data:`MAX_MODULE_LINES` lines, no class over :data:`MAX_CLASS_LINES`, and no cycle
-among the modules' imports (those made only for the type checker, in ``if
-TYPE_CHECKING`` blocks, count like any other; imports inside functions are deferred on
-purpose and count for cycles, not for the layers). The module map is
-read from docs/architecture.md: every module is named in it, import-time imports go only to the
-module's own entry or to entries above it, and what it marks "(pure)" imports nothing of
-:data:`IMPURE`. No module reads the call stack (the vLLM integration takes what it needs
-from vLLM's API, never from its callers' locals). The checkers are tested on small
+:data:`MAX_MODULE_LINES` lines, no class over :data:`MAX_CLASS_LINES`, no library
+function over :data:`MAX_FUNCTION_LINES`, and no cycle among the modules' imports
+(those made only for the type checker, in ``if TYPE_CHECKING`` blocks, count like any
+other; so do imports inside functions, which only put off the cost of a module, never
+hide an edge). The module map is read from docs/architecture.md: every module is named
+in it, imports go only to the module's own entry or to entries above it, and what it
+marks "(pure)" imports nothing of :data:`IMPURE`. Every error class of the library
+derives from ``P2PKVError``. No module reads the call stack (the vLLM integration takes
+what it needs from vLLM's API, never from its callers' locals). The checkers are tested
+on small
 synthetic packages and texts too, so a broken checker cannot pass silently.
 """
 
@@ -25,6 +27,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "p2pkv"
 MAX_MODULE_LINES = 540
 MAX_CLASS_LINES = 360
+MAX_FUNCTION_LINES = 80
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 #: What a module marked "(pure)" may not import (anywhere in it): IO, processes, threads,
 #: clocks, the GPU stack.
@@ -211,7 +214,7 @@ def design_problems(root: Path, doc: str) -> list[str]:
         if base != "__init__.py" and path not in entries[i].paths and \
                 not re.search(rf"(?<![\w.]){re.escape(base)}", entries[i].text):
             problems.append(f"{path}: its entry does not name {base}")
-    for name, targets in import_graph(root).items():
+    for name, targets in import_graph(root, deferred=True).items():
         for target in sorted(targets):
             if name in layer and target in layer and layer[target] > layer[name]:
                 problems.append(f"{rel[name]} imports {rel[target]}, listed below it")
@@ -354,6 +357,46 @@ def test_checker_counts_type_checking_imports_for_the_layers(tmp_path: Path) -> 
     doc = ("## The module map\n\n```\npkg/__init__.py    the root\n"
            "pkg/low.py         below\npkg/high.py        above\n```\n")
     assert design_problems(root, doc) == ["pkg/low.py imports pkg/high.py, listed below it"]
+
+
+def test_checker_counts_imports_inside_functions_for_the_layers(tmp_path: Path) -> None:
+    root = _package(tmp_path, {
+        "low.py": "def later():\n    from pkg import high\n    return high\n",
+        "high.py": "H = 1\n",
+    })
+    doc = ("## The module map\n\n```\npkg/__init__.py    the root\n"
+           "pkg/low.py         below\npkg/high.py        above\n```\n")
+    assert design_problems(root, doc) == ["pkg/low.py imports pkg/high.py, listed below it"]
+
+
+def long_functions(root: Path, limit: int, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """Functions and methods over ``limit`` lines (their whole text: signature,
+    docstring, body), outside the modules that start with one of ``skip``."""
+    out = []
+    for name, path in modules(root).items():
+        if any(name.startswith(s) for s in skip):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > limit:
+                    out.append(f"{name}.{node.name}: {lines} lines")
+    return out
+
+
+def test_no_library_function_is_too_long() -> None:
+    # The benchmarks are tools that script a run from top to bottom, not the library.
+    assert long_functions(PACKAGE, MAX_FUNCTION_LINES, skip=("p2pkv.bench",)) == []
+
+
+def test_checker_finds_long_functions(tmp_path: Path) -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(12))
+    root = _package(tmp_path, {"big.py": f"def big():\n{body}\n", "tool/__init__.py": "",
+                               "tool/run.py": f"async def run():\n{body}\n"})
+    assert sorted(long_functions(root, 10)) == ["pkg.big.big: 13 lines",
+                                                "pkg.tool.run.run: 13 lines"]
+    assert long_functions(root, 10, skip=("pkg.tool",)) == ["pkg.big.big: 13 lines"]
+    assert long_functions(root, 13) == []
 
 
 def test_checker_finds_long_modules_and_classes(tmp_path: Path) -> None:

@@ -15,12 +15,13 @@ import json
 import logging
 import signal
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from p2pkv.commands.common import EXIT_OK, emit, settings_of
 from p2pkv.errors import ConfigError, P2PKVError
 from p2pkv.fill import fill_block, fill_keys
-from p2pkv.settings import node_config
+from p2pkv.settings import Settings, node_config
 
 __all__ = ["cmd_serve"]
 
@@ -37,14 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     rc = settings.run_config(layout)
     ext = settings.extension()
     config = node_config(settings)
-    fill = settings["fill"]
-    if fill > settings["pool_blocks"]:
-        raise ConfigError(f"--fill: {fill} blocks do not fit a pool of "
-                          f"{settings['pool_blocks']} blocks (raise --pool-blocks)")
-    try:
-        fill_keys(fill, seed=settings["key_seed"], tokens_per_hash=rc.tokens_per_hash)
-    except ValueError as exc:
-        raise ConfigError(f"--fill: {exc}") from exc
+    fill = _checked_fill(settings, rc)
     from p2pkv.node import Node
 
     # Handlers go in before anything starts, so a signal that arrives while the node
@@ -82,25 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
             metrics = serve_metrics(node, settings["metrics_port"], settings["metrics_host"],
                                     collectors=collectors)
-        info = {
-            "event": "listening", "address": node.address, "fingerprint": rc.fingerprint,
-            "namespace": rc.namespace("/kvcache"), "run_config": rc.get_run_config(),
-            "layout": layout.name, "pool": node.store.stats().memory_kind,
-            "metrics_port": metrics.port if metrics else None, "fill": fill,
-            "extension": ext.to_wire(), "identity_policy": settings["identity_policy"],
-            "identity_sources": settings.identity_sources(),
-        }
-        emit(args, info, f"p2pkv-node listening on {node.address}\n"
-              f"  fingerprint {rc.fingerprint}  namespace {info['namespace']}\n"
-              f"  run config  {json.dumps(rc.get_run_config(), sort_keys=True)}\n"
-              f"  extension   {ext.describe()}, identity policy "
-              f"{settings['identity_policy']}\n"
-              + "".join(f"    {name} from {source}\n"
-                        for name, source in info["identity_sources"].items()) +
-              f"  layout {layout.name}, {layout.bytes_per_block} bytes/block, "
-              f"pool {settings['pool_blocks']} blocks ({info['pool']})"
-              + (f"\n  filled with {fill} blocks of known content (SPEC appendix A)"
-                 if fill else ""))
+        _say_listening(args, settings, node, metrics.port if metrics else None)
         if cluster is not None:
             registered = cluster.wait_registered(min(2.0, settings["directory_ttl"]))
             emit(args, {"event": "directory", "url": settings["directory"],
@@ -108,17 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   f"directory {settings['directory']}: "
                   + ("registered" if registered else "unreachable, serving on and retrying")
                   + f" (partition {cluster.partition})")
-        for address in settings["peer"]:
-            if stop.is_set():
-                break
-            try:
-                peer = node.connect(address)
-                emit(args, {"event": "peer", "address": address, "ok": True,
-                             "remote": peer.remote_node_id},
-                      f"connected to peer {address} ({peer.remote_node_id})")
-            except (P2PKVError, OSError) as exc:
-                emit(args, {"event": "peer", "address": address, "ok": False,
-                             "error": str(exc)}, f"peer {address}: {exc}")
+        _connect_peers(args, node, settings["peer"], stop)
         # The handlers set ``stop``; a signal interrupts the wait (Python retries it
         # after running them), so nothing needs to poll.
         stop.wait()
@@ -144,3 +110,56 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _checked_fill(settings: Settings, rc: Any) -> int:
+    """``--fill``'s block count, refused when the pool cannot hold it or its keys
+    cannot be made."""
+    fill: int = settings["fill"]
+    if fill > settings["pool_blocks"]:
+        raise ConfigError(f"--fill: {fill} blocks do not fit a pool of "
+                          f"{settings['pool_blocks']} blocks (raise --pool-blocks)")
+    try:
+        fill_keys(fill, seed=settings["key_seed"], tokens_per_hash=rc.tokens_per_hash)
+    except ValueError as exc:
+        raise ConfigError(f"--fill: {exc}") from exc
+    return fill
+
+
+def _say_listening(args: argparse.Namespace, settings: Settings, node: Any,
+                   metrics_port: int | None) -> None:
+    """The ``listening`` event: address, identity, layout, pool, what it was filled with."""
+    rc, layout, ext, fill = node.run_config, node.layout, node.extension, settings["fill"]
+    info = {
+        "event": "listening", "address": node.address, "fingerprint": rc.fingerprint,
+        "namespace": rc.namespace("/kvcache"), "run_config": rc.get_run_config(),
+        "layout": layout.name, "pool": node.store.stats().memory_kind,
+        "metrics_port": metrics_port, "fill": fill,
+        "extension": ext.to_wire(), "identity_policy": settings["identity_policy"],
+        "identity_sources": settings.identity_sources(),
+    }
+    emit(args, info, f"p2pkv-node listening on {node.address}\n"
+          f"  fingerprint {rc.fingerprint}  namespace {info['namespace']}\n"
+          f"  run config  {json.dumps(rc.get_run_config(), sort_keys=True)}\n"
+          f"  extension   {ext.describe()}, identity policy "
+          f"{settings['identity_policy']}\n"
+          + "".join(f"    {name} from {source}\n"
+                    for name, source in info["identity_sources"].items()) +
+          f"  layout {layout.name}, {layout.bytes_per_block} bytes/block, "
+          f"pool {settings['pool_blocks']} blocks ({info['pool']})"
+          + (f"\n  filled with {fill} blocks of known content (SPEC appendix A)"
+             if fill else ""))
+
+
+def _connect_peers(args: argparse.Namespace, node: Any, peers: Sequence[str],
+                   stop: threading.Event) -> None:
+    """Connect to each ``--peer`` in turn (until a signal), saying how each went."""
+    for address in peers:
+        if stop.is_set():
+            break
+        try:
+            peer = node.connect(address)
+            emit(args, {"event": "peer", "address": address, "ok": True,
+                         "remote": peer.remote_node_id},
+                  f"connected to peer {address} ({peer.remote_node_id})")
+        except (P2PKVError, OSError) as exc:
+            emit(args, {"event": "peer", "address": address, "ok": False,
+                         "error": str(exc)}, f"peer {address}: {exc}")

@@ -307,6 +307,47 @@ def _checkpoint_path(model_config: Any, load_config: Any) -> str:
             "without that digest") from None
 
 
+def _derived_layout(spec: Any, model_config: Any, want: str | None,
+                    sources: dict[str, str]) -> str | None:
+    """The engine's KV memory layout, against the declared one (``want``)."""
+    use_mla = bool(getattr(model_config, "use_mla", False))
+    layout = memory_layout(spec, use_mla)
+    sources["kv_memory_layout"] = (
+        "vLLM's MLA backend (ModelConfig.use_mla)" if use_mla
+        else "vLLM's CPU attention backend" if layout == "HND_K_THEN_V"
+        else "the offloading spec's kv_cache_layout")
+    if want is not None and layout is None:
+        # Nothing detected (a backend that does not say): the operator's word stands.
+        layout = want
+        sources["kv_memory_layout"] = "declared in the tier config (not detectable)"
+    if want is not None and IdentityExtension(kv_memory_layout=want).kv_memory_layout != \
+            IdentityExtension(kv_memory_layout=layout).kv_memory_layout:
+        raise ConfigError(f"P2PKVTier: kv_memory_layout is declared {want!r} but the engine "
+                          f"uses {layout!r} ({sources['kv_memory_layout']}); remove the "
+                          "declaration or run the engine with that layout")
+    return layout
+
+
+def _derived_overrides(model_config: Any, mine: Any, sources: dict[str, str]
+                       ) -> tuple[dict[str, Any], str, str]:
+    """The overrides the engine applies (with their canonical form and digest), against
+    the declared ones (``mine``)."""
+    overrides = _overrides_of(model_config)
+    try:
+        canonical = canonical_model_overrides(overrides)
+    except ValueError as exc:  # NaN, an out-of-range integer
+        raise ConfigError(f"P2PKVTier: the engine's hf_overrides have no canonical form, "
+                          f"so they cannot be part of the identity: {exc}") from None
+    digest = model_overrides_digest(overrides)
+    sources["model_overrides"] = f"ModelConfig.hf_overrides and .quantization: {canonical}"
+    if mine is not None and model_overrides_digest(mine) != digest:
+        raise ConfigError(
+            f"P2PKVTier: model_overrides is declared {canonical_model_overrides(mine)} "
+            f"(digest {model_overrides_digest(mine)}) but the engine applies {canonical} "
+            f"(digest {digest}); remove the declaration: the tier derives it")
+    return overrides, canonical, digest
+
+
 def derive_engine_identity(spec: Any, vllm_config: Any | None,
                            declared: Mapping[str, Any]) -> EngineIdentity:
     """Everything the tier can derive at start, checked against what the operator
@@ -324,38 +365,9 @@ def derive_engine_identity(spec: Any, vllm_config: Any | None,
     load_config = vllm_config.load_config
     sources: dict[str, str] = {}
 
-    use_mla = bool(getattr(model_config, "use_mla", False))
-    layout = memory_layout(spec, use_mla)
-    sources["kv_memory_layout"] = (
-        "vLLM's MLA backend (ModelConfig.use_mla)" if use_mla
-        else "vLLM's CPU attention backend" if layout == "HND_K_THEN_V"
-        else "the offloading spec's kv_cache_layout")
-    want = declared.get("kv_memory_layout")
-    if want is not None and layout is None:
-        # Nothing detected (a backend that does not say): the operator's word stands.
-        layout = want
-        sources["kv_memory_layout"] = "declared in the tier config (not detectable)"
-    if want is not None and IdentityExtension(kv_memory_layout=want).kv_memory_layout != \
-            IdentityExtension(kv_memory_layout=layout).kv_memory_layout:
-        raise ConfigError(f"P2PKVTier: kv_memory_layout is declared {want!r} but the engine "
-                          f"uses {layout!r} ({sources['kv_memory_layout']}); remove the "
-                          "declaration or run the engine with that layout")
-
-    overrides = _overrides_of(model_config)
-    try:
-        canonical = canonical_model_overrides(overrides)
-    except ValueError as exc:  # NaN, an out-of-range integer
-        raise ConfigError(f"P2PKVTier: the engine's hf_overrides have no canonical form, "
-                          f"so they cannot be part of the identity: {exc}") from None
-    digest = model_overrides_digest(overrides)
-    sources["model_overrides"] = f"ModelConfig.hf_overrides and .quantization: {canonical}"
-    if declared.get("model_overrides") is not None:
-        mine = declared["model_overrides"]
-        if model_overrides_digest(mine) != digest:
-            raise ConfigError(
-                f"P2PKVTier: model_overrides is declared {canonical_model_overrides(mine)} "
-                f"(digest {model_overrides_digest(mine)}) but the engine applies {canonical} "
-                f"(digest {digest}); remove the declaration: the tier derives it")
+    layout = _derived_layout(spec, model_config, declared.get("kv_memory_layout"), sources)
+    overrides, canonical, digest = _derived_overrides(model_config,
+                                                      declared.get("model_overrides"), sources)
 
     revision = model_config.revision
     sources["model_revision"] = "ModelConfig.revision (--revision)"

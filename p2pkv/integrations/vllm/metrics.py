@@ -73,6 +73,11 @@ def load_failure_reason(cause: KeyOutcome | BaseException) -> str:
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     """Every metric of :class:`Metrics` with its help text and labels."""
+    return {**_peer_metrics(), **_tier_metrics()}
+
+
+def _peer_metrics() -> dict[str, OffloadingMetricMetadata]:
+    """Lookups, loads, stores and handshakes with peers."""
     return {
         Metrics.LOOKUP_KEYS: OffloadingCounterMetadata(
             "Chunk keys this engine asked p2pkv peers about."),
@@ -93,6 +98,12 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             "p2pkv handshakes refused: outbound by differing field, inbound (peers "
             "this engine refused) by reason.", labelnames=("side", "reason")),
         Metrics.PEERS: OffloadingGaugeMetadata("Compatible p2pkv peers connected."),
+    }
+
+
+def _tier_metrics() -> dict[str, OffloadingMetricMetadata]:
+    """The directory, pending-v1, the load policy, the lookups' steps and hooks."""
+    return {
         Metrics.DIRECTORY_LOOKUPS: OffloadingCounterMetadata(
             "Prefix lookups answered by the cluster directory (or its peer fallback)."),
         Metrics.DIRECTORY_HITS: OffloadingCounterMetadata(

@@ -162,18 +162,7 @@ class P2PKVTier(SecondaryTierManager):
         self._adapters = RequestAdapters(
             lora_enabled=self.identity.lora_enabled,
             count=lambda reason, n: self._counted(Metrics.ADAPTER_UNSHARED, n, (reason,)))
-        # P2PKVConnector hands this tier each request's adapter; the plain
-        # OffloadingConnector cannot, and the tier never guesses.
-        connector = building()
-        if connector is not None:
-            connector.tiers.append(self)
-        elif self.identity.lora_enabled:
-            log.warning("p2pkv tier: LoRA is enabled, and the tier runs under vLLM's plain "
-                        "OffloadingConnector, which does not say which adapter a request "
-                        "runs under: the chunks of every request under an adapter are "
-                        "neither shared nor looked up (counted in %s{reason=\"%s\"}). "
-                        "Load P2PKVConnector (%s) to share them.", Metrics.ADAPTER_UNSHARED,
-                        ADAPTER_UNKNOWN, CONNECTOR_KEYS)
+        _join_connector(self)
         self._first_chunk_tokens = first_chunk_tokens(offloading_spec)
         self._hooks = HookTimes()
         self._transfers = TierTransfers(
@@ -474,3 +463,18 @@ def _chunk_tokens(spec: OffloadingSpec) -> int:
     key per KV-cache group."""
     groups = spec.tokens_per_block
     return max(1, max(groups) * spec.blocks_per_chunk // len(groups)) if groups else 1
+
+
+def _join_connector(tier: P2PKVTier) -> None:
+    """P2PKVConnector hands ``tier`` each request's adapter; the plain
+    OffloadingConnector cannot, and the tier never guesses (it says so under LoRA)."""
+    connector = building()
+    if connector is not None:
+        connector.tiers.append(tier)
+    elif tier.identity.lora_enabled:
+        log.warning("p2pkv tier: LoRA is enabled, and the tier runs under vLLM's plain "
+                    "OffloadingConnector, which does not say which adapter a request "
+                    "runs under: the chunks of every request under an adapter are "
+                    "neither shared nor looked up (counted in %s{reason=\"%s\"}). "
+                    "Load P2PKVConnector (%s) to share them.", Metrics.ADAPTER_UNSHARED,
+                    ADAPTER_UNKNOWN, CONNECTOR_KEYS)
