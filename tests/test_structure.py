@@ -10,8 +10,7 @@ in it, imports go only to the module's own entry or to entries above it, and wha
 marks "(pure)" imports nothing of :data:`IMPURE`. Every error class of the library
 derives from ``P2PKVError``. No module reads the call stack (the vLLM integration takes
 what it needs from vLLM's API, never from its callers' locals). The checkers are tested
-on small
-synthetic packages and texts too, so a broken checker cannot pass silently.
+on small synthetic packages and texts too, so a broken checker cannot pass silently.
 """
 
 from __future__ import annotations
