@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2pkv.errors import ConfigError
+from p2pkv.runtime.tuning import STOP_WAIT_S
 
 __all__ = ["MetricsServer", "NodeCollector", "serve_metrics"]
 
@@ -111,7 +112,7 @@ class MetricsServer:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-        self._thread.join(5)
+        self._thread.join(STOP_WAIT_S)
 
 
 def serve_metrics(node: Any, port: int, host: str = "127.0.0.1",

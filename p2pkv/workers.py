@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from p2pkv.errors import P2PKVError
+from p2pkv.runtime.tuning import STOP_WAIT_S
 
 __all__ = [
     "JsonLineProcess",
@@ -139,7 +140,7 @@ class JsonLineProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
+            self.proc.wait(STOP_WAIT_S)
 
 
 # ------------------------------------------------------------------ child side

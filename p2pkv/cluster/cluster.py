@@ -55,7 +55,7 @@ from p2pkv.cluster.redis_directory import (
 from p2pkv.cluster.registration import RedisRegistration
 from p2pkv.cluster.striping import PrefixJob
 from p2pkv.errors import ConfigError, P2PKVError, PeerGone, ProtocolError
-from p2pkv.keys import keys_well_formed
+from p2pkv.keys import check_keys
 from p2pkv.node import Node, PeerHandle
 from p2pkv.protocol.codes import MAX_KEY_LEN
 from p2pkv.protocol.options import option, seconds
@@ -465,12 +465,7 @@ class Cluster:
 def _check_keys(keys: Sequence[bytes]) -> tuple[bytes, ...]:
     if isinstance(keys, (bytes, bytearray, str)):  # type: ignore[unreachable]
         raise ValueError("keys must be a sequence of bytes keys, not a single key")
-    out = tuple(keys)
-    if not keys_well_formed(out, MAX_KEY_LEN):
-        for i, k in enumerate(out):
-            if type(k) is not bytes or not 1 <= len(k) <= MAX_KEY_LEN:
-                raise ValueError(f"keys[{i}] must be 1..{MAX_KEY_LEN} bytes, got {k!r:.40}")
-    return out
+    return check_keys(keys, MAX_KEY_LEN)
 
 
 def describe(stats: ClusterStats) -> dict[str, Any]:

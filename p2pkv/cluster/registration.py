@@ -17,6 +17,7 @@ from p2pkv.cluster.records import DirectoryError, NodeRecord, QuarantineReport
 from p2pkv.cluster.redis_directory import ANNOUNCE_BATCH, Member, RedisDirectory
 from p2pkv.errors import ConfigError
 from p2pkv.protocol.pending import lease_end
+from p2pkv.runtime.tuning import STOP_WAIT_S
 
 __all__ = ["MAX_PENDING_QUEUE", "PendingQueue", "RedisRegistration"]
 
@@ -145,7 +146,7 @@ class RedisRegistration:
             self._flush_now = True
         self._wake.set()
 
-    def close(self, timeout: float = 5.0, *, deregister: bool = True) -> None:
+    def close(self, timeout: float = STOP_WAIT_S, *, deregister: bool = True) -> None:
         """Stop the thread; with ``deregister``, withdraw this node's claims."""
         self._stop.set()
         self._wake.set()

@@ -22,14 +22,12 @@ from p2pkv.cluster.peers import PeerPool
 from p2pkv.cluster.records import Holder, PrefixFetch, PrefixLookup
 from p2pkv.errors import PeerGone, PeerTimeout, ProtocolError
 from p2pkv.node import FetchResult, KeyOutcome, Node, PeerHandle
+from p2pkv.runtime.tuning import WAIT_GRACE
 
 __all__ = ["PrefixJob"]
 
 log = logging.getLogger("p2pkv.cluster")
 
-# How long past its deadline a prefix fetch waits for a sub-fetch's future: the node
-# fails every future by its own deadline, this only guards against a bug there.
-_FUTURE_GRACE = 5.0
 
 
 class PrefixJob:
@@ -68,7 +66,8 @@ class PrefixJob:
                 pending = []
             if not self.active:
                 continue
-            timeout = max(0.0, self.deadline - time.monotonic()) + _FUTURE_GRACE
+            # The node fails every sub-fetch by the deadline; the grace only guards a bug.
+            timeout = max(0.0, self.deadline - time.monotonic()) + WAIT_GRACE
             done, _ = concurrent.futures.wait(
                 list(self.active), timeout=timeout,
                 return_when=concurrent.futures.FIRST_COMPLETED)

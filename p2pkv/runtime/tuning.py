@@ -14,12 +14,16 @@ from p2pkv.protocol.flow import BATCH_BYTES
 
 __all__ = [
     "BATCH_BYTES",
+    "BYE_FLUSH_S",
     "DEADLINE_CHECK_S",
+    "DRAIN_FLUSH_MS",
+    "DRAIN_SETTLE_S",
     "LATENCY_BUCKETS",
     "MONITOR_GRACE_MS",
     "READ_BUDGET",
     "READ_BURST_BYTES",
     "REAP_TICK_MS",
+    "STOP_WAIT_S",
     "WAIT_GRACE",
     "WAKE_BYTES",
     "ZERO_COPY_MIN",
@@ -89,3 +93,8 @@ connection only briefly."""
 DRAIN_FLUSH_MS: Final = 1000
 """How long a draining node's ROUTER lingers at close so that ZeroMQ hands the last
 blocks of the fetches it finished (and its byes) to the kernel; otherwise LINGER 0."""
+
+STOP_WAIT_S: Final = 5.0
+"""How long stopping a helper waits for it (a metrics server's thread, a Redis
+registration's thread, a worker process being reaped) before it goes on: each is told
+to stop first, so the wait only bounds one that does not."""

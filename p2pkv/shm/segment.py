@@ -72,6 +72,9 @@ HEADER: Final = struct.Struct("<8sII16s16sQQQQIIQ")
 total size, slots, regions, ready flag, PID namespace (96 bytes, little-endian)."""
 REGION: Final = struct.Struct("<QQ")
 """Per region: offset from the start of the segment, segment (bytes per slot)."""
+#: Seconds the watchdog's shell gets to exit once its stdin closes (it exits at once;
+#: then it is killed).
+_WATCHDOG_EXIT_S: Final = 5.0
 _NAME_OF_OWNER: Final = re.compile(r"p2pkv-(\d+)-(\d+)-[0-9a-f]{16}")
 
 
@@ -200,7 +203,7 @@ class _Watchdog:
             if proc.stdin is not None:
                 proc.stdin.close()
         try:
-            proc.wait(timeout=5)
+            proc.wait(timeout=_WATCHDOG_EXIT_S)
         except subprocess.TimeoutExpired:  # pragma: no cover - sh exits at once
             proc.kill()
 

@@ -61,7 +61,7 @@ from collections.abc import Iterable, Sequence
 
 from p2pkv.checksum import BytesLike, block_checksum
 from p2pkv.errors import StoreFullError
-from p2pkv.keys import MAX_KEY_LEN, check_keys
+from p2pkv.keys import MAX_KEY_LEN, check_keys, keys_well_formed
 from p2pkv.store.book import (
     ChecksumMismatch,
     StoreBook,
@@ -143,7 +143,8 @@ class BlockStore:
             return key in self._book.entries
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, bytes) and 0 < len(key) <= MAX_KEY_LEN and self.contains(key)
+        # ``in`` answers False for what is not a key (the one key rule, keys.py).
+        return keys_well_formed((key,), MAX_KEY_LEN) and self.contains(key)  # type: ignore[arg-type]
 
     def __len__(self) -> int:
         with self._book.lock:

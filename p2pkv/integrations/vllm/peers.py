@@ -23,6 +23,7 @@ from typing import Any
 from p2pkv.errors import P2PKVError, PeerGone, PeerIncompatible
 from p2pkv.integrations.vllm.metrics import Metrics
 from p2pkv.node import LookupAnswer, Node, PeerHandle
+from p2pkv.runtime.tuning import WAIT_GRACE
 
 __all__ = ["Peer", "Peers"]
 
@@ -160,7 +161,7 @@ class Peers:
         holders: dict[bytes, str] = {}
         for handle, fut in asks:
             try:
-                whole = fut.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+                whole = fut.result(timeout=max(0.0, deadline - time.monotonic()) + WAIT_GRACE)
             except PeerGone as exc:
                 self.lost(handle, exc)
                 continue
