@@ -34,7 +34,8 @@ block hashes are known when it arrives. So:
   taking CPU from the engine that computes what they wait for; the scheduler thread
   sleeps instead until an ask comes back or a recheck is due, at most ``wait``.
 
-Threads: every method runs on the scheduler thread (under vLLM 0.33's manager lock);
+Threads: every method runs on the scheduler thread (under vLLM 0.33's manager lock, but
+:meth:`RequestLookups.begin`, which P2PKVConnector calls outside it);
 the asks run on the tier's lookup threads and hand their answers back through futures
 only. A failed ask answers MISS for its keys (logged), never an error to vLLM.
 """

@@ -232,8 +232,9 @@ class P2PKVTier(SecondaryTierManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         # vLLM 0.33 calls this under its offloading manager's lock: nothing slow here
-        # (under P2PKVConnector, begin_request already started the node and the
-        # adapter's stat and hash, outside the lock).
+        # (the node starts when the tier is built; under P2PKVConnector, begin_request
+        # already waited for a start under way and did the adapter's stat and hash,
+        # outside the lock).
         started = time.perf_counter()
         self._ensure_node()
         self._hooks.add("on_new_request", time.perf_counter() - started)

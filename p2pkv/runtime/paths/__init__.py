@@ -18,8 +18,9 @@ kind          serving half                    fetching half
               until released (``shm-v1``)
 ``stream``    ``StreamOut``: gathered onto    ``StreamIn``: scattered from the stream
               the peer's bound data stream    straight into destinations
-              (``tcp-data-v1``, or TLS:       (``Striped``: several streams, a
-              ``tcp-data-tls-v1``)            fetch striped over them)
+              (``tcp-data-v1``; under CURVE   (``Striped``: several streams, a
+              sealed, ``tcp-data-aead-v1``,   fetch striped over them)
+              or TLS, ``tcp-data-tls-v1``)
 ============  ==============================  =======================================
 
 A connection asks its path, never which path it is on. The fetching half is chosen when
