@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from p2pkv.cluster.fanout import ask_peers, merged
 from p2pkv.cluster.health import HealthConfig, HolderHealth
 from p2pkv.cluster.peers import PeerPool
 from p2pkv.cluster.records import (
@@ -54,9 +55,9 @@ from p2pkv.cluster.redis_directory import (
 )
 from p2pkv.cluster.registration import RedisRegistration
 from p2pkv.cluster.striping import PrefixJob
-from p2pkv.errors import ConfigError, P2PKVError, PeerGone, ProtocolError
+from p2pkv.errors import ConfigError, PeerGone
 from p2pkv.keys import check_keys
-from p2pkv.node import Node, PeerHandle
+from p2pkv.node import Node
 from p2pkv.protocol.codes import MAX_KEY_LEN
 from p2pkv.protocol.options import option, seconds
 from p2pkv.transport import validate_address
@@ -325,55 +326,19 @@ class Cluster:
         """Each peer's holders of ``keys`` and, for a key none holds, the soonest a peer
         computing it expects to hold it (pending-v1; 0.0: nobody), as the directory
         answers them: a lookup that falls back here still sees what peers compute."""
-        per_key: list[list[Holder]] = [[] for _ in keys]
-        due = [0.0] * len(keys)
         if not keys or not addresses:
-            return [()] * len(keys), due
+            return [()] * len(keys), [0.0] * len(keys)
         remaining = max(0.001, deadline - time.monotonic())
-        connecting: dict[Future[Any], str] = {
+        asked = ask_peers(self.node, {
             self._pool.handle_async(a, timeout=remaining): a
-            for a in addresses if a not in (self.node.address, self.address)}
-        asking: dict[Future[Any], tuple[str, PeerHandle]] = {}
-        while connecting or asking:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            done, _ = concurrent.futures.wait(
-                [*connecting, *asking], timeout=remaining,
-                return_when=concurrent.futures.FIRST_COMPLETED)
-            for fut in done:
-                if fut in connecting:
-                    address = connecting.pop(fut)
-                    exc = fut.exception()
-                    if exc is not None:
-                        errors[address] = f"{type(exc).__name__}: {exc}"
-                        continue
-                    handle: PeerHandle = fut.result()
-                    try:
-                        asking[self.node.lookup_pending_async(
-                            handle, keys, timeout=max(0.001, deadline - time.monotonic()))
-                        ] = (address, handle)
-                    except P2PKVError as exc2:
-                        errors[address] = f"{type(exc2).__name__}: {exc2}"
-                else:
-                    address, handle = asking.pop(fut)
-                    exc = fut.exception()
-                    if exc is not None:
-                        errors[address] = f"{type(exc).__name__}: {exc}"
-                        if isinstance(exc, (PeerGone, ProtocolError)):
-                            self._pool.drop(address, handle)
-                        continue
-                    holder = Holder(handle.remote_node_id, address)
-                    answer = fut.result()
-                    for i, hit in enumerate(answer.hits):
-                        if hit:
-                            per_key[i].append(holder)
-                        elif answer.due[i] and (not due[i] or answer.due[i] < due[i]):
-                            due[i] = answer.due[i]
-        for address in [*connecting.values(), *(a for a, _ in asking.values())]:
-            errors[address] = "PeerTimeout: no answer before the lookup deadline"
-        return ([tuple(found) for found in per_key],
-                [0.0 if found else d for found, d in zip(per_key, due, strict=True)])
+            for a in addresses if a not in (self.node.address, self.address)}, keys, deadline)
+        for address, _, exc in asked.failed:
+            errors[address] = f"{type(exc).__name__}: {exc}"
+        for address, handle, _ in asked.lost():
+            self._pool.drop(address, handle)
+        per_key, due = merged(asked.answers, len(keys))
+        return [tuple(Holder(a.handle.remote_node_id, a.address) for a in found)
+                for found in per_key], due
 
     # -- fetches --------------------------------------------------------------------
 

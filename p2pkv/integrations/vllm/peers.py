@@ -10,7 +10,6 @@ once, on the registering thread, and that callback takes the lock too.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import functools
 import logging
 import threading
@@ -20,10 +19,10 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any
 
-from p2pkv.errors import P2PKVError, PeerGone, PeerIncompatible
+from p2pkv.cluster.fanout import ask_peers, merged
+from p2pkv.errors import P2PKVError, PeerIncompatible
 from p2pkv.integrations.vllm.metrics import Metrics
-from p2pkv.node import LookupAnswer, Node, PeerHandle
-from p2pkv.runtime.tuning import WAIT_GRACE
+from p2pkv.node import Node, PeerHandle
 
 __all__ = ["Peer", "Peers"]
 
@@ -143,37 +142,17 @@ class Peers:
         peer holds it, and for a key none holds, the soonest a peer computing it expects
         to (seconds from now; 0.0: nobody is computing it, ``pending-v1``)."""
         deadline = time.monotonic() + self._lookup_timeout
-        with self._lock:
-            connecting = [p.connecting for p in self._peers.values() if p.connecting]
-        if connecting:  # a peer still shaking hands gets the same deadline
-            concurrent.futures.wait(connecting, timeout=self._lookup_timeout)
-        with self._lock:
-            handles = [p.handle for p in self._peers.values() if p.handle is not None]
-        asks: list[tuple[PeerHandle, Future[LookupAnswer]]] = []
-        for handle in handles:
-            try:
-                asks.append((handle, node.lookup_pending_async(
-                    handle, keys, timeout=max(0.001, deadline - time.monotonic()))))
-            except P2PKVError as exc:
-                self.lost(handle, exc)
-        found = [False] * len(keys)
-        due = [0.0] * len(keys)
-        holders: dict[bytes, str] = {}
-        for handle, fut in asks:
-            try:
-                whole = fut.result(timeout=max(0.0, deadline - time.monotonic()) + WAIT_GRACE)
-            except PeerGone as exc:
-                self.lost(handle, exc)
-                continue
-            except (P2PKVError, concurrent.futures.TimeoutError) as exc:
-                log.debug("p2pkv tier: lookup at %s failed: %s", handle.address, exc)
-                continue
-            for i, hit in enumerate(whole.hits):
-                if hit and not found[i]:
-                    found[i] = True
-                    holders[keys[i]] = handle.address
-                elif whole.due[i] and (not due[i] or whole.due[i] < due[i]):
-                    due[i] = whole.due[i]
+        with self._lock:  # a peer still shaking hands is asked once it is up, by then
+            peers = {p.connecting if p.connecting else _done(p.handle): p.address
+                     for p in self._peers.values() if p.connecting or p.handle}
+        asked = ask_peers(node, peers, keys, deadline)
+        for _, handle, exc in asked.lost():
+            self.lost(handle, exc)
+        for address, _, exc in asked.failed:
+            log.debug("p2pkv tier: lookup at %s failed: %s", address, exc)
+        per_key, due = merged(asked.answers, len(keys))
+        found = [bool(h) for h in per_key]
+        holders = {keys[i]: h[0].address for i, h in enumerate(per_key) if h}
         with self._lock:
             for key, address in holders.items():
                 self._holders[key] = address
@@ -182,7 +161,7 @@ class Peers:
                 self._holders.popitem(last=False)
             self._count(Metrics.LOOKUP_KEYS, len(keys), ())
             self._count(Metrics.LOOKUP_HITS, sum(found), ())
-        return found, [0.0 if f else d for f, d in zip(found, due, strict=True)]
+        return found, due
 
     def route(self, keys: Sequence[bytes]) -> tuple[dict[str, PeerHandle], list[str | None]]:
         """The connected peers by address, and for each key the connected peer that said
@@ -213,3 +192,10 @@ class Peers:
 def _refusal_text(exc: PeerIncompatible) -> str:
     return "\n".join(f"  {r.field}: local {r.ours!r} remote {r.theirs!r}: {r.meaning}"
                      for r in exc.reasons)
+
+
+def _done(handle: PeerHandle | None) -> Future[PeerHandle]:
+    """A connected peer as the fan-out takes it: a future already done."""
+    fut: Future[PeerHandle] = Future()
+    fut.set_result(handle)  # type: ignore[arg-type]
+    return fut
