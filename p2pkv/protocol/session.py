@@ -244,6 +244,12 @@ class Session(SessionView):
                 return Output(events=bad.events, replies=(*out.replies, *bad.replies))
         return out
 
+    def violated(self, error: ProtocolError, now: float) -> Output:
+        """A violation the transport found outside :meth:`receive_data` (the bytes of
+        the peer's data stream): the same way out as one found inside it, the same code,
+        ``bye`` and report, once."""
+        return remote_error(self._m, error, now)
+
     def receive_frames(self, frames: Sequence[Frame], now: float) -> Output:
         """Decode and feed one whole multipart message held in memory (its payload sizes
         checked once READY): :meth:`receive_data` for a transport without zero-copy."""

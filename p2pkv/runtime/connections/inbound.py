@@ -311,9 +311,12 @@ class InboundConnection:
         as sent there never reach the peer, so no ``done`` could be honest)."""
         if self.closed:
             return
+        if code == proto.Code.PROTOCOL_VIOLATION:  # the peer's: through the one door
+            self._handle(self.session.violated(ProtocolError(code, why), time.monotonic()))
+            if not self.closed:  # a session that had ended already says nothing
+                self.drop()
+            return
         log.info("peer %s: %s; dropping it", self.rid.hex(), why)
-        if code == proto.Code.PROTOCOL_VIOLATION:
-            self._parts.counters.add(Count.PROTOCOL_VIOLATIONS)
         told = self.session.state is proto.State.READY and \
             self.send(self.session.close(code, why).replies)
         # The bye first, then the connection: cut at once, libzmq would drop the bye

@@ -369,14 +369,15 @@ class OutboundConnection:
     # -- the data stream (StreamOwner) ---------------------------------------------------
 
     def _stream_lost(self, exc: P2PKVError) -> None:
-        """The bound data stream ended, or carried a violation (the peer is told)."""
-        if isinstance(exc, P2PKVProtocolError) and not self.closed:
-            if isinstance(exc, ProtocolError):  # the peer's; a LocalProtocolError is ours
-                self._parts.counters.add(Count.PROTOCOL_VIOLATIONS)
-                log.warning("protocol violation by %s on its data stream: %s", self.address,
-                            exc)
+        """The bound data stream ended, or carried a violation: the peer's goes through
+        the session's one door (told, counted and reported as any other); this node's
+        own (a LocalProtocolError) only closes the session with its code."""
+        if isinstance(exc, ProtocolError) and not self.closed:
+            self._handle(self.session.violated(exc, time.monotonic()), time.monotonic())
+        elif isinstance(exc, P2PKVProtocolError) and not self.closed:
             self._send(self.session.close(exc.code, exc.message).replies)
-        self.close(exc)
+        if not self.closed:
+            self.close(exc)
 
     def _deliver(self, head: bytes, payload: proto.Payload, now: float) -> proto.Output:
         """A frame 0 read on the data stream, through the same door as the DEALER's."""

@@ -38,7 +38,9 @@ cancelled fetch's bytes, stalls, close, and the counts of what it moved
 (:meth:`~p2pkv.runtime.stats.Counters.moved`, one shape for every path). Protocol errors
 of the peer go back through the session's one door, as they did: a half raises the
 :class:`~p2pkv.errors.ProtocolError` inside :meth:`~p2pkv.protocol.Session.receive_data`
-(frames, shared memory) or hands it to its connection, which closes with it (stream).
+(frames, shared memory), or hands it to its connection, which passes it to
+:meth:`~p2pkv.protocol.Session.violated` (the stream's own bytes): either way the same
+code, ``bye``, count and report.
 
 The two halves' interfaces, and the job a serving half carries, are in
 :mod:`p2pkv.runtime.paths.interfaces` (a leaf: it imports nothing of the runtime); the
