@@ -429,3 +429,21 @@ def test_a_wait_for_a_peers_prefill_pays_until_computing_here_would_have_been_do
     assert p.wait_budget(16, due=0.5, now=0.0) == (PENDING_SLOWER, None)
     assert policy(enabled=False).wait_budget(16, due=100.0, now=0.0) == \
         (PENDING_POLICY_OFF, math.inf)
+
+
+def test_a_probe_costs_its_load_less_the_computing_it_spares() -> None:
+    """A link about as fast as computing (a slow link beside a busy engine) is probed
+    when due, by short prompts too: loading the probe's chunk costs about what computing
+    it would have, so the probe adds nearly nothing to the request. A link recovered
+    after a slowdown is then used again within an interval, not after two."""
+    p = policy(probe_interval=30.0)
+    p.computed(512, 512 / 300, now=0.0)  # 300 tokens/s: a 64-token chunk in 0.213 s
+    slow = CHUNK_BYTES / 0.25  # one chunk in 0.25 s: 12 MB/s
+    measured(p, "a", slow, now=0.0)
+    assert p.advise(["a"] * 8, now=10.0).reason == SKIP_SLOWER  # 2.0 s against 1.7 s
+    # Its load alone (0.25 s) is 15% of the 1.7 s recompute, over the 5% budget; less
+    # the chunk it spares (0.213 s), 2%: within it. Due at 30 s, not at 60 s.
+    probe = p.advise(["a"] * 8, now=30.0)
+    assert (probe.load, probe.reason) == (1, LOAD_PROBE)
+    p.fetched("a", CHUNK_BYTES, 0.003, now=30.5)  # the link is fast again
+    assert p.advise(["a"] * 8, now=31.0).reason == LOAD_PAYS

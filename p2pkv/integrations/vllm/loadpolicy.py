@@ -17,15 +17,15 @@ new peer or a new engine behaves as without the policy until it has measured. Es
 are bounded (a zero-length or clock-glitch sample never decides for minutes) and decay:
 a peer found slow is never refused for good. Once its estimate is older than
 ``probe_interval``, a hit from it loads ``probe_chunks`` chunks (a bounded probe), and
-that fetch's bandwidth replaces the old estimate. A probe only goes with a request whose
-recompute it slows by at most ``probe_budget`` (a short prompt is not made to wait for a
-slow link); each probe that finds the peer still slow doubles the wait for the next one,
-up to ``2 ** MAX_PROBE_BACKOFF`` intervals. A peer whose hits all come with prompts too
-short for the budget is probed by the next hit whatever it costs once the estimate is
-twice its wait old (60 s after a first slow sample by default, then 120, 240, 480 s
-while it stays slow): a link that was slow for a while and recovered is used again
-within about a minute, and a peer that stays slow costs one request a chunk's load at
-most every 8 minutes.
+that fetch's bandwidth replaces the old estimate. A probe only goes with a request it
+slows by at most ``probe_budget`` of its recompute (the probe's load less the computing
+it spares: a short prompt waits for no slow link); each probe that finds the peer still
+slow doubles the wait for the next one, up to ``2 ** MAX_PROBE_BACKOFF`` intervals. A
+peer whose hits all come with prompts too short for the budget is probed by the next
+hit whatever it costs once the estimate is twice its wait old (60 s after a first slow
+sample by default, then 120, 240, 480 s while it stays slow): a link that was slow for
+a while and recovered is used again within about a minute, and a peer that stays slow
+costs one request a chunk's load at most every 8 minutes.
 
 A peer's first sample, when its fetch was shorter than ``PROVISIONAL_CHUNKS`` chunks,
 is provisional: such a fetch is mostly fixed costs that the next ones do not pay (the
@@ -82,10 +82,8 @@ PENDING_NO_ESTIMATE = "pending_no_estimate"
 PENDING_POLICY_OFF = "pending_policy_off"
 PENDING_SLOWER = "pending_slower_than_recompute"
 
-#: A bandwidth sample is clamped into this range (bytes/s) ...
-BANDWIDTH_BOUNDS = (1e3, 1e12)
-#: ... and a prefill-rate sample into this one (tokens/s).
-PREFILL_BOUNDS = (1e-1, 1e8)
+#: A bandwidth sample is clamped into this range (bytes/s), a prefill rate's into the next.
+BANDWIDTH_BOUNDS, PREFILL_BOUNDS = (1e3, 1e12), (1e-1, 1e8)
 #: Weight of a faster bandwidth sample. A slower one replaces the estimate at once
 #: (trusting a link that got slower costs a slow load per request, doubting one that got
 #: faster costs recomputes until the next probe), as any sample replaces a stale one.
@@ -457,7 +455,8 @@ class LoadPolicy:
             return 0
         length = self._probe_length(run, due, best)
         cost = _load_seconds(run[:length], rates, self.chunk_bytes) - \
-            _load_seconds(run[:best], rates, self.chunk_bytes)
+            _load_seconds(run[:best], rates, self.chunk_bytes) - \
+            recompute * (length - best) / len(run)
         if cost > cfg.probe_budget * recompute and not any(
                 waited(p, min(self.bandwidth[p].backoff + 1, MAX_PROBE_BACKOFF))
                 for p in due):
