@@ -41,10 +41,11 @@ def blocks(lang: str) -> list[str]:
 
 
 def tier_options() -> set[str]:
-    """TIER_OPTIONS, read from the tier's source (importing it needs vLLM)."""
-    text = (ROOT / "p2pkv" / "integrations" / "vllm" / "options.py").read_text()
-    body = text.split("TIER_OPTIONS: tuple[str, ...] = (", 1)[1].split(")", 1)[0]
-    return set(re.findall(r'"(\w+)"', body))
+    """The tier's keys (TIER_OPTIONS, from the one table of options; the module imports
+    nothing of vLLM)."""
+    from p2pkv.integrations.vllm.options import TIER_OPTIONS
+
+    return set(TIER_OPTIONS)
 
 
 def unit_lines(ini: str) -> dict[str, list[str]]:

@@ -831,8 +831,8 @@ def test_every_call_that_builds_a_message_is_a_row_of_the_table() -> None:
 
     calls = {call for _, call in CALLS}
     public = {name for name in vars(Session) if not name.startswith("_")}
-    lifecycle = {"start", "receive", "receive_data", "receive_frames", "close", "poll",
-                 "next_deadline"}
+    lifecycle = {"start", "receive", "receive_data", "receive_frames", "violated", "close",
+                 "poll", "next_deadline"}
     views = {"is_pending", "shared_fetch", "fetch_credit"}
     assert public - lifecycle - views == calls
     # Each row belongs to one role: the other role is told who sends it.

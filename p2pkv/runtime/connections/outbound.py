@@ -369,11 +369,10 @@ class OutboundConnection:
     # -- the data stream (StreamOwner) ---------------------------------------------------
 
     def _stream_lost(self, exc: P2PKVError) -> None:
-        """The bound data stream ended, or carried a violation: the peer's goes through
-        the session's one door (told, counted and reported as any other); this node's
-        own (a LocalProtocolError) only closes the session with its code."""
+        """The stream ended, or carried a violation: the peer's goes through the session's
+        one door (told, counted, reported); this node's own only closes with its code."""
         if isinstance(exc, ProtocolError) and not self.closed:
-            self._handle(self.session.violated(exc, time.monotonic()), time.monotonic())
+            self._handle(self.session.violated(exc, now := time.monotonic()), now)
         elif isinstance(exc, P2PKVProtocolError) and not self.closed:
             self._send(self.session.close(exc.code, exc.message).replies)
         if not self.closed:
