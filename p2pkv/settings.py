@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,8 +51,6 @@ def _directory(value: str) -> str:
     return value
 
 
-#: Checks of a value past its kind, by option.
-_MEANING: Mapping[str, Callable[[Any], Any]] = {"directory": _directory}
 #: The options of ``p2pkv-node`` (its flags, TOML keys and ``P2PKV_*`` variables), from
 #: the one table (:mod:`p2pkv.protocol.options`).
 OPTIONS: tuple[Option, ...] = tuple(o for o in ALL_OPTIONS if SERVE in o.where)
@@ -253,16 +251,12 @@ def load_settings(flags: Mapping[str, Any], *, config_file: str | None = None,
         else:
             try:
                 value = opt.parse(raw)
-                values[opt.name] = _MEANING.get(opt.name, _same)(value)
+                values[opt.name] = _directory(value) if opt.name == "directory" else value
             except ConfigError as exc:
                 raise ConfigError(exc.detail, option=opt.name, origin=where,
                                   mentions=exc.mentions) from None
         sources[opt.name] = where
     return Settings(values, sources)
-
-
-def _same(value: Any) -> Any:
-    return value
 
 
 def _certificate(values: Mapping[str, Any], option: str) -> tuple[bytes, bytes | None]:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,8 +82,10 @@ PENDING_NO_ESTIMATE = "pending_no_estimate"
 PENDING_POLICY_OFF = "pending_policy_off"
 PENDING_SLOWER = "pending_slower_than_recompute"
 
-#: A bandwidth sample is clamped into this range (bytes/s), a prefill rate's into the next.
-BANDWIDTH_BOUNDS, PREFILL_BOUNDS = (1e3, 1e12), (1e-1, 1e8)
+#: A bandwidth sample is clamped into this range (bytes/s) ...
+BANDWIDTH_BOUNDS = (1e3, 1e12)
+#: ... and a prefill-rate sample into this one (tokens/s).
+PREFILL_BOUNDS = (1e-1, 1e8)
 #: Weight of a faster bandwidth sample. A slower one replaces the estimate at once
 #: (trusting a link that got slower costs a slow load per request, doubting one that got
 #: faster costs recomputes until the next probe), as any sample replaces a stale one.
@@ -99,10 +101,6 @@ MAX_PROBE_BACKOFF = 4
 MAX_TRACKED_REQUESTS = 4096
 #: Busy scheduler steps whose lengths the step estimate is the median of.
 STEP_SAMPLES = 8
-
-
-def _field_of(name: str) -> Callable[[str], str]:
-    return lambda _: name
 
 
 @dataclass(frozen=True)
@@ -123,8 +121,7 @@ class LoadPolicyConfig:
         for name in ("enabled", "min_tokens", "min_speedup", "probe_interval",
                      "probe_chunks", "probe_budget"):
             opt = option("load_policy" if name == "enabled" else "load_" + name)
-            object.__setattr__(self, name, opt.check(getattr(self, name),
-                                                     spell=_field_of(name)))
+            object.__setattr__(self, name, opt.check(getattr(self, name), spell=str))
 
 
 @dataclass
