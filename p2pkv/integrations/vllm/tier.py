@@ -21,7 +21,8 @@ Threads and what each may touch:
   (no intermediate copy) and completes the load futures.
 
 The loads and stores themselves (the jobs, their futures, what they report) are
-``transfers.py``'s; this module holds the lookups and the tier vLLM calls.
+``transfers.py``'s; what a lookup answers is ``asking.py``'s; this module holds the tier
+vLLM calls.
 
 Nothing is ever loaded that was not verified: a refused, dead, slow or corrupt source
 fails only its keys (reported through ``successful_keys``), vLLM recomputes them, and the
@@ -62,11 +63,12 @@ from p2pkv.integrations.vllm.adapters import (
     first_chunk,
     first_chunk_tokens,
 )
+from p2pkv.integrations.vllm.asking import TierAsking
 from p2pkv.integrations.vllm.computing import ANNOUNCED, DROPPED, Computing
 from p2pkv.integrations.vllm.connector import building
 from p2pkv.integrations.vllm.identity import TierIdentity, run_config_from_spec
-from p2pkv.integrations.vllm.loads import DIRECTORY, TierLoads
-from p2pkv.integrations.vllm.lookups import Answer, Pending, RequestLookups, waiting_run
+from p2pkv.integrations.vllm.loads import TierLoads
+from p2pkv.integrations.vllm.lookups import RequestLookups
 from p2pkv.integrations.vllm.metrics import HookTimes, Metrics, metric_definitions
 from p2pkv.integrations.vllm.options import (
     CONNECTOR_KEYS,
@@ -146,8 +148,10 @@ class P2PKVTier(SecondaryTierManager):
                 "lookup_timeout": float(settings["lookup_timeout"]),
                 "fetch_timeout": self._fetch_timeout, "advertise": settings["advertise"]},
             on_start=self._computing.started)
-        self._lookups = RequestLookups(self._ask, wait=waits.lookup_wait,
-                                       pending_limit=waits.pending_wait)
+        # Asked on the lookup threads once requests come (self._asking is made below).
+        self._lookups = RequestLookups(
+            lambda req_id, keys, first: self._asking.ask(req_id, keys, first),
+            wait=waits.lookup_wait, pending_limit=waits.pending_wait)
         #: Per KV-cache group: its index and the block hashes behind one chunk key.
         self._chunk_hashes = _chunk_hashes(offloading_spec)
         self._policy = TierLoads(load_policy_config(params),
@@ -162,6 +166,9 @@ class P2PKVTier(SecondaryTierManager):
         self._adapters = RequestAdapters(
             lora_enabled=self.identity.lora_enabled,
             count=lambda reason, n: self._counted(Metrics.ADAPTER_UNSHARED, n, (reason,)))
+        self._asking = TierAsking(self._run, self._peers, self._adapters, self._policy,
+                                  self._computing, pending_wait=waits.pending_wait,
+                                  lock=self._lock, count=self._count)
         _join_connector(self)
         self._first_chunk_tokens = first_chunk_tokens(offloading_spec)
         self._hooks = HookTimes()
@@ -315,49 +322,7 @@ class P2PKVTier(SecondaryTierManager):
         self._run.close()
         log.info("p2pkv tier: time in the request hooks: %s", self._hooks.describe_text())
 
-    # ------------------------------------------------------------------ lookup threads
-
-    def _ask(self, req_id: str, keys: list[bytes], first: bool) -> list[Answer]:
-        """The answer for each of one request's ``keys``: asked of every connected peer
-        (see :meth:`Peers.ask`) or of the directory, under the keys the request's
-        adapter shares them under; the load policy then keeps only the hits worth
-        loading (see :class:`TierLoads`), and keys being computed right after them are
-        waited for when that pays (:meth:`_wait_for`). ``first``: ``keys[0]`` is the
-        request's first chunk."""
-        node = self._run.node
-        if node is None or not keys:
-            return [False] * len(keys)
-        shared = self._adapters.keys(req_id, keys)
-        if shared.keys is None:  # counted once, where its chunks are kept from peers
-            return [False] * len(keys)
-        found, due, holders = self._ask_holders(node, shared.keys)
-        # A miss on a prompt's first chunk: does a peer hold it under another version
-        # of this adapter (its name-and-path key)? Then say so; nothing is loaded.
-        if shared.name_keys and not found[0] and first and \
-                self._ask_holders(node, shared.name_keys[:1])[0][0]:
-            self._adapters.mismatch(str(shared.adapter), len(keys))
-        answers: list[Answer] = list(self._policy.advise(req_id, keys, found, holders))
-        here = self._computing.due_here(req_id, shared.keys)
-        return self._wait_for(answers, found, [d or h for d, h in zip(due, here, strict=True)],
-                              exact=self._run.directory is None)
-
-    def _wait_for(self, answers: list[Answer], found: list[bool], due: list[float], *,
-                  exact: bool = True) -> list[Answer]:
-        """The run of keys a request would wait for (:func:`waiting_run`), answered
-        :class:`Pending` when waiting for the last of them and loading the run pays, and
-        ``pending_wait`` allows."""
-        run = waiting_run(answers, found, due, exact=exact)
-        if run is None or self._waits.pending_wait <= 0:
-            return answers
-        start, end, weighed = run
-        coming = [d for d in due[start:end] if d > 0]
-        if (budget := self._policy.wait_budget(weighed, max(coming))) is None:
-            return answers
-        now = time.monotonic()
-        wait = Pending(now + min(max(min(coming), PENDING_RECHECK_MIN), PENDING_RECHECK_MAX),
-                       now + budget)
-        answers[start:end] = [wait] * (end - start)
-        return answers
+    # ------------------------------------------------------------------ requests
 
     def _announce(self, req_id: str) -> None:
         """Request ``req_id`` was scheduled for the first time: the chunks it looked up
@@ -369,20 +334,6 @@ class P2PKVTier(SecondaryTierManager):
         if shared.keys is not None:
             self._computing.announce(req_id, keys, shared.keys,
                                      self._policy.compute_seconds(len(keys)))
-
-    def _ask_holders(self, node: Node, keys: list[bytes]
-                     ) -> tuple[list[bool], list[float], list[str | None]]:
-        """Which of ``keys`` a peer (or the directory) holds, when a peer (or, through
-        the directory, another engine) computing one expects to hold it (seconds; 0.0:
-        nobody is), and who holds each."""
-        if self._run.directory is not None:
-            found, due = self._run.directory.ask(keys)
-            with self._lock:
-                self._count(Metrics.LOOKUP_KEYS, len(keys), ())
-                self._count(Metrics.LOOKUP_HITS, sum(found), ())
-            return found, due, [DIRECTORY] * len(keys)
-        found, due = self._peers.ask(node, keys)
-        return found, due, list(self._peers.route(keys)[1])
 
     # ------------------------------------------------------------------ observability
 
@@ -441,13 +392,6 @@ class P2PKVTier(SecondaryTierManager):
 
 #: The metric each of Computing's counts goes to.
 _COMPUTING_METRICS = {ANNOUNCED: Metrics.PENDING_ANNOUNCED, DROPPED: Metrics.PENDING_DROPPED}
-
-#: Seconds between two asks about chunks a peer is computing: at least (a quick store
-#: is not asked about in a busy loop), at most (a holder that dies or withdraws is
-#: noticed within this, plus a lookup's deadline).
-PENDING_RECHECK_MIN = 0.05
-PENDING_RECHECK_MAX = 0.5
-
 
 def _chunk_hashes(spec: OffloadingSpec) -> tuple[tuple[int, int], ...]:
     """Per KV-cache group: its index, and how many block hashes one chunk key covers
