@@ -15,10 +15,10 @@ from collections.abc import Iterator
 import pytest
 from nodeproc import make_node
 
+from p2pkv.bench.ports import free_port
 from p2pkv.cluster.peers import PeerPool
 from p2pkv.errors import PeerGone, PeerIncompatible, PeerTimeout
 from p2pkv.node import Node, PeerHandle
-from p2pkv.bench.ports import free_port
 
 WAIT = 10.0
 
