@@ -104,12 +104,17 @@ class MajorVersionMismatch(ProtocolError):
 
 
 def _d_greeting(cls: type[Greeting], m: dict[Any, Any], v: int) -> Greeting:
+    node = f.string(m, "node", 1, MAX_NODE_ID_LEN)
+    minor = f.integer(m, "minor", 0, U32_MAX)
+    rc = f.run_config(f.field(m, "rc"))
+    fp = f.fingerprint(f.field(m, "fp"))
+    geo = f.geometry(f.field(m, "geo"))
     return cls(
-        node=f.string(m, "node", 1, MAX_NODE_ID_LEN),
-        minor=f.integer(m, "minor", 0, U32_MAX),
-        rc=f.run_config(f.field(m, "rc")),
-        fp=f.fingerprint(f.field(m, "fp")),
-        geo=f.geometry(f.field(m, "geo")),
+        node=node,
+        minor=minor,
+        rc=rc,
+        fp=fp,
+        geo=geo,
         khash=f.key_hash(f.field(m, "khash")),
         caps=f.caps(m),
         limits=f.limits(m.get("limits")),
@@ -117,6 +122,7 @@ def _d_greeting(cls: type[Greeting], m: dict[Any, Any], v: int) -> Greeting:
         ext=f.extension(m.get("ext")),
         shm=f.shm_offer(m.get("shm")),
         data=f.data_offer(m.get("data")),
+        nixl=f.nixl_offer(m.get("nixl"), geo),
     )
 
 
@@ -258,7 +264,7 @@ def _d_release(m: dict[Any, Any], v: int) -> Message:
 
 
 def _d_attach(m: dict[Any, Any], v: int) -> Message:
-    return Attach(f.nonce(m))
+    return Attach(f.nonce(m), f.via(m))
 
 
 def _d_attached(m: dict[Any, Any], v: int) -> Message:

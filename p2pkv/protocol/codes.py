@@ -20,6 +20,7 @@ from p2pkv.keys import MAX_KEY_LEN
 
 __all__ = [
     "CAP_CHECKSUM_XXH3_64",
+    "CAP_NIXL_V1",
     "CAP_PACKED_V1",
     "CAP_PENDING_V1",
     "CAP_SHM_V1",
@@ -42,6 +43,8 @@ __all__ = [
     "MAX_KEY_HASH_ALGO_LEN",
     "MAX_KEY_LEN",
     "MAX_MAP_LEN",
+    "MAX_NIXL_AGENT_LEN",
+    "MAX_NIXL_META",
     "MAX_NODE_ID_LEN",
     "MAX_PACKED_BYTES",
     "MAX_PAYLOAD_FRAMES",
@@ -61,6 +64,8 @@ __all__ = [
     "SHM_NONCE_LEN",
     "U32_MAX",
     "U64_MAX",
+    "VIA_NIXL",
+    "VIA_SHM",
     "Code",
     "CodeFamily",
     "code_family",
@@ -129,6 +134,18 @@ CAP_CHECKSUM_XXH3_64: Final = "checksum-xxh3-64"
 CAP_SHM_V1: Final = "shm-v1"
 """Capability: same-host peers may move blocks through the server's shared-memory pool
 (``welcome.shm``, ``attach``/``attached``, ``located``/``release``; SPEC §16)."""
+CAP_NIXL_V1: Final = "nixl-v1"
+"""Capability: a client may READ blocks one-sided out of the server's pool, registered
+with a NIXL agent (``welcome.nixl``, ``attach`` with ``via``, then ``located``/``release``
+as in ``shm-v1``; SPEC §20)."""
+MAX_NIXL_META: Final = 1 << 16
+"""Largest NIXL agent metadata a ``welcome.nixl`` may carry, in bytes."""
+MAX_NIXL_AGENT_LEN: Final = 255
+"""Longest NIXL agent name (``welcome.nixl.agent``)."""
+VIA_SHM: Final = "shm-v1"
+"""``attach.via``: the proof is the shared-memory segment's nonce (absent ``via`` too)."""
+VIA_NIXL: Final = "nixl-v1"
+"""``attach.via``: the proof is the nonce READ through NIXL (SPEC §20)."""
 CAP_PACKED_V1: Final = "packed-v1"
 """Capability: a ``block`` may carry all its blocks in one payload frame (``pk``), the
 segments of its blocks back to back, block-major (SPEC §17)."""

@@ -13,7 +13,7 @@ from typing import Any, Final
 
 import msgpack
 
-from p2pkv.protocol.codes import PROTOCOL_MAJOR
+from p2pkv.protocol.codes import PROTOCOL_MAJOR, VIA_SHM
 from p2pkv.protocol.messages import (
     Abort,
     AbortAck,
@@ -86,6 +86,10 @@ def _e_greeting(msg: Greeting) -> dict[str, Any]:
         out["ext"] = msg.ext.to_wire()
     if msg.shm is not None:
         out["shm"] = {"name": msg.shm.name, "size": msg.shm.size}
+    if msg.nixl is not None:
+        out["nixl"] = {"agent": msg.nixl.agent, "meta": msg.nixl.meta,
+                       "regions": [list(r) for r in msg.nixl.regions],
+                       "slots": msg.nixl.slots, "nonce": msg.nixl.nonce}
     if msg.data is not None:
         data: dict[str, Any] = {"port": msg.data.port, "token": msg.data.token,
                                 "cport": msg.data.cport}
@@ -155,7 +159,9 @@ _ENCODERS: Final[dict[type, Callable[[Any], dict[str, Any]]]] = {
         "sums": m.sums,
     },
     Release: lambda m: {"t": "release", "v": PROTOCOL_MAJOR, "req": m.req, "idx": m.idx},
-    Attach: lambda m: {"t": "attach", "v": PROTOCOL_MAJOR, "nonce": m.nonce},
+    Attach: lambda m: {"t": "attach", "v": PROTOCOL_MAJOR, "nonce": m.nonce,
+                       # written only for NIXL: a shared-memory attach keeps its bytes
+                       **({"via": m.via} if m.via != VIA_SHM else {})},
     Attached: lambda m: {"t": "attached", "v": PROTOCOL_MAJOR, "ok": m.ok, "msg": m.msg},
 }
 

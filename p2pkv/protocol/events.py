@@ -229,9 +229,11 @@ class HandshakeTimedOut(Event):
 @dataclass(frozen=True, slots=True)
 class AttachRequested(Event):
     """Server: the client echoes ``nonce``; check it and answer with
-    :meth:`~p2pkv.protocol.Session.attach_verdict`."""
+    :meth:`~p2pkv.protocol.Session.attach_verdict`. ``via``: the offer it proves
+    (``shm-v1``: the segment; ``nixl-v1``: the pool as the NIXL agent exposes it)."""
 
     nonce: bytes
+    via: str = "shm-v1"
 
 
 @dataclass(frozen=True, slots=True)

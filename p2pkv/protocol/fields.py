@@ -26,6 +26,8 @@ from p2pkv.protocol.codes import (
     MAX_KEY_HASH_ALGO_LEN,
     MAX_KEY_LEN,
     MAX_KEYS,
+    MAX_NIXL_AGENT_LEN,
+    MAX_NIXL_META,
     MAX_RUN_CONFIG_DEPTH,
     MAX_RUN_CONFIG_ITEMS,
     MAX_SEGMENTS,
@@ -35,6 +37,8 @@ from p2pkv.protocol.codes import (
     SHM_NONCE_LEN,
     U32_MAX,
     U64_MAX,
+    VIA_NIXL,
+    VIA_SHM,
     Code,
 )
 from p2pkv.protocol.messages import (
@@ -42,6 +46,7 @@ from p2pkv.protocol.messages import (
     DataOffer,
     Geometry,
     KeyHash,
+    NixlOffer,
     ShmOffer,
 )
 
@@ -289,6 +294,52 @@ def data_offer(value: object) -> DataOffer | None:
     return DataOffer(integer(data, "port", 1, 65535), token, integer(data, "cport", 1, 65535),
                      tuple(more), _fixed_bin(data, "cert", CERT_PIN_LEN),
                      _fixed_bin(data, "key", DATA_KEY_LEN))
+
+
+def nixl_offer(value: object, geo: Geometry) -> NixlOffer | None:
+    """``welcome.nixl`` (capability ``nixl-v1``): absent or nil is no offer. One region
+    per segment of ``geo``, each large enough for ``slots`` of its segments, and no
+    region that wraps past the end of a 64-bit address space (SPEC §20.2)."""
+    if value is None:
+        return None
+    nixl = mapping(value, "nixl")
+    agent = string(nixl, "agent", 1, MAX_NIXL_AGENT_LEN)
+    meta = field(nixl, "meta")
+    if type(meta) is not bytes:
+        raise wrong("nixl.meta", "bin", meta)
+    if not 1 <= len(meta) <= MAX_NIXL_META:
+        raise bounds("nixl.meta", f"must be 1..{MAX_NIXL_META} bytes, got {len(meta)}")
+    slots = integer(nixl, "slots", 1, U64_MAX)
+    raw = array(field(nixl, "regions"), "nixl.regions", 1, MAX_SEGMENTS)
+    if len(raw) != len(geo.seg):
+        raise bounds("nixl.regions", f"must have one entry per geo.seg segment "
+                     f"({len(geo.seg)}), got {len(raw)}")
+    regions = []
+    for entry, seg in zip(raw, geo.seg, strict=True):
+        pair = array(entry, "nixl.regions[]", 2, 2)
+        if any(type(x) is not int for x in pair):
+            raise wrong("nixl.regions[]", "two ints", entry)
+        addr, size = pair
+        if not (0 <= addr <= U64_MAX and 1 <= size <= U64_MAX) or addr + size > U64_MAX + 1:
+            raise bounds("nixl.regions[]", f"must be an address and a size inside a 64-bit "
+                         f"address space, got {entry!r}")
+        if size < slots * seg:
+            raise bounds("nixl.regions[]", f"a region of {size} bytes cannot hold {slots} "
+                         f"segments of {seg} bytes")
+        regions.append((addr, size))
+    return NixlOffer(agent, meta, tuple(regions), slots, integer(nixl, "nonce", 0, U64_MAX))
+
+
+def via(m: dict[Any, Any]) -> str:
+    """``attach.via``: absent or nil is ``shm-v1``."""
+    value = m.get("via")
+    if value is None:
+        return VIA_SHM
+    if type(value) is not str:
+        raise wrong("via", "a str", value)
+    if value not in (VIA_SHM, VIA_NIXL):
+        raise bounds("via", f"must be {VIA_SHM!r} or {VIA_NIXL!r}, got {value[:64]!r}")
+    return value
 
 
 def _fixed_bin(data: dict[Any, Any], name: str, size: int) -> bytes | None:

@@ -16,8 +16,10 @@ from typing import Final
 
 from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
+    CAP_NIXL_V1,
     CAP_SHM_V1,
     MAX_KEYS,
+    VIA_SHM,
     Code,
 )
 from p2pkv.protocol.datachannel import kept_offer
@@ -28,6 +30,7 @@ from p2pkv.protocol.messages import (
     DataOffer,
     Greeting,
     Message,
+    NixlOffer,
     Reason,
     Refuse,
     ShmOffer,
@@ -81,6 +84,7 @@ class Machine:
         "last_rx",
         "limits",
         "local",
+        "nixl_offer",
         "offer",
         "ping_nonce",
         "proof",
@@ -90,12 +94,14 @@ class Machine:
         "role",
         "started",
         "state",
+        "via",
     )
 
     def __init__(self, role: Role, local: Greeting, deadlines: Deadlines, limits: Limits,
                  required: frozenset[str], identity_policy: str, implements: frozenset[str],
                  offer: ShmOffer | None, now: float,
-                 data_offer: DataOffer | None = None) -> None:
+                 data_offer: DataOffer | None = None,
+                 nixl_offer: NixlOffer | None = None) -> None:
         self.role = role
         self.local = local
         self.deadlines = deadlines
@@ -121,6 +127,10 @@ class Machine:
         # the proof's progress.
         self.offer = offer if role is Role.SERVER else None
         self.proof = Proof.NONE
+        # nixl-v1: the server's pool as its NIXL agent exposes it (SPEC §20), and which
+        # offer the proof is about (``attach.via``).
+        self.nixl_offer = nixl_offer if role is Role.SERVER else None
+        self.via = VIA_SHM
         # tcp-data-v1: the server's data stream (our own as server; the welcome's as
         # client), offered and used only when negotiated.
         self.data_offer = data_offer if role is Role.SERVER else None
@@ -181,6 +191,8 @@ class Machine:
         self.state = State.READY
         if CAP_SHM_V1 not in caps:
             self.offer = None  # a segment is offered only when shm-v1 was negotiated
+        if CAP_NIXL_V1 not in caps or CAP_SHM_V1 not in caps:
+            self.nixl_offer = None  # nixl-v1 speaks shm-v1's messages (§20.1)
         # and a data stream only when one of its forms was (§18)
         self.data_offer = kept_offer(caps, self.data_offer)
 

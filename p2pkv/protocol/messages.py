@@ -17,6 +17,7 @@ from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
+    VIA_SHM,
     code_name,
 )
 
@@ -42,6 +43,7 @@ __all__ = [
     "Located",
     "Lookup",
     "Message",
+    "NixlOffer",
     "Ping",
     "Pong",
     "Reason",
@@ -135,6 +137,26 @@ class ShmOffer:
 
 
 @dataclass(frozen=True, slots=True)
+class NixlOffer:
+    """The server's pool as a NIXL agent exposes it (``welcome.nixl``, capability
+    ``nixl-v1``, SPEC §20): the agent's name and metadata (what a reader's agent loads to
+    reach it), per ``geo.seg`` region its address and size in the server's memory, the
+    slots of each region, and the address of the 16-byte nonce an ``attach`` echoes."""
+
+    agent: str
+    meta: bytes
+    regions: tuple[tuple[int, int], ...]
+    slots: int
+    nonce: int
+
+    def sources(self, slot: int, seg: Sequence[int]) -> list[tuple[int, int]]:
+        """Where each segment of slot ``slot`` lies in the server's memory (address,
+        length): region ``i`` holds segment ``i`` of slot ``s`` at ``s × seg[i]``."""
+        return [(region[0] + slot * size, size)
+                for region, size in zip(self.regions, seg, strict=True)]
+
+
+@dataclass(frozen=True, slots=True)
 class DataOffer:
     """The server's data stream (``welcome.data``, capability ``tcp-data-v1``, SPEC §18):
     the TCP ``port`` to open it on (at the host the client dialed), the ``token`` that
@@ -205,8 +227,9 @@ class Greeting:
     protocol major the sender speaks (kept so a mismatch can be refused with reasons).
     ``ext`` is the identity extension (protocol 1.1); ``None`` when the sender declares
     nothing, which is also how a 1.0 peer reads. ``shm`` is the server's shared-memory
-    pool, in a ``welcome`` that negotiated ``shm-v1``, and ``data`` its data stream, in
-    a ``welcome`` that negotiated ``tcp-data-v1`` (neither ever in a ``hello``).
+    pool, in a ``welcome`` that negotiated ``shm-v1``, ``data`` its data stream, in
+    a ``welcome`` that negotiated ``tcp-data-v1``, and ``nixl`` its pool as a NIXL agent
+    exposes it, in a ``welcome`` that negotiated ``nixl-v1`` (none ever in a ``hello``).
     """
 
     TAG: ClassVar[str] = ""
@@ -223,6 +246,7 @@ class Greeting:
     ext: IdentityExtension | None = None
     shm: ShmOffer | None = None
     data: DataOffer | None = None
+    nixl: NixlOffer | None = None
 
     @classmethod
     def for_config(
@@ -391,11 +415,14 @@ class Release:
 @dataclass(frozen=True, slots=True)
 class Attach:
     """Client → server (``shm-v1``): the nonce read through a read-only mapping of the
-    server's segment, the proof that the client is on the same host and can map it."""
+    server's segment, the proof that the client is on the same host and can map it; or
+    (``via`` ``nixl-v1``, SPEC §20) the nonce READ through NIXL out of the server's
+    registered memory, the proof that the client's agent reaches the server's pool."""
 
     TAG: ClassVar[str] = "attach"
 
     nonce: bytes
+    via: str = VIA_SHM
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,8 @@ from p2pkv.protocol.codes import (
     MAX_STREAMS,
     MAX_WINDOW,
     SHM_NONCE_LEN,
+    VIA_NIXL,
+    VIA_SHM,
     Code,
 )
 from p2pkv.protocol.deadlines import abort_request, expire
@@ -75,6 +77,7 @@ from p2pkv.protocol.messages import (
     Located,
     Lookup,
     Message,
+    NixlOffer,
     Release,
     ShmOffer,
 )
@@ -135,7 +138,9 @@ class Session(SessionView):
     ``shm_offer`` (server): this node's shared-memory segment, offered in the ``welcome``
     when ``shm-v1`` is negotiated (None: the pool is not shared); ``data_offer`` (server):
     this session's data stream (the node's data port and a fresh token), offered when
-    ``tcp-data-v1`` is negotiated (None: no data channel). ``implements``: the
+    ``tcp-data-v1`` is negotiated (None: no data channel); ``nixl_offer`` (server): this
+    node's pool as its NIXL agent exposes it, offered when ``nixl-v1`` (with ``shm-v1``)
+    is negotiated (SPEC §20). ``implements``: the
     capabilities whose messages this session recognizes (all of
     :data:`~p2pkv.protocol.transitions.IMPLEMENTED` by default); the messages of any
     other are unknown types to it.
@@ -156,6 +161,7 @@ class Session(SessionView):
         shm_offer: ShmOffer | None = None,
         data_offer: DataOffer | None = None,
         implements: Iterable[str] = IMPLEMENTED,
+        nixl_offer: NixlOffer | None = None,
     ) -> None:
         if identity_policy not in IDENTITY_POLICIES:
             raise ConfigError(f"identity_policy must be one of {', '.join(IDENTITY_POLICIES)},"
@@ -164,7 +170,7 @@ class Session(SessionView):
                           deadlines if deadlines is not None else Deadlines(),
                           limits if limits is not None else Limits(),
                           frozenset(required_caps), identity_policy, frozenset(implements),
-                          shm_offer, now, data_offer)
+                          shm_offer, now, data_offer, nixl_offer)
 
     def window_left(self, req: int) -> int:
         """Server: blocks of fetch ``req`` that may still be sent under the granted credit."""
@@ -346,17 +352,20 @@ class Session(SessionView):
         abort_request(self._m, r, now)
         return Abort(req)
 
-    def attach(self, nonce: bytes) -> Attach:
-        """Client: echo the nonce read through the offered segment's mapping (once)."""
+    def attach(self, nonce: bytes, via: str = VIA_SHM) -> Attach:
+        """Client: echo the nonce read through the offered segment's mapping, or (``via``
+        ``nixl-v1``) READ through NIXL from the offered pool (once)."""
         m = self._m
         allow(m, "attach")
-        if m.offer is None or m.proof is not Proof.NONE:
-            raise LocalProtocolError(Code.UNEXPECTED, "attach: no segment offered, or "
-                                     "attach already sent")
+        offered = m.offer if via == VIA_SHM else m.nixl_offer if via == VIA_NIXL else None
+        if offered is None or m.proof is not Proof.NONE:
+            raise LocalProtocolError(Code.UNEXPECTED, f"attach ({via}): nothing offered "
+                                     "for it, or attach already sent")
         if type(nonce) is not bytes or len(nonce) != SHM_NONCE_LEN:
             raise ValueError(f"attach: the nonce must be {SHM_NONCE_LEN} bytes")
         m.proof = Proof.PENDING
-        return Attach(nonce)
+        m.via = via
+        return Attach(nonce, via)
 
     def release(self, req: int, idx: Sequence[int]) -> Release:
         """Client: the located blocks ``idx`` of fetch ``req`` were copied or dropped."""

@@ -43,6 +43,7 @@ from p2pkv.errors import ProtocolError
 from p2pkv.protocol.codec import MajorVersionMismatch
 from p2pkv.protocol.codes import (
     CAP_CHECKSUM_XXH3_64,
+    CAP_NIXL_V1,
     CAP_PACKED_V1,
     CAP_PENDING_V1,
     CAP_SHM_V1,
@@ -50,6 +51,7 @@ from p2pkv.protocol.codes import (
     CAP_TCP_DATA_TLS_V1,
     CAP_TCP_DATA_V1,
     CAP_TCP_STREAMS_V1,
+    VIA_SHM,
     Code,
 )
 from p2pkv.protocol.compat import decide
@@ -116,7 +118,7 @@ __all__ = ["CALLS", "IMPLEMENTED", "TRANSITIONS", "Call", "Handler", "Rule", "al
 
 IMPLEMENTED: Final = frozenset({CAP_CHECKSUM_XXH3_64, CAP_SHM_V1, CAP_PACKED_V1,
                                 CAP_TCP_DATA_V1, CAP_TCP_DATA_TLS_V1, CAP_TCP_DATA_AEAD_V1,
-                                CAP_TCP_STREAMS_V1, CAP_PENDING_V1})
+                                CAP_TCP_STREAMS_V1, CAP_PENDING_V1, CAP_NIXL_V1})
 """The capabilities whose rules this table holds (a session implements these by default)."""
 
 
@@ -232,6 +234,8 @@ def _on_welcome(m: Machine, msg: Welcome, now: float) -> Output:
     m.accept(msg, decision.capabilities)
     if CAP_SHM_V1 in m.caps:
         m.offer = msg.shm  # ignored unless shm-v1 was negotiated (§4.1)
+        if CAP_NIXL_V1 in m.caps:
+            m.nixl_offer = msg.nixl  # likewise nixl-v1 (§20.1)
     m.data_offer = kept_offer(m.caps, msg.data)  # ignored where not negotiated (§18)
     return Output(events=(HandshakeAccepted(msg, decision.capabilities, decision.warnings),))
 
@@ -340,6 +344,8 @@ def _on_hello(m: Machine, msg: Hello, now: float) -> Output:
                       tuple(sorted(decision.capabilities)), local.limits, local.v, local.ext)
     if m.offer is not None:
         welcome = dataclasses.replace(welcome, shm=m.offer)
+    if m.nixl_offer is not None:  # kept by accept() only when nixl-v1 was negotiated
+        welcome = dataclasses.replace(welcome, nixl=m.nixl_offer)
     if m.data_offer is not None:  # kept by accept() only when tcp-data-v1 was negotiated
         welcome = dataclasses.replace(welcome, data=m.data_offer)
     return Output(events=(HandshakeAccepted(msg, decision.capabilities, decision.warnings),),
@@ -408,11 +414,14 @@ def _on_abort(m: Machine, msg: Abort, now: float) -> Output:
 
 
 def _on_attach(m: Machine, msg: Attach, now: float) -> Output:
-    if m.offer is None or m.proof is not Proof.NONE:
-        return m.violate(Code.UNEXPECTED, "attach without a segment offered, or a second "
+    offered = m.offer if msg.via == VIA_SHM else m.nixl_offer
+    if offered is None or m.proof is not Proof.NONE:
+        what = "a segment" if msg.via == VIA_SHM else "a NIXL pool"
+        return m.violate(Code.UNEXPECTED, f"attach without {what} offered, or a second "
                          "attach")
     m.proof = Proof.PENDING
-    return Output(events=(AttachRequested(msg.nonce),))
+    m.via = msg.via
+    return Output(events=(AttachRequested(msg.nonce, msg.via),))
 
 
 def _on_release(m: Machine, msg: Release, now: float) -> Output:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from p2pkv.protocol.codes import CAP_PACKED_V1, CAP_PENDING_V1, CAP_SHM_V1
 from p2pkv.protocol.flow import FetchCredit
 from p2pkv.protocol.machine import TERMINAL_STATES, Machine, Role, State
-from p2pkv.protocol.messages import DataOffer, Greeting, ShmOffer
+from p2pkv.protocol.messages import DataOffer, Greeting, NixlOffer, ShmOffer
 
 __all__ = ["SessionView"]
 
@@ -79,6 +79,17 @@ class SessionView:
         """The server's segment: our own (server), or the one the ``welcome`` offered
         when ``shm-v1`` was negotiated (client)."""
         return self._m.offer
+
+    @property
+    def nixl_offer(self) -> NixlOffer | None:
+        """The server's pool as its NIXL agent exposes it: our own (server), or the one
+        the ``welcome`` offered when ``nixl-v1`` was negotiated (client)."""
+        return self._m.nixl_offer
+
+    @property
+    def attached_via(self) -> str:
+        """Which offer the connection's ``attach`` is about (``shm-v1``, ``nixl-v1``)."""
+        return self._m.via
 
     @property
     def data_offer(self) -> DataOffer | None:

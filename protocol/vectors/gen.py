@@ -95,10 +95,13 @@ def expected(wire: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     if wire["t"] in ("hello", "welcome"):
         fields.setdefault("shm", None)  # shm-v1 (section 16): no segment offered
         fields.setdefault("data", None)  # tcp-data-v1 (section 18): no stream offered
+        fields.setdefault("nixl", None)  # nixl-v1 (section 20): no NIXL pool offered
         if isinstance(fields["data"], dict):  # 18.6: one stream; 18.7: no pin; 18.8
             fields["data"] = {**fields["data"], "more": fields["data"].get("more", []),
                               "cert": fields["data"].get("cert"),
                               "key": fields["data"].get("key")}  # 18.8: no secret
+    if wire["t"] == "attach":
+        fields.setdefault("via", "shm-v1")  # nixl-v1 (section 20): absent = the segment
     if wire["t"] == "hits":
         fields.setdefault("due", None)  # pending-v1 (section 19): nothing pending
     if wire["t"] == "fetch":
@@ -699,6 +702,65 @@ def shm_vectors() -> dict[str, Any]:
             "messages": messages, "errors": errors, "headers": [header]}
 
 
+def nixl_vectors() -> dict[str, Any]:
+    """Capability nixl-v1 (SPEC 20): the welcome's offer, the attach that proves it, and
+    their errors."""
+    messages: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
+
+    def add(name: str, wire: dict[str, Any], exp: dict[str, Any]) -> None:
+        messages.append({"name": name, "frames": [pack(wire).hex()], "segments": None,
+                         "message": exp})
+
+    def bad(name: str, wire: dict[str, Any], code: int) -> None:
+        errors.append({"name": name, "frames": [pack(wire).hex()], "segments": None,
+                       "code": code})
+
+    seg = [49152] * 2
+    slots = 64
+    base = 0x7F3A_0000_0000
+    regions = [[base, slots * 49152], [base + 0x0100_0000, slots * 49152]]
+    offer = {"agent": "p2pkv-0011223344556677", "meta": bytes(range(200)),
+             "regions": regions, "slots": slots, "nonce": base + 0x0200_0000}
+    caps = [CHECKSUM, "nixl-v1", "shm-v1"]
+    w = greeting("welcome", "node-b", V2_RC, V2_FP, seg, minor=2, caps=caps, nixl=offer)
+    add("welcome_offers_nixl_pool", w, expected(w, limits=None, v=1))
+    top = [[2**64 - slots * 49152, slots * 49152], regions[1]]  # ends at 2**64 exactly
+    w_top = {**w, "nixl": {**offer, "regions": top}}
+    add("welcome_nixl_region_at_the_top", w_top, expected(w_top, limits=None, v=1))
+    nonce = bytes(range(16))
+    at = {"t": "attach", "v": 1, "nonce": nonce, "via": "nixl-v1"}
+    add("attach_via_nixl", at, expected(at))
+    at_shm = {"t": "attach", "v": 1, "nonce": nonce, "via": "shm-v1"}
+    add("attach_via_shm_named", at_shm, expected(at_shm))
+    at_nil = {"t": "attach", "v": 1, "nonce": nonce, "via": None}
+    add("attach_via_nil_is_shm", at_nil, expected(at_nil, via="shm-v1"))
+
+    def offer_with(**kw: Any) -> dict[str, Any]:
+        return {**w, "nixl": {**offer, **kw}}
+
+    bad("welcome_nixl_one_region_for_two_segments", offer_with(regions=regions[:1]),
+        OUT_OF_BOUNDS)
+    bad("welcome_nixl_region_too_small", offer_with(regions=[[base, slots * 49152 - 1],
+                                                            regions[1]]), OUT_OF_BOUNDS)
+    bad("welcome_nixl_region_wraps", offer_with(regions=[[2**64 - 4096, slots * 49152],
+                                                         regions[1]]), OUT_OF_BOUNDS)
+    bad("welcome_nixl_region_not_a_pair", offer_with(regions=[[base], regions[1]]),
+        OUT_OF_BOUNDS)
+    bad("welcome_nixl_meta_str", offer_with(meta="x"), WRONG_TYPE)
+    bad("welcome_nixl_meta_empty", offer_with(meta=b""), OUT_OF_BOUNDS)
+    bad("welcome_nixl_agent_empty", offer_with(agent=""), OUT_OF_BOUNDS)
+    bad("welcome_nixl_zero_slots", offer_with(slots=0), OUT_OF_BOUNDS)
+    bad("welcome_nixl_without_nonce", {**w, "nixl": {k: v for k, v in offer.items()
+                                                     if k != "nonce"}}, MISSING_FIELD)
+    bad("welcome_nixl_not_a_map", {**w, "nixl": "agent"}, WRONG_TYPE)
+    bad("attach_via_unknown", {**at, "via": "rdma-v9"}, OUT_OF_BOUNDS)
+    bad("attach_via_int", {**at, "via": 1}, WRONG_TYPE)
+    return {"about": "capability nixl-v1 (protocol/SPEC.md section 20): messages as in "
+                     "messages.json, errors as in errors.json",
+            "messages": messages, "errors": errors}
+
+
 def packed_vectors() -> dict[str, Any]:
     """Capability packed-v1 (SPEC 17): packed block messages and their errors."""
     messages: list[dict[str, Any]] = []
@@ -1019,6 +1081,7 @@ def main() -> None:
     (HERE / "extension.json").write_text(json.dumps(
         extension_vectors(), indent=1, ensure_ascii=False) + "\n")
     (HERE / "shm.json").write_text(json.dumps(shm_vectors(), indent=1) + "\n")
+    (HERE / "nixl.json").write_text(json.dumps(nixl_vectors(), indent=1) + "\n")
     (HERE / "packed.json").write_text(json.dumps(packed_vectors(), indent=1) + "\n")
     (HERE / "datachannel.json").write_text(
         json.dumps(datachannel_vectors(), indent=1) + "\n")
