@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # The CPU build of torch; without a pin pip takes a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
+# NIXL (one-sided reads, nixl-v1): the CUDA 12 wheel runs CPU-only with its UCX backend.
+# --no-deps: the `nixl` shim requires both CUDA wheels, and nixl-cu12 a CUDA torch.
+NIXL_PIN := nixl==1.5.1 nixl-cu12==1.5.1
 
 # vLLM runs in its own environment (its pins are not ours): the integration tests start
 # real engines from it. `make demo` never needs it.
@@ -41,6 +44,8 @@ $(VENV)/.installed: pyproject.toml $(wildcard csrc/*) | native-deps
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIN)
 	$(PIP) install -q -e '.[test,metrics,dev]'
+	$(PIP) install -q --no-deps $(NIXL_PIN) || \
+	  echo "NIXL could not be installed: the nixl-v1 tests skip, with the reason"
 	touch $@
 
 venv: $(VENV)/.installed

@@ -47,7 +47,7 @@ def block_bytes(key: bytes, size: int) -> bytes:
 
 #: How ``PeerHandle.data_path`` reads in the demo's summary.
 _PATHS = {"tcp-data": "the data stream beside ZeroMQ", "tcp": "ZeroMQ frames",
-          "shm": "shared memory"}
+          "shm": "shared memory", "nixl": "one-sided NIXL reads"}
 
 
 def _node(layout_name: str, pool_blocks: int) -> Any:

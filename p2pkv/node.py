@@ -48,6 +48,7 @@ from p2pkv.layout import Layout
 from p2pkv.protocol.options import MAX_SECONDS, Seconds
 from p2pkv.runtime.config import NodeConfig
 from p2pkv.runtime.connections.wiring import wire
+from p2pkv.runtime.paths.nixl_client import nixl_caps, nixl_stats, start_nixl
 from p2pkv.runtime.paths.receiver import check_destinations
 from p2pkv.runtime.pending import LookupAnswer
 from p2pkv.runtime.public import FetchResult, KeyOutcome, NodeStats, PeerHandle
@@ -124,7 +125,8 @@ class Node:
         if store is None:
             if (pool_blocks is None) == (pool_bytes is None):
                 raise ConfigError("give exactly one of pool_blocks or pool_bytes")
-            pool = self._make_pool(layout, pool_blocks, pool_bytes)
+            pool, self.shm_unavailable = _make_pool(layout, pool_blocks, pool_bytes,
+                                                    shared=self.config.shm)
             self._own_pool = pool
             store = BlockStore(pool)
         elif tuple(store.pool.segment_sizes) != tuple(layout.segment_sizes):
@@ -140,6 +142,12 @@ class Node:
             max_in_flight=self.config.max_inflight_requests,
         )
         window = proto.window_blocks(self.config.window_bytes, self._bpb)
+        try:  # the NIXL agents (nixl-v1, SPEC §20), and whether the node uses them, why
+            self._nixl, self.nixl_state = start_nixl(self.config, store.pool, self.node_id)
+        except BaseException:
+            if self._own_pool is not None:
+                self._own_pool.close()
+            raise
         self.hello = proto.Hello(
             node=self.node_id,
             minor=proto.PROTOCOL_MINOR,
@@ -147,7 +155,7 @@ class Node:
             fp=run_config.fingerprint,
             geo=proto.Geometry(bpb=self._bpb, seg=self._segments),
             khash=proto.KeyHash(algo=self.config.key_hash_algo, seed=self.config.key_hash_seed),
-            caps=self.config.capabilities,
+            caps=nixl_caps(self.config.capabilities, self._nixl),
             limits=limits.advertised(window=window),
             ext=None if self.extension.is_empty else self.extension,
         )
@@ -155,7 +163,8 @@ class Node:
         self._tickets: weakref.WeakKeyDictionary[Future[FetchResult], FetchTicket] = (
             weakref.WeakKeyDictionary())
         self._tickets_lock = threading.Lock()
-        self._rt = wire(self.config, self.hello, store, self, limits=limits, window=window)
+        self._rt = wire(self.config, self.hello, store, self, limits=limits, window=window,
+                        nixl=self._nixl)
         self.address = self._rt.address
         self._reactor, self._client, self._server = (self._rt.reactor, self._rt.client,
                                                      self._rt.server)
@@ -331,7 +340,8 @@ class Node:
             draining=self._rt.inbound.draining.is_set(),
             data_port=None if self._rt.data_listener is None else self._rt.data_listener.port,
             data_peers_out=sum(1 for h in handles if h.data_path == "tcp-data"),
-            data_peers_in=self._server.stream_peers(), paths=path_stats(c.paths))
+            data_peers_in=self._server.stream_peers(), paths=path_stats(c.paths),
+            nixl=self.nixl_state, **nixl_stats(self._nixl, handles))
 
     def drain(self, timeout: float | None = None) -> None:
         """Leave gracefully (after ``Cluster.close``): new fetches are declined with
@@ -361,23 +371,6 @@ class Node:
         reactor.closed.set()
 
     # ------------------------------------------------------------------ API helpers
-
-    def _make_pool(self, layout: Layout, pool_blocks: int | None,
-                   pool_bytes: int | None) -> BlockPool:
-        """The node's own pool: in shared memory when ``NodeConfig.shm`` asks for it and
-        a segment can be made (otherwise private, and :attr:`shm_unavailable` says why)."""
-        shared = self.config.shm
-        while True:
-            try:
-                if pool_blocks is not None:
-                    return BlockPool(layout, pool_blocks, shared=shared)
-                return BlockPool.for_bytes(layout, pool_bytes or 0, shared=shared)
-            except ValueError as exc:
-                raise ConfigError(f"pool: {exc}") from exc
-            except ShmUnavailable as exc:
-                self.shm_unavailable = str(exc)
-                log.warning("pool stays private (no shared memory): %s", exc)
-                shared = False
 
     def _check_keys(self, keys: Sequence[bytes]) -> tuple[bytes, ...]:
         """The public boundary's one check of a request's keys; inside, they are trusted."""
@@ -440,6 +433,26 @@ class Node:
             except zmq.ZMQError as exc:  # its pipe or socket already gone: it stops anyway
                 log.warning("node %s: stopping the CURVE authenticator: %s", self.node_id, exc)
         self._rt.ctx.term()
+        if self._nixl is not None:
+            self._nixl.close()  # the importer was the IO thread's; the pool is still there
         if self._own_pool is not None:
             self._own_pool.close()  # the segment's name goes; mapped memory stays valid
         log.info("node %s closed", self.node_id)
+
+
+def _make_pool(layout: Layout, pool_blocks: int | None, pool_bytes: int | None, *,
+               shared: bool) -> tuple[BlockPool, str | None]:
+    """A node's own pool: in shared memory when ``shared`` asks for it and a segment can
+    be made; otherwise private, with why it is not shared."""
+    why = None
+    while True:
+        try:
+            if pool_blocks is not None:
+                return BlockPool(layout, pool_blocks, shared=shared), why
+            return BlockPool.for_bytes(layout, pool_bytes or 0, shared=shared), why
+        except ValueError as exc:
+            raise ConfigError(f"pool: {exc}") from exc
+        except ShmUnavailable as exc:
+            why = str(exc)
+            log.warning("pool stays private (no shared memory): %s", exc)
+            shared = False

@@ -140,7 +140,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
             print(f"local:        {ext.describe()}")
             print_sources(settings.identity_sources())
             print(f"capabilities: {', '.join(sorted(peer.capabilities)) or '(none)'}")
-            path = {"shm": "shared memory", "tcp-data": "TCP data stream"}.get(
+            path = {"shm": "shared memory", "tcp-data": "TCP data stream",
+                    "nixl": "one-sided NIXL reads"}.get(
                 peer.data_path, "TCP (ZeroMQ)")
             print(f"data path:    {path} ({peer.data_path_detail})")
             if notes:

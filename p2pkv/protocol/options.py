@@ -377,6 +377,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("shm_copy_threads", Int(1, MAX_COPY_THREADS), 1,
            "threads that copy and verify one shared-memory message's blocks at once "
            "(above 1 needs the compiled helper; else one)"),
+    Option("nixl", Choice(("auto", "on", "off")), "auto",
+           "one-sided reads through NIXL (nixl-v1): auto uses them where this host has an "
+           "RDMA device and NIXL is installed, on wherever NIXL is installed (an error "
+           "where it is not), off never; never under CURVE (UCX moves bytes in the clear)"),
+    _seconds("nixl_read_timeout", 2.0,
+             "seconds one NIXL read may take; a read that does not complete by then fails "
+             "the blocks it carries, not the connection"),
     Option("data_channel", Bool(), True,
            "offer the data channel: block bytes on a TCP stream beside the ZeroMQ "
            "connection, bound to the session by a token (tcp-data-v1; under CURVE "

@@ -92,6 +92,12 @@ class NodeConfig:
     #: bandwidth, 2 or more copy faster; on a host of few cores they cost CPU (see
     #: docs/performance.md).
     shm_copy_threads: int = _DEFAULT["shm_copy_threads"]
+    #: One-sided reads through NIXL (capability nixl-v1, SPEC §20): ``"auto"`` where this
+    #: host has an RDMA device and NIXL is installed, ``"on"`` wherever NIXL is installed
+    #: (the node refuses to start where it is not), ``"off"`` never. Never under CURVE.
+    nixl: str = _DEFAULT["nixl"]
+    #: Seconds one NIXL read may take before it fails the blocks it carries.
+    nixl_read_timeout: float = _DEFAULT["nixl_read_timeout"]
     #: Capability packed-v1: blocks whose segments are all small travel as one payload
     #: frame per message between peers that both offer it (False: never offer it).
     packed_blocks: bool = _DEFAULT["packed_blocks"]
@@ -132,6 +138,9 @@ class NodeConfig:
             raise ConfigError(f"key_hash_algo must be a name of 1..{MAX_KEY_HASH_ALGO_LEN} "
                               f"characters, got {self.key_hash_algo!r}")
         ping_interval(self.heartbeat_timeout, self.heartbeat_interval, spell=_field)
+        if self.nixl == "on" and self.curve is not None:
+            raise ConfigError("'on' cannot be used under CURVE: UCX moves blocks in the "
+                              "clear (use 'auto' or 'off')", option="nixl")
 
     @property
     def capabilities(self) -> tuple[str, ...]:

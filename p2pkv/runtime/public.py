@@ -107,9 +107,9 @@ class PeerHandle:
     _node: PeerOwner = field(repr=False, compare=False)
     #: The peer's identity extension (empty for a peer that declares none, or speaks 1.0).
     remote_extension: IdentityExtension = field(default_factory=IdentityExtension)
-    #: How fetched blocks move: "shm" (copied from the peer's shared pool), "tcp-data"
-    #: (on a plain TCP stream beside the ZeroMQ connection, tcp-data-v1) or "tcp" (in
-    #: ZeroMQ messages).
+    #: How fetched blocks move: "shm" (copied from the peer's shared pool), "nixl" (READ
+    #: one-sided from the peer's pool through NIXL, nixl-v1), "tcp-data" (on a plain TCP
+    #: stream beside the ZeroMQ connection, tcp-data-v1) or "tcp" (in ZeroMQ messages).
     data_path: str = "tcp"
     #: Why: the segment or stream used, or the reasons neither is.
     data_path_detail: str = ""
@@ -176,6 +176,14 @@ class NodeStats:
     shm_fallbacks: dict[str, int] = field(default_factory=dict)
     #: Blocks pinned for same-host peers that have not released them yet.
     shm_pinned: int = 0
+    #: Whether this node uses NIXL (nixl-v1): "on", or "off" and why.
+    nixl: str = "off"
+    #: Connections this node opened whose blocks are READ through NIXL.
+    nixl_peers_out: int = 0
+    #: NIXL reads that failed (deadline, disconnect) and the staging areas retired
+    #: until such a read ends (a late READ must not write where a later block lands).
+    nixl_read_failures: int = 0
+    nixl_retired: int = 0
     #: Fetches declined (UNAVAILABLE) while the node drained; True once it drains.
     fetches_declined_draining: int = 0
     draining: bool = False
@@ -197,7 +205,7 @@ class NodeStats:
     #: or sealed with other keys. Each ended its session and landed nothing of it.
     data_records_refused: int = 0
     #: What each data path moved, by kind: "zmq" (frames), "packed" (packed-v1),
-    #: "shm" (shm-v1) and "stream" (tcp-data-v1); every kind is present.
+    #: "shm" (shm-v1), "stream" (tcp-data-v1) and "nixl" (nixl-v1); every kind is present.
     paths: dict[str, PathStats] = field(default_factory=dict)
 
     def _path(self, kind: str) -> PathStats:

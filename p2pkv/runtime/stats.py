@@ -23,7 +23,7 @@ __all__ = ["RECEIVED", "SENT", "Count", "Counters", "CountersSnapshot", "ShmFall
            "path_stats"]
 
 #: Every data path's kind (the keys of ``NodeStats.paths``; see p2pkv.runtime.paths).
-PATH_KINDS = ("zmq", "packed", "shm", "stream")
+PATH_KINDS = ("zmq", "packed", "shm", "stream", "nixl")
 
 SENT = "sent"
 RECEIVED = "received"

@@ -1,17 +1,15 @@
 """One connection this node opened: its DEALER, its session, and everything waiting on it.
 
-An :class:`OutboundConnection` owns its socket (and the socket's monitor), its client
-:class:`~p2pkv.protocol.Session`, the lookups and fetches it carries with their
-futures, and its data path (:mod:`p2pkv.runtime.paths`), chosen once the handshake is
-over (:class:`~p2pkv.runtime.paths.choice.PathChoice`): the peer's shared memory once
-the proof was accepted, else the data stream once bound, else ZeroMQ frames.
-What the peer sends, on the DEALER or on the data stream, enters the session through
-one door (:meth:`~p2pkv.protocol.Session.receive_data`), which has the path land the
-blocks; the session's events then become results and typed errors on the callers'
-futures, and credit goes back to the peer as the path's
-:class:`~p2pkv.protocol.CreditBudget` decides. Every deadline of a request is the
-session's (one clock per request); a closed or silent connection fails everything
-waiting on it.
+An :class:`OutboundConnection` owns its socket (and its monitor), its client
+:class:`~p2pkv.protocol.Session`, the lookups and fetches it carries with their futures,
+and its data path (:mod:`p2pkv.runtime.paths`), chosen after the handshake
+(:class:`~p2pkv.runtime.paths.choice.PathChoice`). What the peer sends, on the DEALER or
+the data stream, enters the session through one door
+(:meth:`~p2pkv.protocol.Session.receive_data`), which has the path land the blocks; the
+session's events then become results and typed errors on the callers' futures, and
+credit goes back to the peer as the path's :class:`~p2pkv.protocol.CreditBudget` decides.
+Every deadline of a request is the session's (one clock per request); a closed or silent
+connection fails everything waiting on it.
 
 IO thread only, except :attr:`OutboundConnection.handle` and
 :attr:`OutboundConnection.closed`, which API threads may read.
@@ -45,6 +43,7 @@ from p2pkv.runtime.paths.choice import PathChoice
 from p2pkv.runtime.paths.data_client import DataReceiver, StreamOwner
 from p2pkv.runtime.paths.frames import HANDLE_PATHS, FramesIn
 from p2pkv.runtime.paths.lanes import open_lanes, take_others
+from p2pkv.runtime.paths.nixl_client import NixlReceiver
 from p2pkv.runtime.paths.receiver import Receiver, drain
 from p2pkv.runtime.paths.shm_client import SharedReceiver
 from p2pkv.runtime.pending import LookupAnswer
@@ -140,6 +139,7 @@ class OutboundParts:
     receiver: Receiver
     shm: SharedReceiver
     data: DataReceiver
+    nixl: NixlReceiver
     #: The credit budget of a connection whose blocks come in ZeroMQ frames.
     budget: proto.CreditBudget
     counters: Counters
@@ -192,7 +192,7 @@ class OutboundConnection:
         self._paths = PathChoice(frames, parts.shm, parts.data, parts.reactor, parts.counters,
                                  address, self._fetches.get, StreamOwner(
                                      fetch_of=self._fetches.get, deliver=self._deliver,
-                                     lost=self._stream_lost), self._ready)
+                                     lost=self._stream_lost), self._ready, parts.nixl)
 
     def open(self, now: float, deadline: float) -> None:
         """Watch the socket and its monitor, and say hello; ``deadline`` is the caller's

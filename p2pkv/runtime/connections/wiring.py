@@ -28,6 +28,7 @@ from p2pkv.runtime.paths.data_client import DataReceiver
 from p2pkv.runtime.paths.data_sender import DataSender
 from p2pkv.runtime.paths.data_server import DataListener
 from p2pkv.runtime.paths.landing import Landing
+from p2pkv.runtime.paths.nixl_client import NixlPool, NixlReceiver
 from p2pkv.runtime.paths.receiver import Receiver
 from p2pkv.runtime.paths.sender import Sender
 from p2pkv.runtime.paths.shm_client import SharedReceiver
@@ -107,9 +108,10 @@ def _bind(ctx: zmq.Context[zmq.Socket[bytes]], config: NodeConfig, max_message: 
 
 
 def wire(config: NodeConfig, hello: proto.Hello, store: BlockStore, owner: PeerOwner, *,
-         limits: proto.Limits, window: int) -> Runtime:
+         limits: proto.Limits, window: int, nixl: NixlPool | None = None) -> Runtime:
     """Build a node's runtime (not started). ``window``: the credit of one peer, in
-    blocks; ``owner``: the node, which the peer handles call back."""
+    blocks; ``owner``: the node, which the peer handles call back; ``nixl``: its NIXL
+    agents, when it offers nixl-v1."""
     segments = tuple(hello.geo.seg)
     bpb = hello.geo.bpb
     deadlines = deadlines_of(config)
@@ -120,7 +122,12 @@ def wire(config: NodeConfig, hello: proto.Hello, store: BlockStore, owner: PeerO
     # the welcome pins (made first: nothing is bound yet).
     tls = ServerTLS() if config.offers_data_channel and config.encrypts_data_stream else None
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    auth, router, data_sock = _bind(ctx, config, max_message, config.offers_data_channel)
+    try:
+        auth, router, data_sock = _bind(ctx, config, max_message, config.offers_data_channel)
+    except BaseException:
+        if nixl is not None:  # the node's agents go with the node that failed to start
+            nixl.close()
+        raise
     address = bound_address(router)
     counters = Counters()
     reactor = Reactor(f"p2pkv-io-{address}")
@@ -128,7 +135,9 @@ def wire(config: NodeConfig, hello: proto.Hello, store: BlockStore, owner: PeerO
     # The serving side. Only a node that opted in offers its segment; a pool shared by
     # the caller's store is offered too (the caller owns it and removes it).
     shm_sender = SharedSender(router, store, store.pool.segment if config.shm else None,
-                              bpb, counters, pin_limit=2 * window)
+                              bpb, counters, pin_limit=2 * window,
+                              nixl_nonce=None if nixl is None else nixl.exporter.nonce)
+    nixl_offer = None if nixl is None else nixl.offer
     listener = None if data_sock is None else DataListener(
         reactor, data_sock, counters, timeout=config.handshake_timeout,
         max_pending=config.max_peers, tls=tls, sealed=config.seals_data_stream)
@@ -141,6 +150,7 @@ def wire(config: NodeConfig, hello: proto.Hello, store: BlockStore, owner: PeerO
         new_session=lambda now: proto.Session(
             proto.Role.SERVER, hello, deadlines=deadlines, limits=limits, now=now,
             identity_policy=config.identity_policy, shm_offer=shm_sender.offer,
+            nixl_offer=nixl_offer,
             data_offer=None if listener is None else listener.offer(
                 cport, now, config.data_streams)),
         max_peers=config.max_peers)
@@ -161,6 +171,11 @@ def wire(config: NodeConfig, hello: proto.Hello, store: BlockStore, owner: PeerO
         data=DataReceiver(reactor, landing, segments, counters,
                           proto.CreditBudget(proto.stream_window(window)),
                           enabled=config.offers_data_channel, streams=config.data_streams),
+        nixl=NixlReceiver(landing, segments, counters, proto.CreditBudget(window),
+                          None if nixl is None else nixl.importer,
+                          read_timeout=config.nixl_read_timeout,
+                          proof_timeout=config.handshake_timeout,
+                          threads=config.shm_copy_threads),
         budget=proto.CreditBudget(window),
         counters=counters,
         curve=config.curve is not None, bytes_per_block=bpb),

@@ -2,9 +2,11 @@
 
 Right after an accepted handshake, a connection's :class:`PathChoice` tries the ways a
 peer's blocks may come, best first: the peer's pool in shared memory (``shm-v1``: map
-the segment and prove it, :class:`~p2pkv.runtime.paths.shm_client.SharedIn`), else a data
-stream beside ZeroMQ (``tcp-data-v1``: dial and bind it,
-:class:`~p2pkv.runtime.paths.data_dial.StreamDialer`), else ZeroMQ frames
+the segment and prove it, :class:`~p2pkv.runtime.paths.shm_client.SharedIn`), else the
+peer's pool READ through NIXL (``nixl-v1``: READ its nonce and prove it,
+:class:`~p2pkv.runtime.paths.nixl_client.NixlIn`), else a data stream beside ZeroMQ
+(``tcp-data-v1``: dial and bind it, :class:`~p2pkv.runtime.paths.data_dial.StreamDialer`),
+else ZeroMQ frames
 (:class:`~p2pkv.runtime.paths.frames.FramesIn`, always there). When the attempts are over it
 calls ``ready`` once, and :meth:`PathChoice.choose` fixes the connection's path for the
 rest of its life, with the reasons the better ones are not used.
@@ -22,6 +24,7 @@ from p2pkv.runtime.paths.data_client import DataReceiver, StreamIn, StreamOwner,
 from p2pkv.runtime.paths.data_dial import StreamDialer
 from p2pkv.runtime.paths.frames import FramesIn
 from p2pkv.runtime.paths.interfaces import Arrived, FetchPath
+from p2pkv.runtime.paths.nixl_client import NixlIn, NixlReceiver
 from p2pkv.runtime.paths.shm_client import SharedIn, SharedReceiver
 from p2pkv.runtime.reactor import Reactor
 from p2pkv.runtime.state import Receiving
@@ -40,7 +43,7 @@ class PathChoice:
     def __init__(self, frames: FramesIn, shm: SharedReceiver, data: DataReceiver,
                  reactor: Reactor, counters: Counters, address: str,
                  fetch_of: Callable[[int], Receiving | None], owner: StreamOwner,
-                 ready: Callable[[], None]) -> None:
+                 ready: Callable[[], None], nixl: NixlReceiver) -> None:
         self._address = address
         self._data = data
         self._owner = owner
@@ -51,6 +54,7 @@ class PathChoice:
         self._want = data.streams
         self.frames = frames
         self.shm: SharedIn = shm.link(address, fetch_of)
+        self.nixl: NixlIn = nixl.link(address, fetch_of)
         self._dialers = [self._dialer_for(0)]
         self._dialing = 0
         self._streams: dict[int, StreamIn] = {}
@@ -63,7 +67,7 @@ class PathChoice:
     def begin(self, session: proto.Session, deadline: float) -> list[proto.Message]:
         """The handshake was accepted: what to send to try shared memory (its proof),
         or nothing while a stream is being bound; ``ready`` follows either way."""
-        attach = self.shm.begin(session)
+        attach = self.shm.begin(session) or self.nixl.begin(session, deadline)
         if attach is not None:
             return [attach]
         self._open_stream(session, deadline)
@@ -71,8 +75,8 @@ class PathChoice:
 
     def answered(self, session: proto.Session, ev: proto.AttachAnswered,
                  deadline: float) -> None:
-        """The server's verdict on the shared-memory proof."""
-        self.shm.answered(ev)
+        """The server's verdict on the shared-memory (or NIXL) proof."""
+        self._located(session).answered(ev)
         if session.shared_memory:
             self._ready()
         else:
@@ -124,35 +128,44 @@ class PathChoice:
                 self._stream = next(iter(streams.values()))
             self._ready()
 
+    def _located(self, session: proto.Session) -> SharedIn | NixlIn:
+        """The half whose proof the connection's ``attach`` was (``attach.via``)."""
+        return self.nixl if session.attached_via == proto.VIA_NIXL else self.shm
+
     # -- chosen --------------------------------------------------------------------------
 
     def choose(self, session: proto.Session) -> str:
         """Fix the data path (best of what came up) and say why: the segment or stream
         used, and why the better ones are not, where both sides offered them."""
         if session.shared_memory:
-            self.path = self.shm
+            self.path = self._located(session)
         elif self._stream is not None:
             self.path = self._stream
         why_not_shm = self.shm.detail if proto.CAP_SHM_V1 in session.capabilities else ""
-        if self.path is self.shm:
-            detail = self.shm.detail
+        why_not_nixl = self.nixl.detail if proto.CAP_NIXL_V1 in session.capabilities else ""
+        if self.path is self.shm or self.path is self.nixl:
+            detail = self.path.detail
         elif self.path is self._stream:
-            detail = "; ".join(d for d in (self._stream.detail, why_not_shm) if d)
+            detail = "; ".join(d for d in (self._stream.detail, why_not_shm, why_not_nixl)
+                               if d)
         else:
-            detail = "; ".join(d for d in (why_not_shm or self.shm.detail,
+            detail = "; ".join(d for d in (why_not_shm or self.shm.detail, why_not_nixl,
                                            self._dialers[0].detail) if d)
         self.path.detail = detail
         return detail
 
     def of(self, arrived: Arrived) -> FetchPath:
         """The path a message on the DEALER lands through: a ``located`` copies from
-        shared memory, a ``block`` reads its frames (the stream lands its own)."""
-        return self.shm if isinstance(arrived, proto.BlocksLocated) else self.frames
+        shared memory or READs through NIXL (whichever proof was accepted), a ``block``
+        reads its frames (the stream lands its own)."""
+        if isinstance(arrived, proto.BlocksLocated):
+            return self.nixl if self.path is self.nixl else self.shm
+        return self.frames
 
     def close(self) -> None:
         """The connection ended: every candidate lets go of what it holds."""
         for dialer in self._dialers:
             dialer.close()
-        for path in (self.path, self.shm, self._stream, *self._streams.values()):
+        for path in (self.path, self.shm, self.nixl, self._stream, *self._streams.values()):
             if path is not None:
                 path.close()

@@ -27,7 +27,8 @@ KINDS: Final = PATH_KINDS
 """Every path's kind, the keys of ``NodeStats.paths`` and the ``path`` label of the
 ``p2pkv_bytes_*_by_path_total`` metrics."""
 
-HANDLE_PATHS: Final = {"zmq": "tcp", "packed": "tcp", "shm": "shm", "stream": "tcp-data"}
+HANDLE_PATHS: Final = {"zmq": "tcp", "packed": "tcp", "shm": "shm", "stream": "tcp-data",
+                        "nixl": "nixl"}
 """``PeerHandle.data_path`` of a connection whose fetching half is of that kind."""
 
 

@@ -1,4 +1,5 @@
-"""The serving side of ``shm-v1``: check a peer's proof, locate blocks, hold their pins.
+"""The serving side of ``shm-v1`` (and ``nixl-v1``): check a peer's proof, locate blocks,
+hold their pins.
 
 A peer that negotiated ``shm-v1`` gets this node's segment in the ``welcome``; its
 ``attach`` must echo the nonce that exists only inside the segment (a peer that cannot
@@ -8,6 +9,10 @@ slot sent instead of its bytes. A pin lasts until the peer's ``release``, an ``a
 of the fetch, or the end of the connection — a peer that dies or goes silent ends it at
 its heartbeat deadline — so nothing the peer may still be copying is ever overwritten,
 and nothing a dead peer held stays pinned.
+
+``nixl-v1`` (SPEC §20) is served by the same machinery: the proof is the nonce the
+node's NIXL exporter registered (read one-sided by the peer's agent instead of through
+a mapping), and the located slots are READ out of the pool instead of copied from it.
 """
 
 from __future__ import annotations
@@ -44,10 +49,12 @@ class SharedSender:
 
     def __init__(self, sock: zmq.Socket[bytes], store: BlockStore,
                  segment: SharedSegment | None, bytes_per_block: int, counters: Counters,
-                 *, pin_limit: int) -> None:
+                 *, pin_limit: int, nixl_nonce: bytes | None = None) -> None:
         self._sock = sock
         self._store = store
         self._segment = segment
+        #: The nonce this node's NIXL exporter registered (None: no NIXL pool offered).
+        self._nixl_nonce = nixl_nonce
         self._bpb = bytes_per_block
         self._counters = counters
         self._pin_limit = max(1, pin_limit)
@@ -74,18 +81,22 @@ class SharedSender:
 
     def verify(self, rid: bytes, session: proto.Session,
                ev: proto.AttachRequested) -> proto.Attached:
-        """The verdict on a peer's ``attach``: its nonce must be the segment's."""
+        """The verdict on a peer's ``attach``: its nonce must be the segment's, or (``via``
+        ``nixl-v1``) the one registered with this node's NIXL agent."""
         seg = self._segment
-        ok = seg is not None and not seg.closed and hmac.compare_digest(ev.nonce, seg.nonce)
-        if ok:
+        if ev.via == proto.VIA_NIXL:
+            want, what = self._nixl_nonce, "NIXL pool"
+        else:
+            want, what = (None if seg is None or seg.closed else seg.nonce), "segment"
+        if want is not None and hmac.compare_digest(ev.nonce, want):
             self._attached.add(rid)
             self._counters.add(Count.SHM_ATTACHED)
-            log.info("peer %s proved it maps segment %s: blocks go through shared memory",
-                     rid.hex(), seg.name if seg else "-")
+            log.info("peer %s proved it reads this node's %s: blocks are located for it",
+                     rid.hex(), what)
             return session.attach_verdict(True, "")
         self._counters.add(Count.SHM_ATTACH_REFUSED)
-        log.warning("peer %s echoed a wrong shared-memory nonce; it gets TCP", rid.hex())
-        return session.attach_verdict(False, "the nonce does not match this node's segment")
+        log.warning("peer %s echoed a wrong nonce for the %s; it gets TCP", rid.hex(), what)
+        return session.attach_verdict(False, f"the nonce does not match this node's {what}")
 
     # -- located answers -----------------------------------------------------------------
 

@@ -1,0 +1,202 @@
+"""One-sided reads through NIXL (capability ``nixl-v1``, SPEC §20) between real nodes.
+
+NIXL's UCX backend runs over TCP on 127.0.0.1 here (``UCX_TLS=tcp,self``), the transport
+the RDMA verbs replace on a fabric that has them; the calls are the same. What is held:
+blocks READ from the holder's pool land byte for byte in the store and in caller buffers,
+with their checksums, and every pin is released; the path is offered and chosen only
+where both sides use NIXL, and says why not otherwise; a wrong nonce gets no located
+answer; a holder that lies about its slots is closed on as a violation; a READ that does
+not complete in time fails its blocks, not the connection; a holder that dies fails its
+reader within the heartbeat deadline. Skipped, with the reason, where NIXL cannot be
+installed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+from nodeproc import content, fill, keys_for
+from nodeproc import pooled_node as node
+from procs import NodeProcess
+from rawpeer import RawPeer, wait_until
+
+from p2pkv import protocol as proto
+from p2pkv.errors import ConfigError, PeerGone, TransferFailed
+from p2pkv.nixl import unavailable_reason
+from p2pkv.node import KeyOutcome, Node, NodeConfig
+from p2pkv.transport.curve import CurveKeys
+
+pytestmark = pytest.mark.timeout(120)
+
+SPEC = {"layout": "v2", "geometry": "seed", "pool": 128}
+NIXL = {"nixl": "on", "nixl_read_timeout": 1.0}
+HEARTBEAT = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.5}
+
+
+@pytest.fixture(autouse=True)
+def ucx_over_loopback_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    why = unavailable_reason()
+    if why is not None:
+        pytest.skip(f"NIXL cannot be used here: {why}")
+    # Read by UCX when an agent is made: TCP on loopback, as between two hosts.
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+
+
+@pytest.fixture
+def producer() -> Iterator[Node]:
+    with node(SPEC, **NIXL, **HEARTBEAT) as n:
+        yield n
+
+
+def test_blocks_are_read_one_sided_into_the_store_and_caller_buffers(
+        producer: Node) -> None:
+    keys = fill(producer, 40)
+    bpb = producer.layout.bytes_per_block
+    with node(SPEC, **NIXL) as consumer:
+        assert consumer.stats().nixl == "on"
+        peer = consumer.connect(producer.address)
+        assert peer.data_path == "nixl", peer.data_path_detail
+        assert proto.CAP_NIXL_V1 in peer.capabilities
+        result = peer.fetch(keys)
+        assert list(result.stored) == keys
+        for k in keys:
+            assert consumer.get(k) == content(k, bpb)
+        # fetch_into: the caller's buffers, one per segment
+        segs = consumer.layout.segment_sizes
+        dests = [[memoryview(bytearray(s)) for s in segs] for _ in keys[:10]]
+        into = consumer.fetch_into(peer, keys[:10], dests)
+        assert all(o is KeyOutcome.LANDED for o in into.outcomes), into
+        for k, views in zip(keys[:10], dests, strict=True):
+            assert b"".join(bytes(v) for v in views) == content(k, bpb)
+        stats = consumer.stats()
+        assert stats.nixl_peers_out == 1
+        assert stats.paths["nixl"].blocks_received == 50
+        assert stats.nixl_read_failures == 0
+    # Every located block was released: nothing stays pinned at the holder.
+    assert wait_until(lambda: producer.stats().shm_pinned == 0, 10)
+    assert producer.store.stats().pinned == 0
+
+
+def test_the_path_is_chosen_only_where_both_sides_use_nixl(producer: Node) -> None:
+    keys = fill(producer, 4)
+    with node(SPEC, nixl="off") as plain:
+        assert plain.stats().nixl.startswith("off")
+        peer = plain.connect(producer.address)
+        assert peer.data_path == "tcp-data"
+        assert proto.CAP_NIXL_V1 not in peer.capabilities
+        assert len(peer.fetch(keys).stored) == 4
+    with node(SPEC, nixl="auto") as auto:
+        # This host has no RDMA device: auto leaves NIXL alone, and says so.
+        assert auto.stats().nixl.startswith("off"), auto.stats().nixl
+
+
+def test_nixl_on_is_refused_under_curve() -> None:
+    public, secret = zmq.curve_keypair()
+    with pytest.raises(ConfigError, match=r"nixl.*CURVE"):
+        NodeConfig(nixl="on", curve=CurveKeys(public, secret))
+
+
+def greet(raw: RawPeer, server: Node, caps: tuple[str, ...]) -> proto.Welcome:
+    raw.send_msg(proto.Hello.for_config("raw", server.run_config, server.hello.geo,
+                                        server.hello.khash, caps=caps))
+    welcome: proto.Welcome = raw.expect(proto.Welcome)
+    return welcome
+
+
+def test_a_wrong_nonce_gets_no_located_answer(producer: Node) -> None:
+    keys = fill(producer, 2)
+    liar = RawPeer(producer.address)
+    try:  # a peer that did not offer nixl-v1 attaches through it all the same
+        assert greet(liar, producer, (proto.CAP_CHECKSUM_XXH3_64, proto.CAP_SHM_V1)
+                     ).nixl is None
+        liar.send_msg(proto.Attach(b"\x00" * 16, proto.VIA_NIXL))
+        bye = liar.expect(proto.Bye)  # nothing was offered for it: a violation
+        assert bye.code == proto.Code.UNEXPECTED
+    finally:
+        liar.close()
+    guesser = RawPeer(producer.address)
+    try:
+        welcome = greet(guesser, producer, (proto.CAP_CHECKSUM_XXH3_64, proto.CAP_SHM_V1,
+                                            proto.CAP_NIXL_V1))
+        assert welcome.nixl is not None and welcome.nixl.slots == 128
+        guesser.send_msg(proto.Attach(b"\x00" * 16, proto.VIA_NIXL))
+        verdict = guesser.expect(proto.Attached)
+        assert not verdict.ok and "NIXL pool" in verdict.msg
+        guesser.send_msg(proto.Fetch(1, tuple(keys), 2, shm=True))
+        assert type(guesser.recv_msg()) is proto.Block  # served over ZeroMQ
+    finally:
+        guesser.close()
+
+
+@pytest.mark.parametrize("lie", ["outside", "twice"])
+def test_a_holder_that_lies_about_its_slots_is_closed_on(
+        producer: Node, monkeypatch: pytest.MonkeyPatch, lie: str) -> None:
+    keys = fill(producer, 4)
+    honest = proto.Session.located
+
+    def lying(self: proto.Session, req: int, idx: Any, slots: Any, sums: Any) -> Any:
+        slots = list(slots)
+        if lie == "outside":
+            slots[0] = 10**6
+        elif len(slots) > 1:
+            slots[1] = slots[0]
+        return honest(self, req, idx, slots, sums)
+
+    with node(SPEC, **NIXL) as consumer:
+        peer = consumer.connect(producer.address)
+        assert peer.data_path == "nixl"
+        monkeypatch.setattr(proto.Session, "located", lying)
+        with pytest.raises(TransferFailed, match="OUT_OF_BOUNDS") as failed:
+            peer.fetch(keys)
+        assert ("outside the peer's 128-slot pool" if lie == "outside"
+                else "one slot twice") in str(failed.value)
+        assert consumer.stats().protocol_violations == 1
+        for k in keys:
+            assert k not in consumer.store
+    monkeypatch.undo()
+    assert wait_until(lambda: producer.stats().shm_pinned == 0, 10)
+
+
+def test_a_read_past_its_deadline_fails_its_blocks_not_the_connection(
+        producer: Node) -> None:
+    keys = fill(producer, 8)
+    # A deadline no READ over TCP meets: each READ fails, and only its blocks do.
+    with node(SPEC, nixl="on", nixl_read_timeout=1e-6) as consumer:
+        peer = consumer.connect(producer.address)
+        assert peer.data_path == "nixl", peer.data_path_detail
+        result = peer.fetch(keys)
+        assert not result.stored
+        assert all(o is KeyOutcome.FAILED for o in result.outcomes), result
+        assert all("NIXL read failed" in e for e in result.errors.values()), result.errors
+        stats = consumer.stats()
+        assert stats.nixl_read_failures >= 1 and stats.protocol_violations == 0
+        # The connection is as it was: it answers, and nothing stays pinned.
+        assert peer.lookup(keys) == [True] * 8
+        for k in keys:
+            assert k not in consumer.store
+    assert wait_until(lambda: producer.stats().shm_pinned == 0, 10)
+
+
+def test_a_killed_holder_fails_its_reader_within_the_heartbeat_deadline() -> None:
+    holder = NodeProcess("serve", {**SPEC, "blocks": 16, "config": {**NIXL, **HEARTBEAT}})
+    try:
+        ready = holder.event(timeout=60)
+        keys = keys_for(16)
+        with node(SPEC, **NIXL, **HEARTBEAT) as consumer:
+            peer = consumer.connect(ready["address"])
+            assert peer.data_path == "nixl", peer.data_path_detail
+            assert len(peer.fetch(keys[:4]).stored) == 4
+            holder.proc.kill()
+            holder.wait(timeout=30)
+            started = time.monotonic()
+            with pytest.raises(PeerGone):
+                peer.fetch(keys[4:8], timeout=10)
+            assert time.monotonic() - started < 1.5 + 3.0
+            assert consumer.stats().peers_out == 0
+    finally:
+        holder.kill()
