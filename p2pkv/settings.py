@@ -315,6 +315,7 @@ def node_config(settings: Settings, *, listen: str | None = None) -> NodeConfig:
             shm_copy_threads=v["shm_copy_threads"],
             data_channel=v["data_channel"], data_port=v["data_port"],
             data_streams=v["data_streams"], data_encryption=v["data_encryption"],
+            nixl=v["nixl"], nixl_read_timeout=v["nixl_read_timeout"],
         )
     except ConfigError as exc:
         if exc.option == "listen" and not exc.named:

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -45,12 +46,15 @@ from p2pkv.nixl import (
     ucx_version,
     unavailable_reason,
 )
+from p2pkv.nixl import importer as importing
 
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = 8 << 20
 TCP = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
+#: Pieces enough for the numpy descriptor path.
+LONG = importing._ARRAY_FROM + 12
 #: A holder process: an Exporter over SIZE seeded random bytes; it prints its blob and
 #: region address as one JSON line, then lives until its stdin closes.
 HOLDER = """
@@ -187,7 +191,7 @@ def test_reads_the_nonce_and_scattered_pieces(
                               soon(5))
         assert len(exporter.nonce) == NONCE_BYTES and bytes(nonce) == exporter.nonce
         few = [(0, 100), (4096 * 3 + 7, 4096), (1 << 20, 576 << 10), (SIZE - 12345, 12345)]
-        many = [(i * 65536 + i, 1000 + i) for i in range(40)]  # the numpy descriptor path
+        many = [(i * 50_000 + i, 1000 + i) for i in range(LONG)]  # the numpy path
         for pieces in (few, many):
             views = reader.read(exporter.name,
                                 [(region.address + at, n) for at, n in pieces], soon(5))
@@ -207,7 +211,7 @@ def test_pieces_outside_the_registration_are_the_holders_fault(
     importer.add_peer(exporter.metadata)
     outside = [[(region.address + SIZE - 10, 11)], [(region.address - 4096, 100)],
                [(region.address + SIZE + (1 << 30), 64)],
-               [(region.address, 10)] * 39 + [(region.address + SIZE, 1)]]
+               [(region.address, 10)] * LONG + [(region.address + SIZE, 1)]]
     for pieces in outside:
         with pytest.raises(NixlReadFailed) as failed:
             importer.read(exporter.name, pieces, soon(5))
@@ -223,15 +227,16 @@ def test_what_is_no_byte_range_or_too_large_is_refused_before_anything_is_sent(
     exporter, region = exported(3)
     name = importer.add_peer(exporter.metadata)
     for pieces in ([(region.address, 0)], [(-1, 16)], [(2**64 - 10, 20)],
-                   [(region.address, 16)] * 39 + [(2**64 - 10, 20)],
-                   [(region.address, 16)] * 39 + [(-5, 16)]):
+                   [(region.address, 16)] * LONG + [(2**64 - 10, 20)],
+                   [(region.address, 16)] * LONG + [(-5, 16)],
+                   [(region.address, 16, 0)] * LONG):
         with pytest.raises(NixlReadFailed) as failed:
             importer.read(name, pieces, soon(5))
         assert failed.value.peer_fault, pieces
     with pytest.raises(ValueError, match="staging"):
         importer.read(name, [(region.address, (4 << 20) + 1)], soon(5))
     with pytest.raises(ValueError, match="staging"):
-        importer.read(name, [(region.address + i * 4096, 200_000) for i in range(40)],
+        importer.read(name, [(region.address + i * 4096, 40_000) for i in range(LONG)],
                       soon(5))
     with pytest.raises(NixlReadFailed) as failed:
         importer.read("p2pkv-test-nobody", [(region.address, 16)], soon(5))
@@ -276,7 +281,9 @@ def test_closing_is_idempotent_and_leaves_no_thread(
     assert reader.read(exporter.name, [(exporter.nonce_address, 16)], soon(5))
     with reader._owned(), pytest.raises(RuntimeError, match="one thread"):
         reader.read(exporter.name, [(exporter.nonce_address, 16)], soon(5))  # one running
+    agent = weakref.ref(reader._agent)
     reader.close()
+    assert agent() is None  # NIXL's agent is gone when close() returns
     reader.close()
     exporter.close()
     exporter.close()
@@ -393,3 +400,43 @@ def test_a_holder_restarted_under_the_same_name_is_read_again(
     piece = [(again["address"] + 777, 50_000)]
     assert bytes(importer.read(name, piece, soon(5))[0]) == content(7)[777:50_777]
     assert importer.peers == (name,)
+
+
+def test_reads_pending_from_a_replaced_holder_keep_their_buffers_until_close(
+        tcp: None, importer: Importer, holders: Callable[..., Any]) -> None:
+    name = unique("holder")
+    hung, info = holders(name, 8)
+    assert importer.add_peer(info["metadata"]) == name
+    piece = [(info["address"], 4096)]
+    assert bytes(importer.read(name, piece, soon(5))[0]) == content(8)[:4096]
+    stop(hung)
+    with pytest.raises(NixlReadFailed):
+        importer.read(name, piece, soon(0.2))
+    # Another process takes the name while the first one's READ is pending.
+    second, again = holders(name, 9)
+    assert importer.add_peer(again["metadata"]) == name
+    piece = [(again["address"], 4096)]
+    expected = content(9)[:4096]
+    assert bytes(importer.read(name, piece, soon(5))[0]) == expected
+    # NIXL can no longer say when the orphaned READ ends: its buffer stays retired.
+    hung.send_signal(signal.SIGCONT)
+    time.sleep(0.05)
+    assert importer.reap() == 1
+    assert bytes(importer.read(name, piece, soon(5))[0]) == expected
+
+    # A reader closed with a READ pending: its agent goes first, so nothing lands in
+    # the unmapped buffer when the holder resumes.
+    other = Importer(unique("reader"), staging_bytes=1 << 20)
+    try:
+        other.add_peer(again["metadata"])
+        assert bytes(other.read(name, piece, soon(5))[0]) == expected
+        stop(second)
+        with pytest.raises(NixlReadFailed):
+            other.read(name, piece, soon(0.2))
+        assert other.zombies == 1
+    finally:
+        other.close()
+    assert other.zombies == 0
+    second.send_signal(signal.SIGCONT)
+    time.sleep(0.1)
+    assert bytes(importer.read(name, piece, soon(5))[0]) == expected

@@ -166,6 +166,32 @@ def test_node_config_takes_its_defaults_from_the_table() -> None:
     assert config.heartbeat_interval == 1.0  # the rule's: min(1, heartbeat_timeout / 4)
 
 
+def _another(opt: Option) -> Any:
+    """A good value of ``opt`` other than its default."""
+    kind, default = opt.kind, opt.default
+    if isinstance(kind, Bool):
+        return not default
+    if isinstance(kind, Choice):
+        return next(c for c in kind.choices if c != default)
+    if isinstance(kind, Number):
+        return default / 2
+    return default + 1
+
+
+def test_every_option_serve_takes_for_the_node_reaches_its_node_config() -> None:
+    from p2pkv.settings import node_config
+
+    skipped = {"listen", "key_seed", "heartbeat_interval", "data_port"}
+    for opt in SERVE_OPTIONS:
+        if NODE not in opt.where or opt.name in skipped or opt.name.startswith("curve"):
+            continue
+        value = _another(opt)
+        config = node_config(load_settings({opt.name: str(value).lower()
+                                            if isinstance(value, bool) else str(value)},
+                                           environ={}))
+        assert getattr(config, opt.name) == value, opt.name
+
+
 @pytest.mark.parametrize(("make", "named"), [
     (lambda: Deadlines(handshake=math.nan), "deadlines.handshake"),
     (lambda: Deadlines(fetch_idle=math.inf), "deadlines.fetch_idle"),

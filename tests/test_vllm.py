@@ -28,6 +28,7 @@ The engines need the vLLM environment and the model (``make vllm-env real-model`
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import queue
@@ -344,7 +345,8 @@ def producer_started(model_dir: Path, logs: Path, engines: list[Engine],
     address = f"tcp://127.0.0.1:{free_port()}"
     directory = ({"directory": module_redis_url_if_installed}
                  if module_redis_url_if_installed else {})
-    engine = Engine("producer", model_dir, logs, tier={"listen": address, **directory},
+    engine = Engine("producer", model_dir, logs,
+                    tier={"listen": address, **directory, **nixl_tier()}, env=UCX_LOOPBACK,
                     lora=True, cwd=adapter_homes["v1"], wait=False)
     engines.append(engine)
     return engine
@@ -387,12 +389,36 @@ def first_consumers(model_dir: Path, logs: Path, engines: list[Engine], producer
     # same two cores: a lookup wait of 1 s, not 50 ms, so that "answered in the step it
     # was asked" depends on the tier, not on how busy this machine is.
     made = {"consumer": consumer("consumer", model_dir, logs, engines, producer,
-                                 wait=False, tier={"lookup_wait": 1.0})}
+                                 wait=False, tier={"lookup_wait": 1.0, **nixl_tier()},
+                                 env=UCX_LOOPBACK)}
     if module_redis_url_if_installed is not None:
         made["directory"] = consumer(
             "consumer-directory", model_dir, logs, engines, None, wait=False,
             tier={"directory": module_redis_url_if_installed})
     return made
+
+
+#: NIXL's UCX over loopback TCP, the transport RDMA verbs replace on a fabric.
+UCX_LOOPBACK = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
+
+
+def nixl_tier() -> dict[str, str]:
+    """The tier option that READs chunks through NIXL, where .venv-vllm has it: the
+    producer and the first consumer load over it (the other engines over the stream)."""
+    return {"nixl": "on"} if nixl_unavailable() is None else {}
+
+
+@functools.cache
+def nixl_unavailable() -> str | None:
+    """Why NIXL cannot be used in .venv-vllm (None: it can)."""
+    if not VLLM_PY.exists():
+        return f"no vLLM environment at {VLLM_PY}"
+    out = subprocess.run([str(VLLM_PY), "-c", "from p2pkv.nixl import unavailable_reason; "
+                          "print(unavailable_reason() or '')"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, **vllm_env("0.32")})
+    if out.returncode != 0:
+        return out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "check failed"
+    return out.stdout.strip() or None
 
 
 def run_check(script: Path, *args: str, vllm: str = "0.32") -> subprocess.CompletedProcess[str]:
@@ -437,15 +463,24 @@ def test_tier_identity_equals_vllm_file_mapper(vllm: str) -> None:
     assert "cannot be bound" in bad["listen taken"]
 
 
-@pytest.mark.parametrize(("path", "vllm"), [("tcp", "0.32"), ("shm", "0.32"), ("tcp", "0.33")])
-def test_tier_driven_like_vllms_tiering_manager(path: str, vllm: str) -> None:
+@pytest.mark.parametrize(("path", "vllm"), [("tcp", "0.32"), ("shm", "0.32"), ("tcp", "0.33"),
+                                           ("nixl", "0.32")])
+def test_tier_driven_like_vllms_tiering_manager(path: str, vllm: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Two tiers without an engine, called as vLLM's tiering manager calls them: a store
     survives the primary slots being reused, lookups answer RETRY then HIT/MISS (and
     HIT/MISS at once for a request whose block hashes came at arrival), a load
     lands byte-exact in other slots, a key nobody holds fails alone, and a peer with
     another model revision is refused with the reason in stats() and in the metrics.
-    With ``"shm": true`` (engines on one host) the chunks come over shared memory."""
-    out = run_check(TIER_CHECK, *(["--shm"] if path == "shm" else []), vllm=vllm)
+    With ``"shm": true`` (engines on one host) the chunks come over shared memory; with
+    ``"nixl": "on"`` they are READ one-sided through NIXL (UCX over loopback TCP here)."""
+    if path == "nixl":
+        why = nixl_unavailable()
+        if why is not None:
+            pytest.skip(f"NIXL cannot be used in {VLLM_PY.parent.parent.name}: {why}")
+        monkeypatch.setenv("UCX_TLS", "tcp,self")
+        monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    out = run_check(TIER_CHECK, *([f"--{path}"] if path != "tcp" else []), vllm=vllm)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     checks = {c["check"]: c for c in (json.loads(line) for line in out.stdout.splitlines()
                                        if line.startswith("{"))}
@@ -501,6 +536,7 @@ def test_tier_driven_like_vllms_tiering_manager(path: str, vllm: str) -> None:
     # Off shared memory, blocks take the data stream beside ZeroMQ (tcp-data-v1).
     assert load["data_path"] == ["tcp-data" if path == "tcp" else path]
     assert load["received_shm"] == (4 if path == "shm" else 0)
+    assert load["received_nixl"] == (4 if path == "nixl" else 0)
     partial = checks["partial"]
     assert not partial["success"] and partial["successful"] == ["01010101"]
     assert partial["equal"]
@@ -633,6 +669,8 @@ def test_consumer_loads_shared_prefix_from_producer(
     assert p2p_hits(metrics) == shared, metrics
     assert metrics["vllm:p2pkv_loaded_blocks"] == shared // OFFLOAD_TOKENS
     assert metrics["vllm:p2pkv_peers"] == 1
+    if nixl_tier():  # the chunks were READ one-sided out of the producer's pool
+        assert "chunks by nixl" in engine.log_text(), engine.log_tail()
     # The peer's answer came while the scheduler asked: the tier never answered RETRY
     # (the request waited for its load only, not a step for its lookup).
     assert metrics.get("vllm:p2pkv_lookup_steps{outcome=deferred}", 0) == 0, metrics

@@ -456,6 +456,8 @@ def main() -> int:
     raw_b, view_b = region()
     _raw_c, view_c = region()
     shm = "--shm" in sys.argv  # same-host engines: the pool in shared memory
+    # One-sided NIXL reads (nixl-v1): the node's option, nothing else to set.
+    nixl = {"nixl": "on"} if "--nixl" in sys.argv else {}
 
     def refused_at_start(model: str | None = None, **params: Any) -> str:
         """The error a tier gives at start (with ``model``: under another checkpoint)."""
@@ -495,9 +497,10 @@ def main() -> int:
         errors["layout declared"] = refused_at_start(model_dir, kv_memory_layout="NHD")
         errors["overrides declared"] = refused_at_start(
             model_dir, model_overrides={"rope_theta": 10000.0})
-        a = P2PKVTier(spec, view_a, "P2PKVTier", listen=addr_a, model_revision="r1", shm=shm)
+        a = P2PKVTier(spec, view_a, "P2PKVTier", listen=addr_a, model_revision="r1", shm=shm,
+                      **nixl)
         b = P2PKVTier(spec, view_b, "P2PKVTier", listen=addr_b, peers=[addr_a],
-                      model_revision="r1", lookup_timeout=2.0, shm=shm)
+                      model_revision="r1", lookup_timeout=2.0, shm=shm, **nixl)
         c = P2PKVTier(spec, view_c, "P2PKVTier", listen=addr_c, peers=[addr_a],
                       model_revision="r2", lookup_timeout=2.0)
     report("identity_errors", **errors)
@@ -551,7 +554,8 @@ def main() -> int:
                equal=bytes(raw_b[4 * row:8 * row]) == original,
                transfer_bytes=loaded.transfer_bytes,
                data_path=[p.data_path for p in node_b.peers()],
-               received_shm=node_b.stats().blocks_received_shm)
+               received_shm=node_b.stats().blocks_received_shm,
+               received_nixl=node_b.stats().paths["nixl"].blocks_received)
 
         # A load of a key nobody said it holds fails that key only.
         b.submit_load(TransferJob(3, [keys[0], absent], np.array([0, 1]), True, req_b))

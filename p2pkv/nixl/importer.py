@@ -1,40 +1,33 @@
 """The reader's side of the one-sided NIXL read path: reads of a holder's memory into a
 registered staging area.
 
-An :class:`Importer` is an agent of its own, used from one thread (the node's IO
-thread: NIXL agents are not safe to share between threads), and a staging buffer
-registered with it. :meth:`Importer.read` reads a list of pieces ``(remote address,
-length)`` of one holder with one NIXL READ, packed one after the other into the staging
-buffer, and returns a view of each; the caller copies them out (and verifies their
-checksums) before its next read.
+An :class:`Importer` is an agent used from one thread (the node's IO thread: NIXL
+agents are not safe to share between threads) and a staging buffer registered with it.
+:meth:`Importer.read` reads pieces ``(remote address, length)`` of one holder with one
+READ, packed one after the other in the staging buffer, and returns a view of each; the
+caller copies them out (and verifies their checksums) before its next read.
 
 Failures. NIXL refuses pieces outside what the holder registered before anything is
 sent (``nixlNotFoundError``): the holder's answer was wrong, ``peer_fault`` is True. A
-disconnect comes as an exception, a holder that hangs as a READ that stays in progress
-forever: the reader's own deadline ends it, ``peer_fault`` is False.
+disconnect comes as an exception, a hung holder as a READ in progress forever that the
+reader's own deadline ends: ``peer_fault`` is False.
 
-Retired buffers ("zombies"). Abandoning a READ does not stop it: releasing its handle
-returns at once, and the data may still land in the destination later (seen with a
-hung holder that resumes, and after the holder's metadata was removed). So a READ that
-did not complete keeps its staging buffer and its still unreleased handle; the next
-read gets a fresh buffer. Each later call polls the retired READs (one non-blocking
-state check each) and frees a buffer once its READ is over: done, or failed in UCX (a
-disconnect). At most ``max_zombies`` are kept: with that many pending, reads are
-refused (``peer_fault`` False) until one ends, rather than growing memory without
-bound. A holder that is removed (:meth:`~Importer.remove_peer`) while READs from it are
-pending stays loaded until they end: once its metadata is removed, NIXL no longer says
-whether its READs ended, although their data can still land. Where the metadata must
-be replaced anyway (the holder restarted under the same name), its pending READs are
-orphaned: their buffers are kept until :meth:`~Importer.close`, which destroys the
-agent, and with it every endpoint, before it unmaps them.
+Retired buffers ("zombies"). Releasing an unfinished READ does not stop it: its data
+may still land later (seen with a hung holder that resumes, even after its metadata was
+removed). So a READ that did not complete keeps its staging buffer and its unreleased
+handle, and the next read gets a fresh buffer. Each later call checks the retired READs
+(non-blocking) and frees a buffer once its READ is over: done, or failed in UCX. With
+``max_zombies`` pending, reads are refused until one ends. A holder removed while READs
+from it are pending stays loaded until they end (without its metadata, NIXL no longer
+says whether they did); where its metadata must be replaced (it restarted under the
+same name), they are orphaned: kept until :meth:`~Importer.close`, which destroys the
+agent, and with it every endpoint, before it unmaps any buffer.
 
-Descriptors are built per read with ``initialize_xfer`` (NIXL checks them against the
-holder's registration and creates the request in one call). Measured here (CMA,
-holder in the same process; build, post, wait, release; median): 1 piece 7 µs against
-10 µs for ``prep_xfer_dlist`` twice plus ``make_prepped_xfer``, 256 pieces 199 µs
-against 207 µs, 1024 pieces 0.80 ms against 0.91 ms. Lists of more than
-:data:`_ARRAY_FROM` pieces are built as numpy arrays (42 µs instead of 298 µs for 1024
-pieces), shorter ones as tuples (4 µs instead of 10 µs for one).
+Descriptors are built per read with ``initialize_xfer``. Measured here (CMA; build,
+post, wait, release; median): 1 piece 7 µs against 10 µs for two ``prep_xfer_dlist``
+and ``make_prepped_xfer``, 256 pieces 199 against 207 µs, 1024 pieces 0.80 against
+0.91 ms. Past :data:`_ARRAY_FROM` pieces, numpy checks and lays them out (1024 pieces:
+242 µs against 287 µs in Python; 8 pieces: 16 µs against 5 µs).
 """
 
 from __future__ import annotations
@@ -56,15 +49,14 @@ __all__ = ["Importer"]
 
 log = logging.getLogger("p2pkv.nixl")
 
-_ARRAY_FROM: Final = 32
-"""Descriptor lists longer than this are built with numpy."""
-_TIGHT_S: Final = 0.0001
-"""Seconds a read polls without sleeping after it is posted."""
+_ARRAY_FROM: Final = 128  # longer descriptor lists are built with numpy
+_TIGHT_S: Final = 0.0001  # seconds a read polls without sleeping after it is posted
 _FIRST_PAUSE_S: Final = 0.00005
 _MAX_PAUSE_S: Final = 0.001
-"""The sleeps between two polls after that: 50 µs, doubling up to 1 ms."""
-_CLOSE_WAIT_S: Final = 30.0
-"""Seconds close() waits for a read running on another thread to end."""
+_PAUSE_SHARE: Final = 0.01
+"""The sleeps between two polls after that: 1 % of the time waited, 50 µs to 1 ms (over
+TCP the reader's progress moves the data too; a hung holder costs 1000 polls/s)."""
+_CLOSE_WAIT_S: Final = 30.0  # seconds close() waits for a read on another thread
 _ADDRESS_END: Final = 1 << 64
 
 
@@ -125,6 +117,48 @@ class _Zombie:
                 handle.release()
 
 
+class _Retired:
+    """The zombies of one agent: retired READs and the buffers they may still write."""
+
+    __slots__ = ("zombies",)
+
+    def __init__(self) -> None:
+        self.zombies: list[_Zombie] = []
+
+    def __len__(self) -> int:
+        return len(self.zombies)
+
+    def reap(self, agent: Any) -> None:
+        """Free the buffers of the READs that ended: their state is final, or raises (a
+        failure in UCX). Orphans are kept: theirs raises while they may go on."""
+        kept = []
+        for zombie in self.zombies:
+            ended = False
+            if not zombie.orphaned:
+                try:
+                    ended = agent.check_xfer_state(zombie.handle) != "PROC"
+                except Exception:
+                    ended = True
+            if not ended:
+                kept.append(zombie)
+                continue
+            zombie.release()
+            zombie.staging.deregister(agent)
+            zombie.staging.unmap()
+        self.zombies = kept
+
+    def pending(self) -> set[str]:
+        """The holders with READs NIXL can still say the end of."""
+        return {z.peer for z in self.zombies if not z.orphaned}
+
+    def orphan(self, peer: str) -> int:
+        """Orphan the pending READs of ``peer`` (its metadata goes); how many."""
+        orphans = [z for z in self.zombies if z.peer == peer and not z.orphaned]
+        for zombie in orphans:
+            zombie.orphaned = True
+        return len(orphans)
+
+
 def _layout(sources: Sequence[tuple[int, int]], base: int,
             limit: int) -> tuple[Any, Any, list[tuple[int, int]]]:
     """Local and remote descriptors of one read, and each piece's (offset, length) in
@@ -167,26 +201,20 @@ def _layout_array(sources: Sequence[tuple[int, int]], base: int,
         raise ValueError(f"{int(lengths.sum(dtype=object))} bytes do not fit in the "
                          f"{limit}-byte staging area")
     offsets = np.cumsum(lengths) - lengths
-    local = np.zeros((len(table), 3), dtype=np.uint64)
-    remote = np.zeros((len(table), 3), dtype=np.uint64)
-    local[:, 0] = offsets + np.uint64(base)
-    local[:, 1] = lengths
-    remote[:, :2] = table
+    devices = np.zeros_like(lengths)
+    local = np.column_stack((offsets + np.uint64(base), lengths, devices))
+    remote = np.column_stack((addresses, lengths, devices))
     return local, remote, list(zip(offsets.tolist(), lengths.tolist(), strict=True))
 
 
 class Importer:
-    """The reader's side: an agent used from one thread only (the caller's: the node's
-    IO thread), and a registered staging area each read lands in.
+    """The reader's side: an agent used from one thread at a time (the node's IO
+    thread; two at once raise RuntimeError, where NIXL would crash the process), and a
+    registered staging area each read lands in.
 
-    ``name`` is this agent's name (distinct from every holder's); ``staging_bytes`` the
-    size of the staging area, the most one :meth:`read` can move; ``max_zombies`` the
-    most retired staging buffers kept before reads are refused (see the module's
-    docstring). The agent is made here, on the calling thread; NixlUnavailable when it
-    cannot be.
-
-    Calls from two threads at once raise RuntimeError (NIXL would crash the process);
-    calls from different threads one after the other are allowed.
+    ``name`` is this agent's name (no holder's); ``staging_bytes`` the most one
+    :meth:`read` moves; ``max_zombies`` the most retired buffers kept before reads are
+    refused. The agent is made here, on the calling thread; NixlUnavailable if it cannot.
     """
 
     def __init__(self, name: str, *, staging_bytes: int = 64 << 20,
@@ -209,7 +237,7 @@ class Importer:
                                   f"with NIXL: {_describe(exc)}") from None
         self._peers: dict[str, bytes] = {}  # loaded holders: name -> their blob
         self._leaving: set[str] = set()     # removed, still loaded until their READs end
-        self._zombies: list[_Zombie] = []
+        self._retired = _Retired()
         self._inflight: Any = None          # the READ of the running read(), if any
         self._lock = threading.Lock()
         self._closed = False
@@ -237,7 +265,7 @@ class Importer:
     @property
     def zombies(self) -> int:
         """Retired staging buffers whose READ may still write them."""
-        return len(self._zombies)
+        return len(self._retired)
 
     @property
     def closed(self) -> bool:
@@ -308,13 +336,11 @@ class Importer:
     def _replace(self, name: str) -> None:
         """Forget a holder whose metadata changed; its pending READs are orphaned."""
         self._reap()
-        orphans = [z for z in self._zombies if z.peer == name and not z.orphaned]
-        for zombie in orphans:
-            zombie.orphaned = True
+        orphans = self._retired.orphan(name)
         if orphans:
             log.warning("NIXL holder %s restarted with %d reads from it pending: their "
                         "staging buffers are kept until the importer closes", name,
-                        len(orphans))
+                        orphans)
         self._forget(name)
 
     def _forget(self, name: str) -> None:
@@ -324,16 +350,13 @@ class Importer:
             self._agent.remove_remote_agent(name)
 
     def remove_peer(self, name: str) -> None:
-        """Forget a holder (its connection ended); unknown names are ignored.
-
-        Reads from it fail from now on. While READs from it are pending, NIXL keeps its
-        metadata (and so can still say when they end) until they do.
-        """
+        """Forget a holder (its connection ended); unknown names are ignored. Reads from
+        it fail from now on; NIXL keeps its metadata until its pending READs end."""
         with self._owned():
             if self._closed or name not in self._peers:
                 return
             self._reap()
-            if any(z.peer == name and not z.orphaned for z in self._zombies):
+            if name in self._retired.pending():
                 self._leaving.add(name)
             else:
                 self._forget(name)
@@ -364,8 +387,8 @@ class Importer:
         self._reap()
         if peer not in self._peers or peer in self._leaving:
             raise NixlReadFailed(f"{peer!r} is not a loaded NIXL holder", peer_fault=False)
-        if len(self._zombies) >= self.max_zombies:
-            raise NixlReadFailed(f"reads are suspended: {len(self._zombies)} earlier reads "
+        if len(self._retired) >= self.max_zombies:
+            raise NixlReadFailed(f"reads are suspended: {len(self._retired)} earlier reads "
                                  "have not ended", peer_fault=False)
         staging = self._staging_area()
         local, remote, spans = _layout(sources, staging.address, self.staging_bytes)
@@ -402,9 +425,8 @@ class Importer:
 
     def _post(self, peer: str, local: Any, remote: Any) -> None:
         """Create the READ request (``self._inflight``). NixlReadFailed, nothing sent,
-        where NIXL refuses it: peer_fault where the pieces lie outside what the holder
-        registered (``nixlNotFoundError``; the holder is loaded, so that is what it
-        means)."""
+        where NIXL refuses it; peer_fault where the pieces lie outside what the (loaded)
+        holder registered: ``nixlNotFoundError``."""
         agent = self._agent
         error = None
         refused = False
@@ -422,68 +444,49 @@ class Importer:
 
     def _complete(self, deadline: float) -> str | None:
         """Post the READ and poll it until it is done (None) or the deadline, an error
-        state or an exception ends it (what happened). Polls without a pause for
-        :data:`_TIGHT_S`, then sleeps between polls (50 µs, doubling to 1 ms) so that a
-        holder in this process, or a slow one, gets the GIL and the CPU."""
+        state or an exception ends it (what happened). Sleeps between polls after
+        :data:`_TIGHT_S`, so that a holder in this process gets the GIL and the CPU."""
         agent = self._agent
         handle = self._inflight
         try:
+            posted = time.monotonic()
             state = agent.transfer(handle)
-            pause = _FIRST_PAUSE_S
-            tight_until = time.monotonic() + _TIGHT_S
             while state == "PROC":
                 now = time.monotonic()
                 if now >= deadline:
                     return "no answer by the deadline"
-                if now >= tight_until:
-                    time.sleep(min(pause, deadline - now))
-                    pause = min(pause * 2, _MAX_PAUSE_S)
+                waited = now - posted
+                if waited >= _TIGHT_S:
+                    time.sleep(min(max(waited * _PAUSE_SHARE, _FIRST_PAUSE_S), _MAX_PAUSE_S,
+                                   deadline - now))
                 state = agent.check_xfer_state(handle)
         except Exception as exc:
             return _describe(exc)
         return None if state == "DONE" else f"NIXL reported {state}"
 
     def _retire(self, peer: str) -> None:
-        """Keep the failed READ's handle and its staging buffer; the next read gets a
-        fresh buffer."""
+        """Keep the failed READ's handle and buffer; the next read gets a fresh one."""
         assert self._staging is not None
-        self._zombies.append(_Zombie(self._staging, self._inflight, peer))
+        self._retired.zombies.append(_Zombie(self._staging, self._inflight, peer))
         self._staging = None
         self._inflight = None
         log.info("NIXL read from %s did not complete: its staging buffer is retired "
-                 "(%d retired)", peer, len(self._zombies))
+                 "(%d retired)", peer, len(self._retired))
 
     def reap(self) -> int:
-        """Free the retired buffers whose READ ended; returns how many are left.
-
-        Every :meth:`read` does this first; an idle caller may call it on its own.
-        """
+        """Free the retired buffers whose READ ended (every :meth:`read` does this
+        first; an idle caller may too); returns how many are left."""
         with self._owned():
             if not self._closed:
                 self._reap()
-            return len(self._zombies)
+            return len(self._retired)
 
     def _reap(self) -> None:
-        if self._zombies:
-            kept = []
-            for zombie in self._zombies:
-                if zombie.orphaned or not self._ended(zombie):
-                    kept.append(zombie)
-                    continue
-                zombie.release()
-                zombie.staging.deregister(self._agent)
-                zombie.staging.unmap()
-            self._zombies = kept
-        for name in list(self._leaving):
-            if not any(z.peer == name and not z.orphaned for z in self._zombies):
+        if self._retired.zombies:
+            self._retired.reap(self._agent)
+        if self._leaving:
+            for name in self._leaving - self._retired.pending():
                 self._forget(name)
-
-    def _ended(self, zombie: _Zombie) -> bool:
-        """Whether a retired READ can no longer write: done, or failed in UCX."""
-        try:
-            return bool(self._agent.check_xfer_state(zombie.handle) != "PROC")
-        except Exception:
-            return True
 
     # ------------------------------------------------------------------ closing
 
@@ -500,7 +503,7 @@ class Importer:
             if self._closed:
                 return
             self._closed = True
-            zombies, self._zombies = self._zombies, []
+            zombies, self._retired.zombies = self._retired.zombies, []
             buffers = [z.staging for z in zombies]
             if self._staging is not None:
                 buffers.append(self._staging)
@@ -520,4 +523,4 @@ class Importer:
 
     def __repr__(self) -> str:
         return (f"Importer({self.name!r}, peers={len(self._peers)}, reads={self._reads}, "
-                f"zombies={len(self._zombies)}, closed={self._closed})")
+                f"zombies={len(self._retired)}, closed={self._closed})")

@@ -80,7 +80,8 @@ class Peers:
             if handle is not None:
                 self._refused.pop(address, None)
                 self._said.pop(address, None)
-                log.info("p2pkv tier: connected to %s (%s)", address, handle.remote_node_id)
+                log.info("p2pkv tier: connected to %s (%s), chunks by %s (%s)", address,
+                         handle.remote_node_id, handle.data_path, handle.data_path_detail)
             elif isinstance(exc, PeerIncompatible):
                 fields = tuple(r.field for r in exc.reasons)
                 if fields != self._refused.get(address):
