@@ -14,12 +14,17 @@ from pathlib import Path
 
 import pytest
 
+from p2pkv.nixl import unavailable_reason
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 BULK = ("bulk seed V2 (12 x 48 KiB)", "bulk seed V1 (1 x 576 KiB)",
         "bulk Llama-3-8B V2 (32 x 64 KiB)", "bulk 16 KiB blocks (V1)")
 LOOKUPS = tuple(f"lookup {n} keys, {when}" for n in ("1,000", "10,000")
                 for when in ("idle", "during bulk fetch"))
+NIXL = tuple(f"{title} {label}" for title in (
+    "NIXL read over UCX TCP", "NIXL read, same host (UCX default: CMA)")
+    for label in ("seed V2 (12 x 48 KiB)", "Llama-3-8B V2 (32 x 64 KiB)"))
 FIELDS = {"case", "metric", "value", "baseline", "ratio", "target", "met", "verified",
           "baseline_kind", "details", "error"}
 
@@ -84,6 +89,23 @@ def test_quick_bench_runs_every_case_and_verifies_every_byte(tmp_path: Path) -> 
         assert sd["checksums"] is True and stream["met"] in (True, False)
         assert sd["kernel_verified"] is True and sd["node_verified"] is True
         assert len(sd["node_round_gbps"]) == len(sd["kernel_round_gbps"]) >= 2
+    # NIXL (nixl-v1) against the data stream of the same case, where NIXL can be used.
+    if unavailable_reason() is None:
+        for name in NIXL:
+            (row,) = by_case[name]
+            nd = row["details"]
+            assert isinstance(nd, dict) and nd["data_path"] == "nixl (nixl-v1)", row
+            assert nd["transport"] in ("UCX tcp on loopback", "UCX same-host (cma)")
+            assert nd["nixl_verified"] is True and nd["stream_verified"] is True
+            assert len(nd["nixl_round_gbps"]) == len(nd["stream_round_gbps"]) >= 2
+            for side in ("nixl", "stream"):
+                for who in ("holder", "reader"):
+                    assert nd[f"{side}_{who}_cpu_s_per_gb"] >= 0, row
+            assert f"spread {name}:" in proc.stdout
+    else:
+        assert not any(name.startswith("NIXL") for name in by_case)
+        assert any(s.startswith("NIXL rows: ") for s in data["skipped"])
+        assert "skipped: NIXL rows: " in proc.stdout
     for name in LOOKUPS:
         assert sorted(str(r["metric"]) for r in by_case[name]) == ["p50 ms", "p99 ms"]
     assert any(r["met"] is not None for r in by_case["lookup 10,000 keys, during bulk fetch"])

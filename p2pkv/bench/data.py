@@ -8,7 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -67,6 +67,15 @@ BULK_CASES: tuple[BulkCase, ...] = (
     BulkCase("llama3-8b-v2", "Llama-3-8B V2 (32 x 64 KiB)", "v2", preset("llama-3-8b"), 0.9),
     BulkCase("small-16k", "16 KiB blocks (V1)", "v1", SMALL_16K, 0.6),
 )
+
+def node_spec(node_id: str, case: BulkCase, blocks: int, **extra: Any) -> dict[str, Any]:
+    """A worker's spec of one node holding (or fetching) ``blocks`` blocks of ``case``;
+    ``extra``: more of its options (``server``, ``shm``, ``nixl``, ``ucx_env``, ...; see
+    :func:`p2pkv.bench.node_roles.make_node`)."""
+    return {"id": node_id, "dataset": case.name, "segments": list(case.segments),
+            "blocks": blocks, "layout": case.layout,
+            "geometry": asdict(case.geometry), **extra}
+
 
 KERNEL_KIND = "kernel TCP: sendmsg gather from the pool, recvmsg_into scatter into slots"
 """The ceiling baseline (``p2pkv.bench.kernel_roles``)."""

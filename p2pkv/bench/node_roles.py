@@ -4,10 +4,12 @@ lookups, handshakes, memory) and the soak consumer."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,14 +44,45 @@ def make_node(spec: dict[str, Any], *, pool_blocks: int, checksums: bool = True,
     rc = RunConfig.resolve("p2pkv/bench", parallel_agnostic=True, dtype=g.dtype,
                            kv_cache_groups=groups, **layout.identity_flags())
     # Clients use the data channel (tcp-data-v1) only where the case asks for it, so
-    # the other rows measure the ZeroMQ path; servers offer it to whoever asks.
+    # the other rows measure the ZeroMQ path; servers offer it to whoever asks. NIXL
+    # (nixl-v1) is off unless the case asks for it: "auto" would take it wherever the
+    # host has an RDMA device, and every node it is on keeps an exporter thread busy.
     cfg = NodeConfig(checksums=checksums, curve=curve, fetch_timeout=120.0,
                      shm=bool(spec.get("shm", False)),
                      shm_copy_threads=int(spec.get("shm_copy_threads", 1)),
                      data_channel=bool(spec.get("data_channel", False)),
                      data_streams=int(spec.get("data_streams", 1)),
-                     data_encryption=str(spec.get("data_encryption", "sealed")))
-    return Node(rc, layout, pool_blocks=pool_blocks, config=cfg)
+                     data_encryption=str(spec.get("data_encryption", "sealed")),
+                     nixl=str(spec.get("nixl", "off")),
+                     nixl_read_timeout=float(spec.get("nixl_read_timeout", 30.0)))
+    # UCX reads its transports from the environment when a NIXL agent is made, which
+    # the Node's constructor does (and waits for): the spec's "ucx_env" is in force for
+    # this node's construction only.
+    with ucx_env(spec.get("ucx_env") or {}):
+        return Node(rc, layout, pool_blocks=pool_blocks, config=cfg)
+
+
+@contextlib.contextmanager
+def ucx_env(changes: dict[str, str | None]) -> Iterator[None]:
+    """``os.environ`` with ``changes`` (a None value: unset) until the block ends, then
+    as it was. Only ``UCX_*`` variables."""
+    for name in changes:
+        if not name.startswith("UCX_"):
+            raise BenchError(f"ucx_env sets {name!r}: only UCX_* variables")
+    saved = {name: os.environ.get(name) for name in changes}
+
+    def apply(values: dict[str, str | None]) -> None:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = str(value)
+
+    apply(changes)
+    try:
+        yield
+    finally:
+        apply(saved)
 
 
 def curve_keys(spec: dict[str, Any] | None) -> Any:
@@ -182,7 +215,7 @@ def role_node_client(spec: dict[str, Any]) -> int:
                                                chunk_keys(ds.bpb))
             clients[nspec["id"]].peer = node.connect(nspec["address"], timeout=30)
             peer = clients[nspec["id"]].peer
-            want = ("shm" if nspec.get("shm") else
+            want = ("nixl" if nspec.get("nixl") == "on" else "shm" if nspec.get("shm") else
                     "tcp-data" if nspec.get("data_channel") else "tcp")
             if peer.data_path != want:
                 raise BenchError(f"{nspec['id']}: blocks move by {peer.data_path}, not "

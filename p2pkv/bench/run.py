@@ -36,15 +36,15 @@ from p2pkv.bench.data import (
     SHM_THREADS_PREFIX,
     BenchError,
     BulkCase,
+    node_spec,
     percentile,
 )
 from p2pkv.bench.node_roles import chunk_keys
 from p2pkv.bench.pairs import bulk_pair, latency_pair, log, rounds_for, spread
 from p2pkv.bench.report import Row, error_row, machine_info, ratio_of, report
-from p2pkv.bench.stream_rows import data_channel_rows, multi_stream_rows
+from p2pkv.bench.stream_rows import data_channel_rows, multi_stream_rows, nixl_rows
 from p2pkv.bench.worker import Worker
 from p2pkv.checksum import NATIVE
-from p2pkv.layout import Geometry
 
 
 @dataclass(frozen=True)
@@ -69,21 +69,15 @@ class Plan:
                    ((1000, 200), (10_000, 100)), 4, 200)
 
 
-def geometry_dict(g: Geometry) -> dict[str, Any]:
-    return dataclasses.asdict(g)
-
-
-def node_spec(node_id: str, case: BulkCase, blocks: int, **extra: Any) -> dict[str, Any]:
-    return {"id": node_id, "dataset": case.name, "segments": list(case.segments),
-            "blocks": blocks, "layout": case.layout,
-            "geometry": geometry_dict(case.geometry), **extra}
-
-
 def _bench_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase],
-                blocks: dict[str, int], curve_ok: bool) -> list[Row]:
+                blocks: dict[str, int], curve_ok: bool, skipped: list[str]) -> list[Row]:
+    """Every row; what cannot run here is left out, and ``skipped`` says why."""
+    if not curve_ok:
+        skipped.append("CURVE rows: this libzmq has no CURVE")
     rows = _bulk_rows(plan, workers, cases, blocks)
     rows += data_channel_rows(plan.bulk_bytes, workers, cases, blocks)
     rows += multi_stream_rows(plan.bulk_bytes, workers, cases, blocks)
+    rows += nixl_rows(plan.bulk_bytes, workers, cases, blocks, skipped)
     rows += _shm_rows(plan, workers, blocks)
     rows += _other_rows(plan, workers, cases, blocks, curve_ok)
     return rows
@@ -441,6 +435,7 @@ def run_bench(*, quick: bool = False, json_path: str | None = None,
     workers: dict[str, Worker] = {}
     rows: list[Row] = []
     errors: list[str] = []
+    skipped: list[str] = []
     server_stats: dict[str, Any] = {}
     try:
         log("starting servers")
@@ -468,7 +463,7 @@ def run_bench(*, quick: bool = False, json_path: str | None = None,
             "address": raw_address})
         for name in ("node-client", "raw-client", "kernel-client", "mem-node", "mem-raw"):
             workers[name].next(300)
-        rows = _bench_rows(plan, workers, cases, blocks, curve_ok)
+        rows = _bench_rows(plan, workers, cases, blocks, curve_ok, skipped)
         server_stats = {"node-server": workers["node-server"].ask({"op": "stats"}, 60),
                         "raw-server": workers["raw-server"].ask({"op": "stats"}, 60)}
     except BenchError as exc:
@@ -486,13 +481,14 @@ def run_bench(*, quick: bool = False, json_path: str | None = None,
     ok = not errors and not rows_failed and bool(rows)
     result = {
         "version": 1, "mode": "quick" if quick else "full", "ok": ok, "errors": errors,
-        "seconds": elapsed, "machine": machine_info(), "baseline": BASELINE_KIND,
-        "plan": dataclasses.asdict(plan), "server_stats": server_stats,
+        "skipped": skipped, "seconds": elapsed, "machine": machine_info(),
+        "baseline": BASELINE_KIND, "plan": dataclasses.asdict(plan), "server_stats": server_stats,
         "cases": [dataclasses.asdict(r) for r in rows],
     }
     print(f"p2pkv bench ({result['mode']}, {elapsed:.0f} s) -- baseline: {BASELINE_KIND}",
           file=out)
     lines = spread_lines(rows)
+    lines += [f"skipped: {s}" for s in skipped]
     lines += [f"error: {e}" for e in errors]
     lines += [f"failed: {r.case} {r.metric}: {r.error or 'bytes not verified'}"
               for r in rows_failed]

@@ -11,10 +11,17 @@ from typing import IO, Any
 
 import numpy as np
 
-from p2pkv.bench.data import BULK_CASES, KIB, MIB, BenchError, fd_count, proc_status
+from p2pkv.bench.data import (
+    BULK_CASES,
+    KIB,
+    MIB,
+    BenchError,
+    fd_count,
+    node_spec,
+    proc_status,
+)
 from p2pkv.bench.pairs import log
 from p2pkv.bench.report import Row, machine_info, ratio_of, report
-from p2pkv.bench.run import node_spec
 from p2pkv.bench.worker import Worker
 
 

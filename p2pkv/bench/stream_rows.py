@@ -1,10 +1,26 @@
 """The data stream's rows of ``p2pkv-node bench``: the stream against the kernel's
-ceiling for every layout (``tcp-data-v1``), and several streams against one
-(``tcp-streams-v1``)."""
+ceiling for every layout (``tcp-data-v1``), several streams against one
+(``tcp-streams-v1``), and blocks READ one-sided out of the holder's pool through NIXL
+(``nixl-v1``) against the stream of the same case.
+
+The NIXL rows take two transports of UCX, each a row per case: TCP on loopback
+(``UCX_TLS=tcp,self``, ``UCX_NET_DEVICES=lo``: the transport RDMA verbs replace on a real
+fabric; UCX emulates the READ with messages the holder's exporter thread answers), and
+UCX's own choice between two processes of one host (``UCX_TLS`` unset: CMA,
+``process_vm_readv``, no holder CPU per READ). A node's transport is its spec's
+``ucx_env``, in force while the node (and with it its NIXL agents) is made. Each (case,
+transport) has a pair of worker processes of its own, a holder and a reader with one
+node each, started for its row and stopped after it: every node NIXL is on keeps an
+exporter thread polling its agent, so none lives beside the other rows' nodes, and the
+holder's CPU (its whole process) is that row's. The baseline is the stream the
+data-channel rows measure (``node-server`` to ``node-client``). Where NIXL cannot be
+used, the NIXL rows are left out and the run says why.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from p2pkv.bench.data import (
@@ -17,12 +33,15 @@ from p2pkv.bench.data import (
     NOSUM_CASE,
     BenchError,
     BulkCase,
+    node_spec,
 )
-from p2pkv.bench.pairs import bulk_pair, rounds_for, spread
+from p2pkv.bench.pairs import bulk_pair, log, rounds_for, spread
 from p2pkv.bench.report import Row, error_row, ratio_of
 from p2pkv.bench.worker import Worker
+from p2pkv.nixl import unavailable_reason
 
-__all__ = ["data_channel_rows", "multi_stream_rows"]
+__all__ = ["NIXL_CASES", "NIXL_TRANSPORTS", "NixlTransport", "data_channel_rows",
+           "multi_stream_rows", "nixl_rows"]
 
 
 def data_channel_rows(bulk_bytes: int, workers: dict[str, Worker],
@@ -120,3 +139,102 @@ def multi_stream_rows(bulk_bytes: int, workers: dict[str, Worker],
                      "node_receiver_cpu_s_per_gb": res["b_rx_cpu_s_per_gb"],
                      "one_stream_receiver_cpu_s_per_gb": res["a_rx_cpu_s_per_gb"]}))
     return rows
+
+
+NIXL_CASES = ("seed-v2", "llama3-8b-v2")
+"""The cases (of ``BULK_CASES``) READ through NIXL."""
+_NIXL_PREFIX = "nixl-"
+"""Node ids of the NIXL rows: this prefix, the transport's key, the case's name."""
+
+
+@dataclass(frozen=True)
+class NixlTransport:
+    """One UCX transport of the NIXL rows."""
+
+    key: str
+    #: The row's name without the case's label.
+    title: str
+    #: What the row's details say moved the bytes.
+    transport: str
+    #: The environment both nodes are made in (None: unset).
+    ucx_env: dict[str, str | None]
+
+
+NIXL_TRANSPORTS: tuple[NixlTransport, ...] = (
+    NixlTransport("tcp", "NIXL read over UCX TCP", "UCX tcp on loopback",
+                  {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}),
+    NixlTransport("cma", "NIXL read, same host (UCX default: CMA)", "UCX same-host (cma)",
+                  {"UCX_TLS": None, "UCX_NET_DEVICES": None}),
+)
+
+_NIXL_TARGET = "(info)"
+
+
+def nixl_row_name(t: NixlTransport, case: BulkCase) -> str:
+    return f"{t.title} {case.label}"
+
+
+def nixl_rows(bulk_bytes: int, workers: dict[str, Worker], cases: Sequence[BulkCase],
+              blocks: dict[str, int], skipped: list[str]) -> list[Row]:
+    """Every NIXL row, or none where NIXL cannot be used here (``skipped`` then says
+    why). The workers started go into ``workers`` (so that the run reports how they
+    exited) and are stopped as soon as their row is measured."""
+    why = unavailable_reason()
+    if why is not None:
+        skipped.append(f"NIXL rows: {why}")
+        return []
+    rows: list[Row] = []
+    for t in NIXL_TRANSPORTS:
+        for case in [c for c in cases if c.name in NIXL_CASES]:
+            rows.append(_nixl_row(bulk_bytes, workers, case, blocks[case.name], t))
+    return rows
+
+
+def _nixl_row(bulk_bytes: int, workers: dict[str, Worker], case: BulkCase, nblocks: int,
+              t: NixlTransport) -> Row:
+    name, node_id = nixl_row_name(t, case), f"{_NIXL_PREFIX}{t.key}-{case.name}"
+    nbytes = nblocks * case.bytes_per_block
+    rounds = rounds_for(bulk_bytes, nbytes)
+    spec = node_spec(node_id, case, nblocks, nixl="on", ucx_env=t.ucx_env)
+    try:
+        log(f"{name}: starting its holder and reader")
+        server = workers[f"{node_id}-server"] = Worker(f"{node_id}-server", "node-server",
+                                                       {"nodes": [spec]})
+        address = server.next(300)["addresses"][node_id]
+        reader = workers[f"{node_id}-client"] = Worker(
+            f"{node_id}-client", "node-client",
+            {"nodes": [{**spec, "server": node_id, "address": address}]})
+        reader.next(300)
+        stream = workers["node-client"]
+        res = bulk_pair(name, rounds, nbytes, (stream, f"{DATA_CHANNEL_PREFIX}{case.name}"),
+                        (reader, node_id), pids_a=(workers["node-server"].pid, stream.pid),
+                        pids_b=(server.pid, reader.pid))
+    except BenchError as exc:
+        return error_row(name, "fetch GB/s", _NIXL_TARGET, exc)
+    finally:
+        for role in ("client", "server"):
+            if f"{node_id}-{role}" in workers:
+                workers[f"{node_id}-{role}"].stop(30)
+    return Row(
+        name, "fetch GB/s", res["b_gbps"], res["a_gbps"], ratio_of(res["b_gbps"], res["a_gbps"]),
+        _NIXL_TARGET, None, res["a_verified"] and res["b_verified"],
+        baseline_kind="p2pkv, data stream (tcp-data-v1) of the same case",
+        details={"rounds": rounds, "bytes_per_side": res["b_bytes"],
+                 "data_path": "nixl (nixl-v1)", "transport": t.transport,
+                 "ucx_env": t.ucx_env, "checksums": True, "value": "median of rounds",
+                 "spread": spread(res), "nixl_round_gbps": res["b_round_gbps"],
+                 "stream_round_gbps": res["a_round_gbps"],
+                 "nixl_verified": res["b_verified"], "stream_verified": res["a_verified"],
+                 **_cpu(res, "b", "nixl"), **_cpu(res, "a", "stream"),
+                 "note": "holder: the serving process, all threads, over each timed "
+                         "round's whole command (NIXL: its exporter thread polls its agent "
+                         "every 0.5 ms); reader: the fetching process, all threads, over "
+                         "each timed fetch"})
+
+
+def _cpu(res: dict[str, Any], side: str, label: str) -> dict[str, float | None]:
+    """The holder's and the reader's CPU seconds per GB of one side of ``bulk_pair``."""
+    both, reader = res[f"{side}_cpu_s_per_gb"], res[f"{side}_rx_cpu_s_per_gb"]
+    # both - reader is the serving process's share (max: the float rounding of a zero).
+    holder = None if both is None or reader is None else max(0.0, both - reader)
+    return {f"{label}_holder_cpu_s_per_gb": holder, f"{label}_reader_cpu_s_per_gb": reader}
