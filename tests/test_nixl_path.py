@@ -5,14 +5,17 @@ the RDMA verbs replace on a fabric that has them; the calls are the same. What i
 blocks READ from the holder's pool land byte for byte in the store and in caller buffers,
 with their checksums, and every pin is released; the path is offered and chosen only
 where both sides use NIXL, and says why not otherwise; a wrong nonce gets no located
-answer; a holder that lies about its slots is closed on as a violation; a READ that does
-not complete in time fails its blocks, not the connection; a holder that dies fails its
-reader within the heartbeat deadline. Skipped, with the reason, where NIXL cannot be
+answer, an attach nobody offered is a violation; a holder that lies (a slot outside its
+pool, one slot twice, a key not asked) is closed on as a violation; a READ that does not
+complete in time fails its blocks, not the connection; a leased block is never evicted,
+and a lease never released ends with its reader's connection; a holder that dies fails
+its reader within the heartbeat deadline. Skipped, with the reason, where NIXL cannot be
 installed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -26,7 +29,7 @@ from rawpeer import RawPeer, wait_until
 
 from p2pkv import protocol as proto
 from p2pkv.errors import ConfigError, PeerGone, TransferFailed
-from p2pkv.nixl import unavailable_reason
+from p2pkv.nixl import Importer, unavailable_reason
 from p2pkv.node import KeyOutcome, Node, NodeConfig
 from p2pkv.transport.curve import CurveKeys
 
@@ -133,7 +136,7 @@ def test_a_wrong_nonce_gets_no_located_answer(producer: Node) -> None:
         guesser.close()
 
 
-@pytest.mark.parametrize("lie", ["outside", "twice"])
+@pytest.mark.parametrize("lie", ["outside", "twice", "unasked"])
 def test_a_holder_that_lies_about_its_slots_is_closed_on(
         producer: Node, monkeypatch: pytest.MonkeyPatch, lie: str) -> None:
     keys = fill(producer, 4)
@@ -143,9 +146,12 @@ def test_a_holder_that_lies_about_its_slots_is_closed_on(
         slots = list(slots)
         if lie == "outside":
             slots[0] = 10**6
-        elif len(slots) > 1:
+        elif lie == "twice" and len(slots) > 1:
             slots[1] = slots[0]
-        return honest(self, req, idx, slots, sums)
+        located = honest(self, req, idx, slots, sums)
+        if lie == "unasked":  # a lease for a key the fetch did not ask for
+            located = dataclasses.replace(located, idx=(100, *located.idx[1:]))
+        return located
 
     with node(SPEC, **NIXL) as consumer:
         peer = consumer.connect(producer.address)
@@ -153,8 +159,8 @@ def test_a_holder_that_lies_about_its_slots_is_closed_on(
         monkeypatch.setattr(proto.Session, "located", lying)
         with pytest.raises(TransferFailed, match="OUT_OF_BOUNDS") as failed:
             peer.fetch(keys)
-        assert ("outside the peer's 128-slot pool" if lie == "outside"
-                else "one slot twice") in str(failed.value)
+        assert {"outside": "outside the peer's 128-slot pool", "twice": "one slot twice",
+                "unasked": "100"}[lie] in str(failed.value), failed.value
         assert consumer.stats().protocol_violations == 1
         for k in keys:
             assert k not in consumer.store
@@ -200,3 +206,37 @@ def test_a_killed_holder_fails_its_reader_within_the_heartbeat_deadline() -> Non
             assert consumer.stats().peers_out == 0
     finally:
         holder.kill()
+
+
+def test_a_lease_is_never_evicted_under_it_and_expires_unreleased(producer: Node) -> None:
+    """A reader of its own (a raw peer with an importer) proves it reads the pool, is
+    located blocks and never releases them: the holder keeps them while the pool fills
+    past its size, the bytes at the located slots stay the blocks', and the pins end
+    with the silent peer's connection."""
+    keys = fill(producer, 8)
+    bpb = producer.layout.bytes_per_block
+    raw = RawPeer(producer.address)
+    importer = Importer("p2pkv-test-reader")
+    try:
+        welcome = greet(raw, producer, (proto.CAP_CHECKSUM_XXH3_64, proto.CAP_SHM_V1,
+                                        proto.CAP_NIXL_V1))
+        offer = welcome.nixl
+        assert offer is not None
+        agent = importer.add_peer(offer.meta)
+        (nonce,) = importer.read(agent, [(offer.nonce, 16)], time.monotonic() + 5)
+        raw.send_msg(proto.Attach(bytes(nonce), proto.VIA_NIXL))
+        assert raw.expect(proto.Attached).ok
+        raw.send_msg(proto.Fetch(1, tuple(keys), 8, shm=True))
+        located = raw.expect(proto.Located)
+        assert producer.stats().shm_pinned == len(located.idx) > 0
+        fill(producer, 300, offset=8)  # more than the pool holds: the rest is evicted
+        segs = producer.layout.segment_sizes
+        for idx, slot in zip(located.idx, located.slots, strict=True):
+            assert keys[idx] in producer.store
+            pieces = importer.read(agent, offer.sources(slot, segs), time.monotonic() + 5)
+            assert b"".join(bytes(p) for p in pieces) == content(keys[idx], bpb)
+    finally:
+        raw.close()  # gone without a release, or a bye
+        importer.close()
+    assert wait_until(lambda: producer.stats().shm_pinned == 0, 15)
+    assert producer.store.stats().pinned == 0
