@@ -53,7 +53,13 @@ def test_dry_run_runs_every_step_and_verifies_the_fetch(tmp_path: Path) -> None:
 
     fetch = data["fetch"]
     assert fetch["verified"] is True and fetch["bytes"] == 16 << 20
-    assert set(fetch["paths"]) == {"tcp-data", "tcp", "shm"}
+    # NIXL's path where NIXL is installed (make venv installs it), else skipped with why.
+    nixl = {"nixl"} if "paths_skipped" not in fetch else set()
+    assert set(fetch["paths"]) == {"tcp-data", "tcp", "shm", *nixl}
+    if nixl:
+        assert fetch["paths"]["nixl"]["path"] == "nixl"
+    else:
+        assert "NIXL cannot be used here" in fetch["paths_skipped"]["nixl"]
     for name, path in fetch["paths"].items():
         assert path["cold"]["corrupt"] == 0 and path["cold"]["blocks"] == fetch["blocks"], name
         assert path["cold"]["gbps"] > 0

@@ -54,6 +54,7 @@ PATHS: dict[str, tuple[bool, bool]] = {
     "tcp-data": (True, False),
     "tcp": (False, False),
     "shm": (True, True),
+    "nixl": (True, False),  # one-sided NIXL reads (nixl-v1), where NIXL is installed
 }
 GB = 1e9
 
@@ -146,7 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     layout = _layout(args)
     node = Node(_run_config(layout), layout, pool_blocks=args.blocks + 8,
-                config=NodeConfig(shm=True, send_timeout=60.0))
+                config=NodeConfig(shm=True, send_timeout=60.0, nixl=_nixl_mode()))
     try:
         for key in _keys(layout, args.blocks):
             node.put(key, fill_block(key, layout.bytes_per_block))
@@ -160,6 +161,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         node.close()
     return 0
+
+
+def _nixl_mode() -> str:
+    """``on`` where NIXL can be used here (its path is then checked), else ``off``."""
+    from p2pkv.nixl import unavailable_reason
+
+    return "on" if unavailable_reason() is None else "off"
 
 
 # -------------------------------------------------------------------------- fetch
@@ -287,7 +295,8 @@ def _fetch_path(check: Check, name: str, address: str, layout: KVLayout,
 
     data_channel, shm = PATHS[name]
     node = Node(_run_config(layout), layout, pool_blocks=len(keys) + 8,
-                config=NodeConfig(fetch_timeout=timeout, data_channel=data_channel, shm=shm))
+                config=NodeConfig(fetch_timeout=timeout, data_channel=data_channel, shm=shm,
+                                  nixl=_nixl_mode() if name == "nixl" else "off"))
     try:
         pool = node.store.pool
         report: dict[str, Any] = {"memory_kind": pool.memory_kind,
@@ -480,6 +489,12 @@ def cmd_fetch(args: argparse.Namespace) -> int:
         staging = torch.empty((blocks, bpb), dtype=torch.uint8, pin_memory=cuda)
         res["paths"] = {}
         for name in PATHS:
+            if name == "nixl" and _nixl_mode() == "off":
+                from p2pkv.nixl import unavailable_reason
+
+                res["paths_skipped"] = {"nixl": f"NIXL cannot be used here: "
+                                                f"{unavailable_reason()}"}
+                continue
             got = check.step(f"fetch {name}", functools.partial(
                 _fetch_path, check, name, ready["address"], layout, keys, expected, staging,
                 args.rounds, args.timeout))

@@ -14,7 +14,8 @@
 #   pytest   tests/test_engine.py (its CUDA tests skip without CUDA), tests/test_pool_store.py
 #            and tests/test_shm.py (their pools are pinned, or registered, where CUDA is)
 #   fetch    tools/gpu_check.py fetch: pools; a producer process and three consumer nodes on
-#            127.0.0.1 (data stream, ZeroMQ frames, shared memory), every block fetched into
+#            127.0.0.1 (data stream, ZeroMQ frames, shared memory; a fourth, one-sided NIXL
+#            reads, where NIXL is installed), every block fetched into
 #            the consumer's pinned pool and again into a pinned staging buffer; the blocks
 #            copied into CUDA tensors by EngineKVCopier (its copy stream) and back, and the
 #            staging buffer to the device and back; every byte checked, GB/s of each
