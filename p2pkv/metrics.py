@@ -56,6 +56,9 @@ class NodeCollector:
             ("p2pkv_bytes_received", s.bytes_received, "Block bytes received from peers"),
             ("p2pkv_checksum_failures", s.checksum_failures, "Blocks dropped on bad checksum"),
             ("p2pkv_protocol_violations", s.protocol_violations, "Peers dropped for violations"),
+            ("p2pkv_nixl_read_failures", s.nixl_read_failures,
+             "NIXL reads that did not complete (deadline or disconnect): their blocks "
+             "failed, the connection stayed"),
             ("p2pkv_data_records_refused", s.data_records_refused,
              "Sealed data streams ended by a record that failed authentication (changed, "
              "replayed, dropped or cut in flight)"),
@@ -89,6 +92,10 @@ class NodeCollector:
                                 value=st.pinned)
         yield CounterMetricFamily("p2pkv_pool_evictions", "Blocks evicted (LRU)",
                                   value=st.evictions)
+        nixl = GaugeMetricFamily("p2pkv_nixl", "Whether this node reads and serves one-sided "
+                                 "through NIXL (nixl-v1): 1 on, 0 off, with why", labels=["state"])
+        nixl.add_metric([s.nixl], 1.0 if s.nixl.startswith("on") else 0.0)
+        yield nixl
         peers = GaugeMetricFamily("p2pkv_peers_connected", "Connected peers", labels=["direction"])
         peers.add_metric(["outbound"], s.peers_out)
         peers.add_metric(["inbound"], s.peers_in)

@@ -16,7 +16,9 @@ installed.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +31,7 @@ from rawpeer import RawPeer, wait_until
 
 from p2pkv import protocol as proto
 from p2pkv.errors import ConfigError, PeerGone, TransferFailed
+from p2pkv.metrics import serve_metrics
 from p2pkv.nixl import Importer, unavailable_reason
 from p2pkv.node import KeyOutcome, Node, NodeConfig
 from p2pkv.transport.curve import CurveKeys
@@ -61,7 +64,7 @@ def test_blocks_are_read_one_sided_into_the_store_and_caller_buffers(
     keys = fill(producer, 40)
     bpb = producer.layout.bytes_per_block
     with node(SPEC, **NIXL) as consumer:
-        assert consumer.stats().nixl == "on"
+        assert consumer.stats().nixl.startswith("on: UCX "), consumer.stats().nixl
         peer = consumer.connect(producer.address)
         assert peer.data_path == "nixl", peer.data_path_detail
         assert proto.CAP_NIXL_V1 in peer.capabilities
@@ -80,6 +83,19 @@ def test_blocks_are_read_one_sided_into_the_store_and_caller_buffers(
         assert stats.nixl_peers_out == 1
         assert stats.paths["nixl"].blocks_received == 50
         assert stats.nixl_read_failures == 0
+        # What a Prometheus scrape shows of it.
+        metrics = serve_metrics(consumer, 0)
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics",
+                                        timeout=10) as r:
+                text = r.read().decode()
+        finally:
+            metrics.close()
+        assert re.search(r'^p2pkv_nixl\{state="on: UCX [^"]*"\} 1\.0$', text, re.M), text
+        moved = re.search(r'^p2pkv_bytes_received_by_path_total\{path="nixl"\} (\S+)$', text,
+                          re.M)
+        assert moved is not None and float(moved.group(1)) == 50 * bpb, text
+        assert "p2pkv_nixl_read_failures_total 0.0" in text
     # Every located block was released: nothing stays pinned at the holder.
     assert wait_until(lambda: producer.stats().shm_pinned == 0, 10)
     assert producer.store.stats().pinned == 0

@@ -24,6 +24,7 @@ violation. The READ runs on the IO thread, bounded by ``NodeConfig.nixl_read_tim
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from p2pkv.nixl import (
     NixlReadFailed,
     NixlUnavailable,
     rdma_devices,
+    ucx_version,
     unavailable_reason,
 )
 from p2pkv.protocol.codes import SHM_NONCE_LEN
@@ -94,7 +96,11 @@ def start_nixl(config: NodeConfig, pool: BlockPool, node_id: str
         exporter: Exporter | None = None
         try:
             exporter = Exporter(name, regions)
-            return NixlPool(exporter, Importer(f"{name}-in"), slots), "on"
+            agents = NixlPool(exporter, Importer(f"{name}-in"), slots)
+            devices = ", ".join(rdma_devices()) or "none"
+            return agents, (f"on: UCX {ucx_version() or 'of unknown version'}, UCX_TLS "
+                          f"{os.environ.get('UCX_TLS') or 'unset (UCX chooses)'}, "
+                          f"RDMA devices: {devices}")
         except NixlUnavailable as exc:
             if exporter is not None:
                 exporter.close()
