@@ -1,4 +1,5 @@
-"""Golden vectors (``protocol/vectors``): committed frames decode to committed messages.
+"""Golden vectors (``protocol/vectors``): committed frames decode to committed messages
+(those of messages.json and errors.json, and the capabilities' own files).
 
 The vectors are produced by ``protocol/vectors/gen.py`` from hand-written wire maps, not
 by the codec, so these tests cross-check the decoder (and the encoder, by re-encoding).
@@ -20,6 +21,11 @@ from p2pkv.protocol import Code, Geometry, KeyHash, Message, Reason, decode, enc
 VECTORS = Path(__file__).resolve().parent.parent / "protocol" / "vectors"
 MESSAGES = json.loads((VECTORS / "messages.json").read_text())["vectors"]
 ERRORS = json.loads((VECTORS / "errors.json").read_text())["vectors"]
+# The capabilities' own files (shm-v1 §16, nixl-v1 §20) hold theirs in the same form.
+for _file in ("shm.json", "nixl.json"):
+    _vectors = json.loads((VECTORS / _file).read_text())
+    MESSAGES += _vectors["messages"]
+    ERRORS += _vectors["errors"]
 
 
 def jsonable(value: Any) -> Any:
@@ -75,7 +81,8 @@ def test_error_vector_raises_its_code(vector: dict[str, Any]) -> None:
 def test_vectors_cover_every_message_type() -> None:
     types = {v["message"]["type"] for v in MESSAGES}
     assert types == {"hello", "welcome", "refuse", "lookup", "hits", "fetch", "credit",
-                     "block", "done", "abort", "abort_ack", "ping", "pong", "bye", "error"}
+                     "block", "done", "abort", "abort_ack", "ping", "pong", "bye", "error",
+                     "attach", "attached", "located", "release"}  # with shm-v1's
 
 
 def test_error_vectors_use_known_codes() -> None:

@@ -12,9 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_protocol_vectors import as_vector, frames_of
 
-from p2pkv.errors import ProtocolError
 from p2pkv.identity import RunConfig
 from p2pkv.protocol import (
     CAP_CHECKSUM_XXH3_64,
@@ -40,6 +38,7 @@ from p2pkv.protocol import (
     LocalProtocolError,
     Located,
     Message,
+    NixlOffer,
     ProtocolViolated,
     Release,
     Role,
@@ -47,7 +46,6 @@ from p2pkv.protocol import (
     ShmOffer,
     State,
     Welcome,
-    decode,
     encode,
 )
 from p2pkv.shm.segment import parse_header
@@ -61,21 +59,6 @@ KEYS = (b"k0", b"k1", b"k2", b"k3")
 
 
 # ------------------------------------------------------------------------------ vectors
-
-
-@pytest.mark.parametrize("vector", VECTORS["messages"],
-                         ids=[v["name"] for v in VECTORS["messages"]])
-def test_shm_message_vector_decodes_and_reencodes(vector: dict[str, Any]) -> None:
-    msg = decode(frames_of(vector), vector["segments"])
-    assert as_vector(msg) == vector["message"]
-    assert as_vector(decode([bytes(f) for f in encode(msg)])) == vector["message"]
-
-
-@pytest.mark.parametrize("vector", VECTORS["errors"], ids=[v["name"] for v in VECTORS["errors"]])
-def test_shm_error_vector_raises_its_code(vector: dict[str, Any]) -> None:
-    with pytest.raises(ProtocolError) as excinfo:
-        decode(frames_of(vector), vector["segments"])
-    assert excinfo.value.code == vector["code"], excinfo.value.message
 
 
 def test_shm_vectors_cover_every_shm_message() -> None:
@@ -119,11 +102,13 @@ class Pair:
     """A sharing client and server, every message through the codec."""
 
     def __init__(self, client_caps: Iterable[str] = BOTH, server_caps: Iterable[str] = BOTH,
-                 offer: ShmOffer | None = OFFER, *, plain_server: bool = False) -> None:
+                 offer: ShmOffer | None = OFFER, *, plain_server: bool = False,
+                 nixl_offer: NixlOffer | None = None) -> None:
         self.client = Session(Role.CLIENT, hello("c", client_caps), now=0.0)
         self.server: Session = (
             Session(Role.SERVER, hello("s", server_caps), now=0.0) if plain_server else
-            Session(Role.SERVER, hello("s", server_caps), now=0.0, shm_offer=offer))
+            Session(Role.SERVER, hello("s", server_caps), now=0.0, shm_offer=offer,
+                    nixl_offer=nixl_offer))
         self.events: dict[str, list[Event]] = {"client": [], "server": []}
         self.wire: list[Message] = []
         self.deliver(self.client, self.client.start(0.0))

@@ -632,18 +632,26 @@ def extension_vectors() -> dict[str, Any]:
             "kv_memory_layout": layouts, "model_weights": weights, "model_config": configs}
 
 
+class Collected:
+    """One capability file's messages and errors, as its generator adds them."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.errors: list[dict[str, Any]] = []
+
+    def add(self, name: str, wire: dict[str, Any], exp: dict[str, Any]) -> None:
+        self.messages.append({"name": name, "frames": [pack(wire).hex()], "segments": None,
+                              "message": exp})
+
+    def bad(self, name: str, wire: dict[str, Any], code: int) -> None:
+        self.errors.append({"name": name, "frames": [pack(wire).hex()], "segments": None,
+                            "code": code})
+
+
 def shm_vectors() -> dict[str, Any]:
     """Capability shm-v1 (SPEC 16): its messages, their errors, and a segment header."""
-    messages: list[dict[str, Any]] = []
-    errors: list[dict[str, Any]] = []
-
-    def add(name: str, wire: dict[str, Any], exp: dict[str, Any]) -> None:
-        messages.append({"name": name, "frames": [pack(wire).hex()], "segments": None,
-                         "message": exp})
-
-    def bad(name: str, wire: dict[str, Any], code: int) -> None:
-        errors.append({"name": name, "frames": [pack(wire).hex()], "segments": None,
-                       "code": code})
+    found = Collected()
+    messages, errors, add, bad = found.messages, found.errors, found.add, found.bad
 
     offer = {"name": "p2pkv-4242-123456-0011223344556677", "size": 9441280}
     w = greeting("welcome", "node-b", V2_RC, V2_FP, [49152] * 12, minor=1,
@@ -705,16 +713,8 @@ def shm_vectors() -> dict[str, Any]:
 def nixl_vectors() -> dict[str, Any]:
     """Capability nixl-v1 (SPEC 20): the welcome's offer, the attach that proves it, and
     their errors."""
-    messages: list[dict[str, Any]] = []
-    errors: list[dict[str, Any]] = []
-
-    def add(name: str, wire: dict[str, Any], exp: dict[str, Any]) -> None:
-        messages.append({"name": name, "frames": [pack(wire).hex()], "segments": None,
-                         "message": exp})
-
-    def bad(name: str, wire: dict[str, Any], code: int) -> None:
-        errors.append({"name": name, "frames": [pack(wire).hex()], "segments": None,
-                       "code": code})
+    found = Collected()
+    messages, errors, add, bad = found.messages, found.errors, found.add, found.bad
 
     seg = [49152] * 2
     slots = 64
@@ -818,16 +818,8 @@ def packed_vectors() -> dict[str, Any]:
 
 def datachannel_vectors() -> dict[str, Any]:
     """Capability tcp-data-v1 (SPEC 18): the offer, its errors, and stream bytes."""
-    messages: list[dict[str, Any]] = []
-    errors: list[dict[str, Any]] = []
-
-    def add(name: str, wire: dict[str, Any], exp: dict[str, Any]) -> None:
-        messages.append({"name": name, "frames": [pack(wire).hex()], "segments": None,
-                         "message": exp})
-
-    def bad(name: str, wire: dict[str, Any], code: int) -> None:
-        errors.append({"name": name, "frames": [pack(wire).hex()], "segments": None,
-                       "code": code})
+    found = Collected()
+    messages, errors, add, bad = found.messages, found.errors, found.add, found.bad
 
     token = SEAL_TOKEN
     offer = {"port": 40123, "token": token, "cport": 5555}

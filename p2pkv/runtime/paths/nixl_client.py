@@ -44,6 +44,7 @@ from p2pkv.nixl import (
 from p2pkv.protocol.codes import SHM_NONCE_LEN
 from p2pkv.runtime.config import NodeConfig
 from p2pkv.runtime.paths.landing import Landed, Landing
+from p2pkv.runtime.paths.shm_client import LocatedIn
 from p2pkv.runtime.public import PeerHandle
 from p2pkv.runtime.state import Receiving, writable
 from p2pkv.runtime.stats import RECEIVED, Counters, ShmFallback
@@ -149,7 +150,7 @@ class NixlReceiver:
         return NixlIn(self, address, fetch_of)
 
 
-class NixlIn:
+class NixlIn(LocatedIn):
     """One outbound connection's READs from its peer's pool (IO thread only).
 
     Attaching: :meth:`begin` right after the handshake (when shared memory is not
@@ -231,10 +232,6 @@ class NixlIn:
 
     # -- the data path -------------------------------------------------------------------
 
-    def open_fetch(self, session: proto.Session, keys: tuple[bytes, ...], window: int,
-                   now: float, deadline: float, lane: int = 0) -> proto.Fetch:
-        return session.fetch_shared(keys, window, now, deadline=deadline)
-
     def land(self, arrived: proto.DataArrived) -> None:
         """READ the located blocks into their fetch's destinations (none once it was
         cancelled or is over) and settle each key. Raises the violation when the server
@@ -254,16 +251,6 @@ class NixlIn:
         with writable(recv, recv) as ok:
             if ok and recv is not None:
                 self._read(recv, arrived, offer, agent)
-
-    def settled(self, session: proto.Session,
-                ev: proto.BlockArrived | proto.BlocksLocated) -> list[proto.Message]:
-        return [session.release(ev.req, ev.idx)]
-
-    def cancel(self, req: int) -> None:
-        pass  # a located message is read whole, within one call
-
-    def read_pending(self, now: float) -> None:
-        pass  # located messages come on the DEALER
 
     def _read(self, recv: Receiving, ev: proto.BlocksLocated, offer: proto.NixlOffer,
               agent: str) -> None:

@@ -32,7 +32,7 @@ from p2pkv.runtime.state import Receiving, writable
 from p2pkv.runtime.stats import RECEIVED, Counters, ShmFallback
 from p2pkv.shm import MappedSegment, ShmUnavailable
 
-__all__ = ["SharedIn", "SharedReceiver"]
+__all__ = ["LocatedIn", "SharedIn", "SharedReceiver"]
 
 log = logging.getLogger("p2pkv.node")
 
@@ -58,7 +58,27 @@ class SharedReceiver:
         return SharedIn(self, address, fetch_of)
 
 
-class SharedIn:
+class LocatedIn:
+    """What every fetching half answered with ``located`` slots shares (``shm-v1``'s
+    :class:`SharedIn`, ``nixl-v1``'s ``NixlIn``): its fetches ask for located answers, a
+    landed message is released whole, and a message lands within one call."""
+
+    def open_fetch(self, session: proto.Session, keys: tuple[bytes, ...], window: int,
+                   now: float, deadline: float, lane: int = 0) -> proto.Fetch:
+        return session.fetch_shared(keys, window, now, deadline=deadline)
+
+    def settled(self, session: proto.Session,
+                ev: proto.BlockArrived | proto.BlocksLocated) -> list[proto.Message]:
+        return [session.release(ev.req, ev.idx)]
+
+    def cancel(self, req: int) -> None:
+        pass  # a located message is landed whole, within one call
+
+    def read_pending(self, now: float) -> None:
+        pass  # located messages come on the DEALER
+
+
+class SharedIn(LocatedIn):
     """One outbound connection's view of its peer's pool (IO thread only).
 
     Attaching: :meth:`begin` right after the handshake, :meth:`answered` with the
@@ -131,10 +151,6 @@ class SharedIn:
 
     # -- the data path -------------------------------------------------------------------
 
-    def open_fetch(self, session: proto.Session, keys: tuple[bytes, ...], window: int,
-                   now: float, deadline: float, lane: int = 0) -> proto.Fetch:
-        return session.fetch_shared(keys, window, now, deadline=deadline)
-
     def land(self, arrived: proto.DataArrived) -> None:
         """Copy the located blocks into their fetch's destinations (none once it was
         cancelled or is over) and settle each key. Raises the violation when the server
@@ -144,16 +160,6 @@ class SharedIn:
         recv = self._fetch_of(arrived.req)
         with writable(recv, recv) as ok:
             self._copy(recv if ok else None, arrived)
-
-    def settled(self, session: proto.Session,
-                ev: proto.BlockArrived | proto.BlocksLocated) -> list[proto.Message]:
-        return [session.release(ev.req, ev.idx)]
-
-    def cancel(self, req: int) -> None:
-        pass  # a located message is copied whole, within one call
-
-    def read_pending(self, now: float) -> None:
-        pass  # located messages come on the DEALER
 
     def _copy(self, recv: Receiving | None, ev: proto.BlocksLocated) -> None:
         mapping = self.mapping
