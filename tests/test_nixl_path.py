@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ from procs import NodeProcess
 from rawpeer import RawPeer, wait_until
 
 from p2pkv import protocol as proto
-from p2pkv.errors import ConfigError, PeerGone, TransferFailed
+from p2pkv.errors import ConfigError, P2PKVError, PeerGone, TransferFailed
 from p2pkv.metrics import serve_metrics
 from p2pkv.nixl import Importer, unavailable_reason
 from p2pkv.node import KeyOutcome, Node, NodeConfig
@@ -204,21 +205,41 @@ def test_a_read_past_its_deadline_fails_its_blocks_not_the_connection(
     assert wait_until(lambda: producer.stats().shm_pinned == 0, 10)
 
 
-def test_a_killed_holder_fails_its_reader_within_the_heartbeat_deadline() -> None:
-    holder = NodeProcess("serve", {**SPEC, "blocks": 16, "config": {**NIXL, **HEARTBEAT}})
+def test_a_holder_killed_mid_read_fails_its_reader_within_the_heartbeat_deadline() -> None:
+    holder = NodeProcess("serve", {**SPEC, "blocks": 100, "config": {**NIXL, **HEARTBEAT}})
     try:
         ready = holder.event(timeout=60)
-        keys = keys_for(16)
+        keys = keys_for(100)
         with node(SPEC, **NIXL, **HEARTBEAT) as consumer:
             peer = consumer.connect(ready["address"])
             assert peer.data_path == "nixl", peer.data_path_detail
-            assert len(peer.fetch(keys[:4]).stored) == 4
-            holder.proc.kill()
-            holder.wait(timeout=30)
-            started = time.monotonic()
-            with pytest.raises(PeerGone):
-                peer.fetch(keys[4:8], timeout=10)
-            assert time.monotonic() - started < 1.5 + 3.0
+            bpb = consumer.layout.bytes_per_block
+            dests = [[memoryview(bytearray(s)) for s in consumer.layout.segment_sizes]
+                     for _ in keys]
+            seen: dict[str, Any] = {"rounds": 0, "wrong": 0}
+
+            def read_until_it_fails() -> None:
+                try:
+                    while True:  # the holder's whole set, again and again
+                        result = consumer.fetch_into(peer, keys, dests, timeout=10)
+                        seen["wrong"] += sum(
+                            1 for k, o, views in zip(keys, result.outcomes, dests, strict=True)
+                            if o is KeyOutcome.LANDED
+                            and b"".join(bytes(v) for v in views) != content(k, bpb))
+                        seen["rounds"] += 1
+                except P2PKVError as exc:
+                    seen["failed"], seen["at"] = exc, time.monotonic()
+
+            reading = threading.Thread(target=read_until_it_fails, daemon=True)
+            reading.start()
+            assert wait_until(lambda: seen["rounds"] >= 2, 30), seen
+            killed = time.monotonic()
+            holder.proc.kill()  # while the reader is inside one of its reads
+            reading.join(15)
+            assert not reading.is_alive()
+            assert isinstance(seen["failed"], (PeerGone, TransferFailed)), seen
+            assert seen["at"] - killed < 1.5 + 3.0  # the heartbeat deadline, and some
+            assert seen["wrong"] == 0
             assert consumer.stats().peers_out == 0
     finally:
         holder.kill()
