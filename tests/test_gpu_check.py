@@ -78,6 +78,7 @@ def test_dry_run_runs_every_step_and_verifies_the_fetch(tmp_path: Path) -> None:
         assert fetch["paths"]["tcp-data"]["memory_kind"] == "pageable"
         assert fetch["engine"]["device"] == "cpu" and not fetch["engine"]["copy_stream"]
         assert "skipped" in fetch["raw"]
+        assert fetch["nixl_vram"] == {"skipped": "no CUDA"}
 
     # What comes back from the device: at most 8 files, plain names, no folder.
     files = sorted(p.name for p in out.iterdir())

@@ -354,6 +354,53 @@ def _fetch_path(check: Check, name: str, address: str, layout: KVLayout,
         raise
 
 
+def _nixl_into_vram(check: Check, staging: torch.Tensor, expected: np.ndarray[Any, Any],
+                    rounds: int) -> dict[str, Any]:
+    """One-sided NIXL READs of the pinned staging buffer (host memory an Exporter holds,
+    as a node's pool) into a CUDA tensor an agent registered as VRAM: DRAM to VRAM with
+    no host copy in between, where UCX has a CUDA transport. Every byte checked."""
+    import numpy as np
+    import torch
+
+    from p2pkv.nixl import Exporter
+    from p2pkv.nixl.agent import new_agent
+
+    staging.copy_(torch.from_numpy(expected))  # what the fetches left there, for sure
+    nbytes = staging.numel()
+    exporter = Exporter("p2pkv-gpu-check-holder", [(staging.data_ptr(), nbytes)])
+    device = torch.cuda.current_device()
+    target = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+    agent = new_agent("p2pkv-gpu-check-reader")
+    registered = agent.register_memory([(target.data_ptr(), nbytes, device, "")], "VRAM")
+    times, exact = [], []
+    try:
+        agent.add_remote_agent(exporter.metadata)
+        for _ in range(rounds):
+            target.zero_()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            handle = agent.initialize_xfer(
+                "READ", agent.get_xfer_descs([(target.data_ptr(), nbytes, device)], "VRAM"),
+                agent.get_xfer_descs([(staging.data_ptr(), nbytes, 0)], "DRAM"),
+                exporter.name, b"")
+            state = agent.transfer(handle)
+            deadline = time.monotonic() + 60
+            while state == "PROC" and time.monotonic() < deadline:
+                state = agent.check_xfer_state(handle)
+            times.append(time.perf_counter() - t0)
+            agent.release_xfer_handle(handle)
+            got = target.cpu().numpy().reshape(expected.shape)
+            exact.append(state == "DONE" and bool(np.array_equal(got, expected)))
+        if not all(exact):
+            check.fail(f"NIXL READ into VRAM: bytes exact per round {exact}")
+        return {"bytes": nbytes,
+                "rounds": [{"seconds": t, "gbps": _gbps(nbytes, t), "exact": e}
+                           for t, e in zip(times, exact, strict=True)]}
+    finally:
+        agent.deregister_memory(registered)
+        exporter.close()
+
+
 def _timed(fn: Callable[[], object], sync: Callable[[], None], rounds: int) -> list[float]:
     times = []
     for _ in range(rounds):
@@ -515,6 +562,12 @@ def cmd_fetch(args: argparse.Namespace) -> int:
                 check, staging, expected, args.rounds))
         else:
             res["raw"] = {"skipped": "no CUDA: host<->device copies not measured"}
+        if cuda and _nixl_mode() == "on":
+            res["nixl_vram"] = check.step("NIXL into VRAM", lambda: _nixl_into_vram(
+                check, staging, expected, args.rounds))
+        else:
+            res["nixl_vram"] = {"skipped": "no CUDA" if not cuda else
+                                "NIXL cannot be used here"}
     finally:
         for node in nodes:
             node.close(timeout=2)
@@ -657,6 +710,12 @@ def _summary_lines(s: dict[str, Any]) -> list[str]:
             f"{k.replace('_', ' ')} {raw[k]['gbps']} GB/s"
             for k in ("pinned_to_device", "pageable_to_device", "device_to_pinned")
             if k in raw) + f"; exact {raw.get('exact')}")
+    vram = fetch.get("nixl_vram") or {}
+    if "skipped" in vram:
+        lines.append(f"NIXL into VRAM: skipped ({vram['skipped']})")
+    elif vram:
+        lines.append("NIXL into VRAM: " + ", ".join(
+            f"{r['gbps']} GB/s exact {r['exact']}" for r in vram.get("rounds", [])))
     for w in s["warnings"]:
         lines.append(f"warning: {w}")
     for p in s["problems"]:
