@@ -277,3 +277,16 @@ def test_a_lease_is_never_evicted_under_it_and_expires_unreleased(producer: Node
         importer.close()
     assert wait_until(lambda: producer.stats().shm_pinned == 0, 15)
     assert producer.store.stats().pinned == 0
+
+
+def test_two_connections_to_one_holder_share_its_agent_until_the_last_closes(
+        producer: Node) -> None:
+    keys = fill(producer, 6)
+    with node(SPEC, **NIXL) as consumer:
+        first = consumer.connect(producer.address)
+        second = consumer.connect(producer.address)
+        assert first.data_path == second.data_path == "nixl"
+        first.close()  # the holder's metadata stays loaded for the second
+        result = second.fetch(keys)
+        assert list(result.stored) == keys, result.errors
+        assert consumer.stats().nixl_read_failures == 0

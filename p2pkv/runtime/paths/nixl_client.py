@@ -23,6 +23,7 @@ violation. The READ runs on the IO thread, bounded by ``NodeConfig.nixl_read_tim
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -141,6 +142,9 @@ class NixlReceiver:
         #: None: NIXL is not used by this node (off, or unavailable; see the node).
         self.importer = importer
         self.read_timeout = read_timeout
+        #: Connections reading from each loaded holder (two connections to one holder,
+        #: or a new one before the old one closed, share its metadata).
+        self._users: collections.Counter[str] = collections.Counter()
         #: The nonce's READ is part of the handshake: bounded by its timeout.
         self.proof_timeout = proof_timeout
         self.threads = copy_threads(threads)
@@ -148,6 +152,22 @@ class NixlReceiver:
     def link(self, address: str, fetch_of: Callable[[int], Receiving | None]) -> NixlIn:
         """The NIXL side of a new connection to ``address`` (not attached)."""
         return NixlIn(self, address, fetch_of)
+
+    def load(self, meta: bytes) -> str:
+        """A holder's agent, loaded for one more connection (NixlReadFailed where NIXL
+        refuses its metadata)."""
+        assert self.importer is not None
+        agent = self.importer.add_peer(meta)
+        self._users[agent] += 1
+        return agent
+
+    def unload(self, agent: str) -> None:
+        """One connection less reads from ``agent``; its metadata goes with the last."""
+        self._users[agent] -= 1
+        if self._users[agent] <= 0:
+            del self._users[agent]
+            if self.importer is not None:
+                self.importer.remove_peer(agent)
 
 
 class NixlIn(LocatedIn):
@@ -196,8 +216,11 @@ class NixlIn(LocatedIn):
             return None
         until = min(deadline, time.monotonic() + self._parts.proof_timeout)
         try:
-            agent = importer.add_peer(offer.meta)
+            agent = self._parts.load(offer.meta)
             self._offer, self._agent = offer, agent
+            if agent != offer.agent:
+                raise NixlReadFailed(f"its metadata names agent {agent!r}, its offer "
+                                     f"{offer.agent!r}", peer_fault=True)
             (nonce,) = importer.read(agent, [(offer.nonce, SHM_NONCE_LEN)], until)
             proof = bytes(nonce)
         except NixlReadFailed as exc:
@@ -222,9 +245,8 @@ class NixlIn(LocatedIn):
         """Forget the peer's agent (connection closed, or the proof failed)."""
         agent, self._agent = self._agent, None
         self._offer = None
-        importer = self._parts.importer
-        if agent is not None and importer is not None:
-            importer.remove_peer(agent)
+        if agent is not None:
+            self._parts.unload(agent)
 
     def _fell_back(self, why: ShmFallback) -> None:
         self._parts.counters.fell_back(why)
