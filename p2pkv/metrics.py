@@ -64,22 +64,7 @@ class NodeCollector:
              "replayed, dropped or cut in flight)"),
         ):
             yield CounterMetricFamily(name, doc, value=value)
-        # Bytes by the path they took (p2pkv.runtime.paths): ZeroMQ frames, packed
-        # frames (packed-v1), shared memory (shm-v1), the data stream (tcp-data-v1).
-        for direction in ("sent", "received"):
-            by_path = CounterMetricFamily(f"p2pkv_bytes_{direction}_by_path",
-                                          f"Block bytes {direction}, by the path they took",
-                                          labels=["path"])
-            for kind, moved in sorted(s.paths.items()):
-                by_path.add_metric([kind], getattr(moved, f"bytes_{direction}"))
-            yield by_path
-        stalled = CounterMetricFamily(
-            "p2pkv_readers_stalled", "Peers cut at the send deadline for taking nothing "
-            "of what waited for them on a data path (session ended, blocks released)",
-            labels=["path"])
-        for kind, moved in sorted(s.paths.items()):
-            stalled.add_metric([kind], moved.readers_stalled)
-        yield stalled
+        yield from _by_path(s)
         yield CounterMetricFamily(
             "p2pkv_data_streams_stalled", "Peers whose data stream took no bytes for "
             "send_timeout while blocks waited (session ended, blocks released)",
@@ -108,6 +93,28 @@ class NodeCollector:
             yield HistogramMetricFamily("p2pkv_fetch_seconds",
                                         "Fetch latency (issued by this node)", buckets=buckets,
                                         sum_value=getattr(s, "fetch_latency_sum", 0.0))
+
+
+def _by_path(s: Any) -> Iterator[Any]:
+    """Bytes and stalled readers by the path they took (p2pkv.runtime.paths): ZeroMQ
+    frames, packed frames (packed-v1), shared memory (shm-v1), the data stream
+    (tcp-data-v1), one-sided NIXL reads (nixl-v1)."""
+    from prometheus_client.core import CounterMetricFamily
+
+    for direction in ("sent", "received"):
+        by_path = CounterMetricFamily(f"p2pkv_bytes_{direction}_by_path",
+                                      f"Block bytes {direction}, by the path they took",
+                                      labels=["path"])
+        for kind, moved in sorted(s.paths.items()):
+            by_path.add_metric([kind], getattr(moved, f"bytes_{direction}"))
+        yield by_path
+    stalled = CounterMetricFamily(
+        "p2pkv_readers_stalled", "Peers cut at the send deadline for taking nothing "
+        "of what waited for them on a data path (session ended, blocks released)",
+        labels=["path"])
+    for kind, moved in sorted(s.paths.items()):
+        stalled.add_metric([kind], moved.readers_stalled)
+    yield stalled
 
 
 @dataclass
