@@ -77,7 +77,7 @@ def _bench_rows(plan: Plan, workers: dict[str, Worker], cases: Sequence[BulkCase
     rows = _bulk_rows(plan, workers, cases, blocks)
     rows += data_channel_rows(plan.bulk_bytes, workers, cases, blocks)
     rows += multi_stream_rows(plan.bulk_bytes, workers, cases, blocks)
-    rows += nixl_rows(plan.bulk_bytes, workers, cases, blocks, skipped)
+    rows += nixl_rows(plan.bulk_bytes, workers, cases, blocks, skipped, quick=plan.quick)
     rows += _shm_rows(plan, workers, blocks)
     rows += _other_rows(plan, workers, cases, blocks, curve_ok)
     return rows

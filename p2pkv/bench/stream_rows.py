@@ -175,17 +175,19 @@ def nixl_row_name(t: NixlTransport, case: BulkCase) -> str:
 
 
 def nixl_rows(bulk_bytes: int, workers: dict[str, Worker], cases: Sequence[BulkCase],
-              blocks: dict[str, int], skipped: list[str]) -> list[Row]:
-    """Every NIXL row, or none where NIXL cannot be used here (``skipped`` then says
-    why). The workers started go into ``workers`` (so that the run reports how they
-    exited) and are stopped as soon as their row is measured."""
+              blocks: dict[str, int], skipped: list[str], *, quick: bool = False
+              ) -> list[Row]:
+    """Every NIXL row (``quick``: the first case's, per transport), or none where NIXL
+    cannot be used here (``skipped`` then says why). The workers started go into
+    ``workers`` (so that the run reports how they exited) and are stopped as soon as
+    their row is measured."""
     why = unavailable_reason()
     if why is not None:
         skipped.append(f"NIXL rows: {why}")
         return []
     rows: list[Row] = []
     for t in NIXL_TRANSPORTS:
-        for case in [c for c in cases if c.name in NIXL_CASES]:
+        for case in [c for c in cases if c.name in NIXL_CASES[:1 if quick else None]]:
             rows.append(_nixl_row(bulk_bytes, workers, case, blocks[case.name], t))
     return rows
 
