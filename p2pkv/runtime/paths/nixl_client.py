@@ -55,6 +55,10 @@ __all__ = ["NixlIn", "NixlPool", "NixlReceiver", "nixl_caps", "nixl_stats", "sta
 
 log = logging.getLogger("p2pkv.node")
 
+_STAGING_BYTES = 64 << 20
+"""The importer's staging memory, the most one READ moves (a located message's blocks
+are READ in batches that fit, at least one block each)."""
+
 
 @dataclass(frozen=True, eq=False)
 class NixlPool:
@@ -98,7 +102,9 @@ def start_nixl(config: NodeConfig, pool: BlockPool, node_id: str
         exporter: Exporter | None = None
         try:
             exporter = Exporter(name, regions)
-            agents = NixlPool(exporter, Importer(f"{name}-in"), slots)
+            # Staging for at least one whole block: a READ never splits one.
+            staging = max(_STAGING_BYTES, sum(pool.segment_sizes))
+            agents = NixlPool(exporter, Importer(f"{name}-in", staging_bytes=staging), slots)
             devices = ", ".join(rdma_devices()) or "none"
             return agents, (f"on: UCX {ucx_version() or 'of unknown version'}, UCX_TLS "
                           f"{os.environ.get('UCX_TLS') or 'unset (UCX chooses)'}, "
