@@ -163,8 +163,13 @@ class Node:
         self._tickets: weakref.WeakKeyDictionary[Future[FetchResult], FetchTicket] = (
             weakref.WeakKeyDictionary())
         self._tickets_lock = threading.Lock()
-        self._rt = wire(self.config, self.hello, store, self, limits=limits, window=window,
-                        nixl=self._nixl)
+        try:
+            self._rt = wire(self.config, self.hello, store, self, limits=limits,
+                            window=window, nixl=self._nixl)
+        except BaseException:  # the agents go with the node that failed to start
+            if self._nixl is not None:
+                self._nixl.close()
+            raise
         self.address = self._rt.address
         self._reactor, self._client, self._server = (self._rt.reactor, self._rt.client,
                                                      self._rt.server)

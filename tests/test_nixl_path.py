@@ -290,3 +290,10 @@ def test_two_connections_to_one_holder_share_its_agent_until_the_last_closes(
         result = second.fetch(keys)
         assert list(result.stored) == keys, result.errors
         assert consumer.stats().nixl_read_failures == 0
+
+
+def test_a_node_that_fails_to_start_leaves_no_agent_behind(producer: Node) -> None:
+    exporting = {t.name for t in threading.enumerate() if "nixl-export" in t.name}
+    with pytest.raises(P2PKVError):  # the address is the producer's: it cannot be bound
+        node(SPEC, **NIXL, listen=producer.address)
+    assert {t.name for t in threading.enumerate() if "nixl-export" in t.name} == exporting

@@ -122,12 +122,7 @@ def wire(config: NodeConfig, hello: proto.Hello, store: BlockStore, owner: PeerO
     # the welcome pins (made first: nothing is bound yet).
     tls = ServerTLS() if config.offers_data_channel and config.encrypts_data_stream else None
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    try:
-        auth, router, data_sock = _bind(ctx, config, max_message, config.offers_data_channel)
-    except BaseException:
-        if nixl is not None:  # the node's agents go with the node that failed to start
-            nixl.close()
-        raise
+    auth, router, data_sock = _bind(ctx, config, max_message, config.offers_data_channel)
     address = bound_address(router)
     counters = Counters()
     reactor = Reactor(f"p2pkv-io-{address}")
