@@ -68,6 +68,7 @@ BULK_CASES: tuple[BulkCase, ...] = (
     BulkCase("small-16k", "16 KiB blocks (V1)", "v1", SMALL_16K, 0.6),
 )
 
+
 def node_spec(node_id: str, case: BulkCase, blocks: int, **extra: Any) -> dict[str, Any]:
     """A worker's spec of one node holding (or fetching) ``blocks`` blocks of ``case``;
     ``extra``: more of its options (``server``, ``shm``, ``nixl``, ``ucx_env``, ...; see
